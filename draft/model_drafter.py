@@ -1,0 +1,109 @@
+"""Drafting with a causal LM over its own paged KV cache: an independent small model, or the target's
+first layers (layer-skip self-draft, after LayerSkip / Draft&Verify).
+
+Per sequence the drafter keeps a block table and ``num_cached``, the tokens whose draft K/V are in
+place. ``propose`` first catches up on the uncached tokens (the draft's prefill the first time, later
+the previous step's bonus token and any accepted leaf), the root included, then grows the tree one depth
+at a time. Tree node ``i`` is written at slot ``ctx + i`` -- the same slot the target uses -- so after
+acceptance ``commit`` compacts the accepted nodes exactly as the target does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draft.base import DraftRequest, TreeBuilder
+from draft.tree import TokenTree, mask_to_bits
+from kernels.compact_kv import compact_kv
+from target.batch import Segment, build_batch
+from target.kv_cache import BlockTable, KVCache, NoFreeBlocks
+from target.model import Transformer
+
+
+class ModelDrafter:
+    def __init__(self, name: str, model: Transformer, num_blocks: int, page_size: int) -> None:
+        self.name = name
+        self.model = model
+        self.cache: KVCache = model.new_cache(num_blocks, page_size)
+        self._tables: dict[str, BlockTable] = {}
+        self._cached: dict[str, int] = {}
+
+    def propose(self, reqs: list[DraftRequest]) -> list[TokenTree]:
+        trees: list[TokenTree | None] = [None] * len(reqs)
+        live = []
+        for i, r in enumerate(reqs):
+            if r.widths:
+                live.append(i)
+            else:
+                trees[i] = TokenTree.root_only(r.token_ids[-1], self.model.device)
+        if live:
+            try:
+                built = self._grow([reqs[i] for i in live])
+            except NoFreeBlocks:
+                # The draft pool is full: decode these sequences plainly this step rather than fail them.
+                for i in live:
+                    self.release(reqs[i].seq_id)
+                built = [TokenTree.root_only(reqs[i].token_ids[-1], self.model.device) for i in live]
+            for i, t in zip(live, built):
+                trees[i] = t
+        return trees  # type: ignore[return-value]
+
+    def _grow(self, reqs: list[DraftRequest]) -> list[TokenTree]:
+        segs = []
+        for r in reqs:
+            table = self._tables.setdefault(r.seq_id, self.cache.new_table())
+            start = self._cached.get(r.seq_id, 0)
+            segs.append(Segment(table, start, r.token_ids[start:], logits="last"))
+        logits = self.model.forward(build_batch(segs, self.cache, self.model.device), self.cache)  # [B, V]
+        for r in reqs:
+            self._cached[r.seq_id] = len(r.token_ids)
+        builders = [TreeBuilder(r.token_ids[-1], r.widths, r.sampling, r.generator) for r in reqs]
+        rows = [logits[i : i + 1] for i in range(len(reqs))]
+        for depth in range(max(len(r.widths) for r in reqs)):
+            active = [i for i, r in enumerate(reqs) if depth < len(r.widths)]
+            for i in active:
+                builders[i].expand(depth, rows[i])
+            deeper = [i for i in active if depth + 1 < len(reqs[i].widths)]
+            if deeper:
+                self._score_frontier([reqs[i] for i in deeper], [builders[i] for i in deeper], depth + 1, rows, deeper)
+        return [b.build(self.model.device) for b in builders]
+
+    def _score_frontier(self, reqs: list[DraftRequest], builders: list[TreeBuilder], depth: int,
+                        rows: list[torch.Tensor], index: list[int]) -> None:
+        """Feed every non-root node grown so far (ancestor-masked); keep logits of the nodes at ``depth``."""
+        segs = []
+        for r, b in zip(reqs, builders):
+            nodes = list(range(1, len(b.tokens)))
+            anc = TokenTree.from_lists(b.tokens, b.parents).ancestor_mask()[1:, 1:]  # root is in the prefix
+            segs.append(Segment(
+                self._tables[r.seq_id], r.context_len + 1, [b.tokens[n] for n in nodes],
+                positions=[r.context_len + b.depths[n] for n in nodes],
+                mask_bits=mask_to_bits(anc).tolist(), logits="all"))
+        batch = build_batch(segs, self.cache, self.model.device)
+        logits = self.model.forward(batch, self.cache)  # [sum nodes, V]
+        for k, (seg_i, b) in enumerate(zip(index, builders)):
+            lo = batch.logits_start[k]
+            front = b.frontier(depth)
+            rows[seg_i] = logits[[lo + n - 1 for n in front]]
+
+    def commit(self, seq_id: str, tree: TokenTree, accepted_nodes: list[int]) -> None:
+        table = self._tables.get(seq_id)
+        if table is None:
+            return
+        ctx = self._cached[seq_id] - 1  # the root's slot
+        deepest_fed = int(tree.depths.max()) - 1  # leaves were never fed through the draft
+        path = [n for n in accepted_nodes[1:] if int(tree.depths[n]) <= deepest_fed]
+        moves = [(ctx + n, ctx + d) for d, n in enumerate(path, start=1) if n != d]
+        if moves:
+            src = table.slots_of([s for s, _ in moves])
+            dst = table.slots_of([d for _, d in moves])
+            dev = self.cache.k.device
+            compact_kv(self.cache.k, self.cache.v, torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        self._cached[seq_id] = ctx + 1 + len(path)
+        table.truncate(self._cached[seq_id])
+
+    def release(self, seq_id: str) -> None:
+        table = self._tables.pop(seq_id, None)
+        self._cached.pop(seq_id, None)
+        if table is not None:
+            table.release()

@@ -1,0 +1,98 @@
+"""``python -m gateway``: the command line. ``generate`` runs prompts through the engine once."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import orjson
+
+from draft.params import SpeculationParams, parse_tree
+from gateway.engine import EngineConfig
+from gateway.llm import LLM, LoadConfig, log_stderr
+from gateway.scheduler import SchedulerConfig
+from verify.sampling import SamplingParams
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default="self", help="default drafter: self, ngram, none, or a draft model dir/.gguf")
+    p.add_argument("--self-draft-layers", type=int, default=None, help="layers of the layer-skip self-draft")
+    p.add_argument("--quantize", choices=["int4", "none"], default="int4", help="target weights (default int4 W4A16)")
+    p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=128)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--cache-dir", default=None, help="where the embedded model is converted and kept")
+    p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per cache")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-running", type=int, default=32, help="sequences decoding at once")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--tree", type=parse_tree, default=None, help="widths per depth, e.g. 2,2,2,1")
+
+
+def load(args: argparse.Namespace) -> LLM:
+    cfg = LoadConfig(model=args.model, draft=args.draft, self_draft_layers=args.self_draft_layers,
+                     quantize=args.quantize, group_size=args.group_size, dtype=args.dtype, device=args.device,
+                     cache_dir=args.cache_dir)
+    ecfg = EngineConfig(num_blocks=args.num_blocks, page_size=args.page_size,
+                        scheduler=SchedulerConfig(max_running=args.max_running, max_model_len=args.max_model_len),
+                        **({"default_tree": args.tree} if args.tree else {}))
+    return LLM.load(cfg, ecfg, log=log_stderr)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = args.prompt
+    if prompt.startswith("@"):
+        with open(prompt[1:], encoding="utf-8") as f:
+            prompt = f.read()
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              max_tokens=args.max_tokens)
+    speculation = SpeculationParams(enabled=args.speculation == "on", tree=args.tree)
+    llm = load(args)
+    llm.chat = not args.raw
+    t0 = time.perf_counter()
+    g = llm.generate([prompt], sampling, speculation)[0]
+    secs = time.perf_counter() - t0
+    if g.error:
+        print(f"error: {g.error}", file=sys.stderr)
+        return 1
+    st = g.stats
+    if args.json:
+        print(orjson.dumps({
+            "text": g.text, "tokens": len(g.token_ids), "drafted_tokens": st.drafted_tokens,
+            "accepted_tokens": st.accepted_tokens, "mean_accepted_length": round(st.mean_accepted_length, 4),
+            "steps": st.steps, "tokens_per_s": round(len(g.token_ids) / secs, 3), "finish_reason": g.finish_reason,
+        }).decode())
+    else:
+        print(g.text)
+        print(f"[{len(g.token_ids)} tokens, {st.steps} steps, mean accepted length {st.mean_accepted_length:.2f}, "
+              f"{len(g.token_ids) / secs:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="specgate: speculative-decoding gateway")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate from one prompt and exit")
+    g.add_argument("--prompt", required=True, help="prompt text, or @FILE to read it from a file")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--speculation", choices=["on", "off"], default="on")
+    g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object with the speculation figures")
+    add_model_args(g)
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

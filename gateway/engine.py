@@ -1,0 +1,254 @@
+"""The engine: one speculative step over every running sequence.
+
+    plan = schedule(); trees = propose(plan); logits = target.forward(prefills + trees)
+    results = accept(tree, logits) per sequence; commit(results)
+
+Single-threaded by design: ``add``, ``abort`` and ``step`` are called from one thread (the engine
+thread in the server, the caller in ``LLM.generate``). ``gateway/runner.py`` adds the thread-safe
+handoff. Every exit path of a sequence -- finished, aborted, failed, preempted -- goes through
+``_release`` so its target and draft KV blocks return to their pools.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from draft.base import DraftRequest, Drafter
+from draft.params import SpeculationParams
+from draft.tree import TokenTree
+from gateway.scheduler import Scheduler, SchedulerConfig
+from gateway.sequence import Sequence, SpecStats, Status
+from kernels.compact_kv import compact_kv
+from target.batch import Segment, build_batch
+from target.kv_cache import KVCache
+from target.model import Transformer
+from verify.accept import AcceptResult, accept
+from verify.sampling import SamplingParams, make_generator
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; retry later (HTTP 429)."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One event for one request: tokens emitted this step, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
+    stats: SpecStats
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_blocks: int = 512
+    page_size: int = 16
+    scheduler: SchedulerConfig = SchedulerConfig()
+    default_drafter: str | None = None  # used when a request names none; None = plain decoding
+    default_tree: tuple[int, ...] = (2, 2, 2, 1)
+
+
+class Engine:
+    def __init__(self, target: Transformer, drafters: dict[str, Drafter], config: EngineConfig,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        if config.default_drafter is not None and config.default_drafter not in drafters:
+            raise ValueError(f"default drafter {config.default_drafter!r} is not loaded: have {sorted(drafters)}")
+        self.target = target
+        self.drafters = drafters
+        self.config = config
+        self.eos_token_ids = eos_token_ids or target.config.eos_token_ids
+        self.cache: KVCache = target.new_cache(config.num_blocks, config.page_size)
+        self.max_model_len = min(config.scheduler.max_model_len, target.config.max_position_embeddings)
+        self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), self.cache)
+        self._seqs: dict[str, Sequence] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+            speculation: SpeculationParams = SpeculationParams()) -> Sequence:
+        """Validate and queue a request. Raises ValueError naming the bad field, QueueFull when full."""
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        V = self.target.config.vocab_size
+        if any(not 0 <= t < V for t in prompt_ids):
+            raise ValueError(f"prompt holds token ids outside the vocabulary [0, {V})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens; the context holds {self.max_model_len}, "
+                             "leaving no room to generate")
+        if -(-len(prompt_ids) // self.config.page_size) > self.config.num_blocks:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens cannot fit in the KV pool")
+        drafter = speculation.drafter or self.config.default_drafter if speculation.enabled else None
+        if drafter is not None and drafter not in self.drafters:
+            raise ValueError(f"unknown drafter {drafter!r}: available are {sorted(self.drafters)}")
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
+            raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting")
+        seq = Sequence(request_id, list(prompt_ids), sampling, speculation,
+                       make_generator(sampling, "cpu"), drafter)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. A failure fails only the sequences in this step; the pools stay whole."""
+        plan = self.scheduler.schedule(self._widths_of)
+        self.num_preemptions += len(plan.preempted)
+        for seq in plan.preempted:
+            self._release_draft(seq)
+        if plan.empty:
+            return []
+        seqs = [s for s, _ in plan.prefills] + [s for s, _ in plan.decodes]
+        try:
+            outputs = self._run(plan)
+        except Exception as exc:  # noqa: BLE001 -- one bad step must not take the server down
+            return [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
+        self.num_steps += 1
+        return outputs
+
+    def _run(self, plan) -> list[RequestOutput]:
+        trees = self._propose(plan.decodes)
+        segments = [Segment(s.table, s.num_cached, s.token_ids[s.num_cached : s.num_cached + n], logits="none")
+                    for s, n in plan.prefills]
+        for (seq, _), tree in zip(plan.decodes, trees):
+            segments.append(Segment(seq.table, seq.num_cached, tree.tokens.tolist(),
+                                    positions=(seq.num_cached + tree.depths).tolist(),
+                                    mask_bits=tree.ancestor_bits().tolist(), logits="all"))
+        batch = build_batch(segments, self.cache, self.target.device)
+        logits = self.target.forward(batch, self.cache)  # [R, V] float32
+        for seq, n in plan.prefills:
+            seq.num_cached += n
+        outputs = []
+        first = len(plan.prefills)
+        moves: list[tuple[int, int]] = []
+        for k, ((seq, _), tree) in enumerate(zip(plan.decodes, trees)):
+            rows = logits[batch.logits_start[first + k] : batch.logits_start[first + k + 1]]  # [N, V]
+            result = accept(tree, rows.cpu(), seq.sampling, seq.generator, *self._penalty_state(seq, tree))
+            moves += self._commit(seq, tree, result)
+            outputs.append(self._emit(seq, tree, result))
+        if moves:
+            src, dst = zip(*moves)
+            dev = self.cache.k.device
+            compact_kv(self.cache.k, self.cache.v, torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        for seq, _ in plan.decodes:
+            if seq.table is not None:  # blocks past the next root's slot go back only after compaction read them
+                seq.table.truncate(seq.num_cached + 1)
+        return outputs
+
+    def _widths_of(self, seq: Sequence) -> tuple[int, ...]:
+        return seq.speculation.widths(self.config.default_tree) if seq.drafter else ()
+
+    def _propose(self, decodes: list[tuple[Sequence, tuple[int, ...]]]) -> list[TokenTree]:
+        trees: list[TokenTree | None] = [None] * len(decodes)
+        by_drafter: dict[str, list[int]] = {}
+        for i, (seq, widths) in enumerate(decodes):
+            if seq.drafter and widths:
+                by_drafter.setdefault(seq.drafter, []).append(i)
+            else:
+                trees[i] = TokenTree.root_only(seq.token_ids[-1])
+        for name, idx in by_drafter.items():
+            reqs = [DraftRequest(decodes[i][0].request_id, decodes[i][0].token_ids, decodes[i][1],
+                                 decodes[i][0].sampling, decodes[i][0].generator) for i in idx]
+            for i, tree in zip(idx, self.drafters[name].propose(reqs)):
+                trees[i] = tree
+        return trees  # type: ignore[return-value]
+
+    def _penalty_state(self, seq: Sequence, tree: TokenTree) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not seq.sampling.use_penalties:
+            return None, None
+        V = self.target.config.vocab_size
+        prompt_mask = torch.zeros(V, dtype=torch.bool)
+        prompt_mask[seq.prompt_ids] = True
+        # accept() counts the root as an output token; on the first step the root is the prompt's last
+        # token, so take that count back out.
+        before_root = seq.output_ids[:-1] if seq.output_ids else []
+        counts = torch.bincount(torch.tensor(before_root, dtype=torch.int64), minlength=V)
+        if not seq.output_ids:
+            counts[seq.prompt_ids[-1]] -= 1
+        return prompt_mask, counts
+
+    def _commit(self, seq: Sequence, tree: TokenTree, result: AcceptResult) -> list[tuple[int, int]]:
+        """Advance the sequence past the accepted path; return the target's KV moves (src, dst)."""
+        ctx = seq.num_cached
+        nodes = result.accepted_nodes
+        slots = seq.table.slots(ctx, ctx + tree.num_nodes)
+        moves = [(slots[n], slots[d]) for d, n in enumerate(nodes) if n != d]
+        seq.num_cached = ctx + len(nodes)
+        if seq.drafter:
+            self.drafters[seq.drafter].commit(seq.request_id, tree, nodes)
+        st = seq.stats
+        st.steps += 1
+        st.drafted_tokens += tree.num_nodes - 1
+        st.accepted_tokens += len(nodes) - 1
+        for depth in range(1, len(nodes)):
+            if len(st.accepted_by_depth) < depth:
+                st.accepted_by_depth.append(0)
+            st.accepted_by_depth[depth - 1] += 1
+        return moves
+
+    def _emit(self, seq: Sequence, tree: TokenTree, result: AcceptResult) -> RequestOutput:
+        """Append the step's tokens, cut at a stop token or at max_tokens, finish when either hits."""
+        new = result.tokens
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        stops = set(seq.sampling.stop_token_ids)
+        if not seq.sampling.ignore_eos:
+            stops |= set(self.eos_token_ids)
+        keep, reason = len(new), None
+        hit = next((i for i, t in enumerate(new) if t in stops), None)
+        if hit is not None:
+            keep, reason = hit + 1, "stop"
+        allowed = seq.sampling.max_tokens - len(seq.output_ids)
+        if keep > allowed or (keep == allowed and reason is None):
+            keep, reason = allowed, "length"
+        new = new[:keep]
+        seq.output_ids += new
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return self._output(seq, new)
+        out = self._finish(seq, reason)
+        out.new_token_ids = new
+        return out
+
+    # --- exits ----------------------------------------------------------------------------------
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> RequestOutput:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.scheduler.remove(seq)
+        if seq.table is not None:
+            seq.table.release()
+            seq.table = None
+        self._release_draft(seq)
+        self._seqs.pop(seq.request_id, None)
+        out = self._output(seq, [])
+        out.finished, out.finish_reason, out.error = True, reason, error
+        return out
+
+    def _release_draft(self, seq: Sequence) -> None:
+        for drafter in self.drafters.values():
+            drafter.release(seq.request_id)
+
+    def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
+        return RequestOutput(seq.request_id, new, False, None, seq.stats, None, len(seq.prompt_ids), len(seq.output_ids))

@@ -1,0 +1,132 @@
+"""W4A16 matmul: ``y = x @ dequant(W).T (+ bias)`` with group-wise INT4 weights.
+
+Layout (the project's one INT4 format; loaders and quantizers repack into it once):
+
+* ``qweight``: int32 ``[K // 8, N]``. Word ``qweight[k // 8, n]`` holds the 4-bit codes of
+  ``W[n, k .. k+7]``, code ``k % 8`` in bits ``4 * (k % 8) .. 4 * (k % 8) + 3`` (GPTQ's packing, so
+  GPTQ checkpoints load without reordering). Threads that walk ``n`` read consecutive words.
+* ``scales``: ``[K // G, N]`` in the activation dtype.
+* ``zeros``: ``[K // G, N]`` in the activation dtype, or ``None`` for symmetric codes (zero point 8).
+* ``W[n, k] = (code - zero[k // G, n]) * scale[k // G, n]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.int4_matmul_triton import int4_matmul_triton
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    qweight: torch.Tensor  # [K // 8, N] int32
+    scales: torch.Tensor  # [K // G, N]
+    zeros: torch.Tensor | None  # [K // G, N] or None (symmetric, zero point 8)
+    group_size: int
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[0] * 8
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[1]
+
+    def to(self, device: torch.device | str) -> "Int4Weight":
+        z = None if self.zeros is None else self.zeros.to(device)
+        return Int4Weight(self.qweight.to(device), self.scales.to(device), z, self.group_size)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] integer codes in 0..15 -> [K // 8, N] int32 in the layout above."""
+    N, K = codes.shape
+    c = codes.to(torch.int64).T.reshape(K // 8, 8, N)  # [K/8, 8, N]
+    shifts = (torch.arange(8, device=codes.device, dtype=torch.int64) * 4)[None, :, None]
+    words = (c << shifts).sum(1)  # [K/8, N], fits in 32 bits unsigned
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """[K // 8, N] int32 -> [N, K] int64 codes."""
+    K8, N = qweight.shape
+    shifts = (torch.arange(8, device=qweight.device, dtype=torch.int64) * 4)[None, :, None]
+    codes = (qweight.to(torch.int64)[:, None, :] >> shifts) & 0xF  # [K/8, 8, N]
+    return codes.reshape(K8 * 8, N).T
+
+
+def quantize_rtn(w: torch.Tensor, group_size: int = 128, use_zero_point: bool = True,
+                 dtype: torch.dtype | None = None) -> Int4Weight:
+    """Round-to-nearest INT4 of a ``[N, K]`` weight, group-wise along K.
+
+    With zero points the group's [min, max] maps onto 0..15 (asymmetric); without, codes are
+    symmetric around 8 with ``scale = absmax / 7``.
+    """
+    N, K = w.shape
+    if K % group_size or group_size % 8:
+        raise ValueError(f"in_features {K} must be a multiple of group_size {group_size} (itself a multiple of 8)")
+    dtype = dtype or w.dtype
+    g = w.float().reshape(N, K // group_size, group_size)  # [N, K/G, G]
+    if use_zero_point:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)
+        zero = (-lo / scale).round().clamp(0, 15)
+    else:
+        scale = (g.abs().amax(-1) / 7).clamp(min=1e-8)
+        zero = torch.full_like(scale, 8.0)
+    codes = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15).reshape(N, K)
+    zeros = zero.T.contiguous().to(dtype) if use_zero_point else None
+    return Int4Weight(pack_int4(codes), scale.T.contiguous().to(dtype), zeros, group_size)
+
+
+def dequantize(w: Int4Weight) -> torch.Tensor:
+    """Int4Weight -> [N, K] weight in the scales' dtype."""
+    codes = unpack_int4(w.qweight).float()  # [N, K]
+    G = w.group_size
+    scales = w.scales.float().T.repeat_interleave(G, dim=1)  # [N, K]
+    zeros = 8.0 if w.zeros is None else w.zeros.float().T.repeat_interleave(G, dim=1)
+    return ((codes - zeros) * scales).to(w.scales.dtype)
+
+
+def int4_matmul_ref(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The spec and the CPU path: dequantize, then a dense matmul. x: [..., K] -> [..., N]."""
+    y = torch.nn.functional.linear(x, dequantize(w).to(x.dtype))
+    y = y if bias is None else y + bias
+    return y if residual is None else y + residual
+
+
+def int4_matmul_silu_mul_ref(x: torch.Tensor, w_gate_up: Int4Weight) -> torch.Tensor:
+    """SwiGLU's first half: ``silu(x @ W_gate.T) * (x @ W_up.T)``; gate rows first. [..., K] -> [..., N // 2]."""
+    gate, up = int4_matmul_ref(x, w_gate_up).float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> [M, K] with unit stride along K (the kernels index rows by stride only)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def int4_matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, *,
+                residual: torch.Tensor | None = None, use_triton: bool | None = None) -> torch.Tensor:
+    """Dispatch ``x @ dequant(W).T + bias + residual``: Triton on CUDA, the reference elsewhere.
+
+    x: [..., K] fp16/bf16 (fp32 too); bias: [N]; residual: [..., N]. ``use_triton=True`` on CPU tensors
+    runs the kernels under ``TRITON_INTERPRET=1`` (tests).
+    """
+    if not (x.is_cuda if use_triton is None else use_triton):
+        return int4_matmul_ref(x, w, bias, residual)
+    res = None if residual is None else _rows(residual)
+    y = int4_matmul_triton(_rows(x), w.qweight, w.scales, w.zeros, w.group_size, bias=bias, residual=res)
+    return y.reshape(*x.shape[:-1], w.out_features)
+
+
+def int4_matmul_silu_mul(x: torch.Tensor, w_gate_up: Int4Weight, *, use_triton: bool | None = None) -> torch.Tensor:
+    """Fused ``silu(x @ W_gate.T) * (x @ W_up.T)`` over gate_up's [2 * I, K] weight. [..., K] -> [..., I]."""
+    if not (x.is_cuda if use_triton is None else use_triton):
+        return int4_matmul_silu_mul_ref(x, w_gate_up)
+    y = int4_matmul_triton(_rows(x), w_gate_up.qweight, w_gate_up.scales, w_gate_up.zeros, w_gate_up.group_size,
+                           silu=True)
+    return y.reshape(*x.shape[:-1], w_gate_up.out_features // 2)

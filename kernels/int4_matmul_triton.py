@@ -1,0 +1,505 @@
+"""Triton kernels behind ``kernels.int4_matmul``: W4A16 ``y = x @ dequant(W).T`` on the GPTQ layout.
+
+No repack is needed: ``qweight`` is ``[K // 8, N]`` int32 with N contiguous, so a thread that owns four
+neighbouring columns of one packed row issues one 16-byte load, and a warp reads 512 contiguous bytes.
+
+Three paths, picked by the number of rows M (``int4_matmul_triton``):
+
+* ``M <= GEMV_MAX_M``: ``_int4_gemv_kernel``, CUDA-core FMAs with split-K. Decode is memory-bound only
+  if dequantization costs ~3 instructions per weight, hence the trick in ``_gemv_step``.
+* up to ``DEQUANT_MIN_M``: ``_int4_matmul_kernel``, tensor cores (``tl.dot``) on tiles dequantized in
+  registers (the GPTQ-triton / Marlin idea: weights cross HBM once, as 4-bit codes), with split-K.
+* larger M is compute-bound: ``_int4_dequant_kernel`` writes a bf16/fp16 ``[K, N]`` scratch buffer and
+  cuBLAS does the product.
+
+Split-K without atomics on the output: every program writes its fp32 partial tile to a workspace
+``[SPLIT_K, M, N]`` and bumps a per-tile counter; the last one to arrive sums the partials in a fixed
+order (so results are deterministic), applies the epilogue and resets the counter for the next launch
+(CUTLASS's "serial split-K" semaphore). Counters live in one zeroed buffer per device, so launches
+that share it must be ordered: one stream, or graphs replayed on one stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+GEMV_MAX_M = 4  # at M=8 the FMA path does 11 instructions per weight and tensor cores win
+DEQUANT_MIN_M = 256  # compute-bound from here: dequant once + cuBLAS (see bench/results)
+ONE_BITS = 0x3F800000  # fp32 1.0; a kernel argument, not a constant: see _nibble
+_NIBBLE_AT_19 = tl.constexpr(0x780000)  # mantissa bits 19..22
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared pieces: tile columns, group parameters, decoding, the split-K fix-up and the epilogue.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_columns(pid_n, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+    """Weight columns of a tile. With SILU the tile's first half is gate columns ``j`` and its second
+    half the matching up columns ``j + N // 2``, so one program holds both operands of its outputs."""
+    c = tl.arange(0, BLOCK_N)
+    if SILU:
+        half: tl.constexpr = BLOCK_N // 2
+        out_col = pid_n * half + (c % half)
+        return out_col + (c // half) * (N // 2), out_col < N // 2
+    else:
+        cols = pid_n * BLOCK_N + c
+        return cols, cols < N
+
+
+@triton.jit
+def _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G: tl.constexpr, BLOCK_K: tl.constexpr,
+                  HAS_ZEROS: tl.constexpr):
+    """(16 s, (16 + z) s) for packed rows k0 / 8 + r: [1, BLOCK_N] when the tile sits in one group,
+    else [BLOCK_K // 8, BLOCK_N] (G is a multiple of 8, so the 8 codes of a word share a group)."""
+    if BLOCK_K <= G:
+        offs = (k0 // G) * N + cols[None, :]
+        mask = n_mask[None, :]
+    else:
+        rows8 = k0 + 8 * tl.arange(0, BLOCK_K // 8)
+        offs = (rows8 // G)[:, None] * N + cols[None, :]
+        mask = (rows8 < K)[:, None] & n_mask[None, :]
+    s = tl.load(scales_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(zeros_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        z = 8.0
+    return 16.0 * s, (16.0 + z) * s
+
+
+@triton.jit
+def _nibble(q, j: tl.constexpr, one_bits):
+    """Code j of every word as the fp32 ``1 + code / 16``, with one shift and one LOP3 per weight.
+
+    No int->float conversion (16 per clock per SM: too slow for decode). Moving the code into mantissa
+    bits 19..22 of 1.0 is the FasterTransformer / Marlin "magic number" idea; fp32 rather than fp16 keeps
+    x * v exact enough for the ``- sum x`` that follows. ``one_bits`` arrives at run time so that ptxas
+    holds it in a register and fuses ``(t & mask) | one`` into one LOP3 (an immediate costs a second).
+    """
+    if j <= 4:
+        bits = (q << (19 - 4 * j)) & _NIBBLE_AT_19
+    else:
+        bits = (q >> (4 * j - 19)) & _NIBBLE_AT_19
+    return (bits | one_bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc: [BLOCK_M, BLOCK_N] fp32 over weight columns ``cols``. Adds bias, gates, adds residual, stores."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU:  # columns [gate half | up half] -> [BLOCK_M, BLOCK_N // 2]
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+        out = gate * tl.sigmoid(gate) * up
+        out_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask = (offs_m < M)[:, None] & (out_cols < N // 2)[None, :]
+    else:
+        out, out_cols = acc, cols
+        mask = (offs_m < M)[:, None] & n_mask[None, :]
+    if HAS_RES:
+        out += tl.load(res_ptr + offs_m[:, None] * stride_rm + out_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + out_cols[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish(acc, tile, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
+            y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
+            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr, USE_SPLIT: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store directly, or as one of split_k partials; the last partial to land reduces and stores.
+    ``tile`` indexes this output tile's counter."""
+    if not USE_SPLIT:
+        _epilogue(acc, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
+                  HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N)
+    else:
+        mask = (offs_m < M)[:, None] & n_mask[None, :]
+        part_ptrs = part_ptr + offs_m[:, None] * N + cols[None, :]  # part: [split_k, M, N] fp32
+        tl.store(part_ptrs + pid_k * M * N, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before thread 0 releases the counter
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in range(split_k):  # fixed order: bit-identical results whatever the arrival order
+                total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(total, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
+                      HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N)
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (and graph replay)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Small M: CUDA-core GEMV with split-K.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemv_row(acc, x_row, row_ok, q, s16, sz16, one_bits):
+    """acc[r, n] += one x row's share of a packed tile. x_row: [BLOCK_K // 8, 1] pointers to x[m, k0 + 8 r].
+
+    sum_k x (code - z) s = 16 s * sum x v - (16 + z) s * sum x, with v = 1 + code / 16 (_nibble).
+    """
+    xv = tl.zeros(acc.shape, tl.float32)
+    xs = tl.zeros(x_row.shape, tl.float32)
+    for j in tl.static_range(8):  # code j of word r is weight row k0 + 8 r + j
+        xj = tl.load(x_row + j, mask=row_ok, other=0.0).to(tl.float32)  # [BLOCK_K // 8, 1]
+        xv += xj * _nibble(q, j, one_bits)
+        xs += xj
+    return acc + xv * s16 - xs * sz16
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    # pointers
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
+    # sizes
+    M, N, K,
+    # strides (qweight, scales, zeros, bias, workspace are contiguous)
+    stride_xm, stride_ym, stride_rm,
+    split_k, K_ITERS, one_bits,  # K splits; K blocks per split; fp32 bits of 1.0
+    # meta-parameters
+    G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_SPLIT: tl.constexpr,
+):
+    """One program: all M <= BLOCK_M <= 4 rows, BLOCK_N weight columns, one K split.
+
+    Rows get separate 2D accumulators rather than one 3D tensor: a 3D layout would lose the 16-byte
+    vectors of the packed-word load, and Triton would shuffle every tile through shared memory.
+    """
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    BLOCK_K8: tl.constexpr = BLOCK_K // 8
+    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
+    offs_k8 = tl.arange(0, BLOCK_K8)
+    q_ptrs = qw_ptr + offs_k8[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N] packed words
+    x_ptrs = x_ptr + 8 * offs_k8[:, None]  # [BLOCK_K8, 1], row 0
+    # acc_m[r, n]: row m's sum over packed row r of every tile; reduced over r once, after the loop.
+    acc0 = tl.zeros([BLOCK_K8, BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_K8, BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_K8, BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_K8, BLOCK_N], tl.float32)
+    for i in range(K_ITERS):
+        k0 = (pid_k * K_ITERS + i) * BLOCK_K
+        q = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[None, :], other=0)  # [BLOCK_K8, BLOCK_N] int32
+        s16, sz16 = _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G, BLOCK_K, HAS_ZEROS)
+        acc0 = _gemv_row(acc0, x_ptrs + k0, 0 < M, q, s16, sz16, one_bits)
+        if BLOCK_M > 1:
+            acc1 = _gemv_row(acc1, x_ptrs + stride_xm + k0, 1 < M, q, s16, sz16, one_bits)
+        if BLOCK_M > 2:
+            acc2 = _gemv_row(acc2, x_ptrs + 2 * stride_xm + k0, 2 < M, q, s16, sz16, one_bits)
+            acc3 = _gemv_row(acc3, x_ptrs + 3 * stride_xm + k0, 3 < M, q, s16, sz16, one_bits)
+    offs_m = tl.arange(0, BLOCK_M)
+    out = tl.where(offs_m[:, None] == 0, tl.sum(acc0, axis=0)[None, :], 0.0)  # [BLOCK_M, BLOCK_N]
+    if BLOCK_M > 1:
+        out = tl.where(offs_m[:, None] == 1, tl.sum(acc1, axis=0)[None, :], out)
+    if BLOCK_M > 2:
+        out = tl.where(offs_m[:, None] == 2, tl.sum(acc2, axis=0)[None, :], out)
+        out = tl.where(offs_m[:, None] == 3, tl.sum(acc3, axis=0)[None, :], out)
+    _finish(out, pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
+            y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
+            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Medium M: tensor cores, split-K.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _code_pair_asm(j: int, magic: int) -> str:
+    """PTX for two packed words -> two 16-bit floats ``magic + code_j``: code j sits in byte j // 2
+    (high nibble for odd j); prmt gathers that byte of both words into the two halves, lop3 keeps the
+    nibble and ors in the exponent (Marlin's lop3 dequant, here one code position at a time)."""
+    b = j // 2
+    sel = ((4 + b) << 12) | ((4 + b) << 8) | (b << 4) | b
+    shift = "shr.b32 t, t, 4; " if j % 2 else ""
+    return f"{{ .reg .b32 t; prmt.b32 t, $1, $2, {sel:#x}; {shift}lop3.b32 $0, t, 0x000F000F, {magic:#x}, 0xEA; }}"
+
+
+_CODE_ASM_BF16 = tl.constexpr(tuple(_code_pair_asm(j, 0x43004300) for j in range(8)))  # bf16 128 + code
+_CODE_ASM_F16 = tl.constexpr(tuple(_code_pair_asm(j, 0x64006400) for j in range(8)))  # fp16 1024 + code
+
+
+@triton.jit
+def _codes_plus_magic(q, j: tl.constexpr, dtype: tl.constexpr, USE_ASM: tl.constexpr):
+    """[R, C] int32 words -> [R, C] ``dtype`` values MAGIC + code_j (128 for bf16, 1024 for fp16), exact.
+
+    The asm is pure and unary: Triton then moves the conversion to the MMA operand layout above it, so
+    packed words (not 16-bit weights) cross shared memory and decoding lands in MMA registers. The
+    interpreter runs no asm: it takes the plain path.
+    """
+    if not USE_ASM:
+        if dtype == tl.bfloat16:
+            return (((q >> 4 * j) & 0xF).to(tl.float32) + 128.0).to(dtype)
+        else:
+            return (((q >> 4 * j) & 0xF).to(tl.float32) + 1024.0).to(dtype)
+    elif dtype == tl.bfloat16:
+        return tl.inline_asm_elementwise(asm=_CODE_ASM_BF16[j], constraints="=r,r,r", args=[q], dtype=tl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return tl.inline_asm_elementwise(asm=_CODE_ASM_F16[j], constraints="=r,r,r", args=[q], dtype=tl.float16,
+                                         is_pure=True, pack=2)
+
+
+@triton.jit
+def _dot(a, b, acc):
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _split8(x, BLOCK_M: tl.constexpr, BLOCK_K8: tl.constexpr):
+    """[BLOCK_M, 8 * BLOCK_K8] -> eight [BLOCK_M, BLOCK_K8]: x_j[:, r] = x[:, 8 r + j] (in registers)."""
+    e, o = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_K8, 2, 2, 2]))  # split on j % 2
+    ee, eo = tl.split(e)
+    oe, oo = tl.split(o)
+    x0, x4 = tl.split(ee)
+    x2, x6 = tl.split(eo)
+    x1, x5 = tl.split(oe)
+    x3, x7 = tl.split(oo)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _int4_matmul_kernel(
+    # pointers
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
+    # sizes
+    M, N, K,
+    # strides
+    stride_xm, stride_ym, stride_rm,
+    split_k, K_ITERS, one_bits,  # K splits; K blocks per split; fp32 bits of 1.0
+    # meta-parameters
+    G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_SPLIT: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """One program: a [BLOCK_M, BLOCK_N] output tile over one K split. The M tiles of an N tile are
+    neighbours in the grid, so a weight tile comes from HBM once and from L2 for the others.
+
+    A [BLOCK_K // 8, BLOCK_N] tile of words is eight dots, one per code position j: rows 8 r + j of W
+    against columns 8 r + j of x. With FACTORED (16-bit x, G % BLOCK_K == 0) the dots take the raw
+    codes (+ magic) and scales and zero points apply once per tile to the fp32 sums:
+        sum_k x (c - z) s = s * (sum_k x (c + MAGIC) - (MAGIC + z) * sum_k x),
+    with sum_k x itself a dot against ones (the tensor cores are idle in this regime). Otherwise
+    (interpreter, fp32, smaller groups) each slice is dequantized in fp32 before its dot.
+    """
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    BLOCK_K8: tl.constexpr = BLOCK_K // 8
+    num_m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % num_m_tiles, pid // num_m_tiles
+    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_k8 = tl.arange(0, BLOCK_K8)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    q_ptrs = qw_ptr + offs_k8[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
+    m_mask = offs_m < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for i in range(K_ITERS):
+        k0 = (pid_k * K_ITERS + i) * BLOCK_K  # K may be ragged (not a multiple of BLOCK_K): mask rows
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        q_mask = (k0 + 8 * offs_k8 < K)[:, None] & n_mask[None, :]
+        q = tl.load(q_ptrs + (k0 // 8) * N, mask=q_mask, other=0)  # [BLOCK_K8, BLOCK_N] int32
+        xj = _split8(x, BLOCK_M, BLOCK_K8)  # 8 x [BLOCK_M, BLOCK_K8]
+        if FACTORED:
+            if x.dtype == tl.bfloat16:
+                MAGIC: tl.constexpr = 128.0
+            else:
+                MAGIC: tl.constexpr = 1024.0
+            ones = tl.full([BLOCK_K8, BLOCK_N], 1.0, x.dtype)
+            t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x (code + MAGIC)
+            u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x, broadcast along N
+            for j in tl.static_range(8):
+                t = tl.dot(xj[j], _codes_plus_magic(q, j, x.dtype, USE_ASM), t)
+                u = tl.dot(xj[j], ones, u)
+            g = k0 // G
+            s = tl.load(scales_ptr + g * N + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if HAS_ZEROS:
+                z = tl.load(zeros_ptr + g * N + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            else:
+                z = 8.0
+            acc += t * s - u * (s * (MAGIC + z))
+        else:
+            s16, sz16 = _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G, BLOCK_K, HAS_ZEROS)
+            for j in tl.static_range(8):
+                acc = _dot(xj[j], (_nibble(q, j, one_bits) * s16 - sz16).to(x.dtype), acc)
+    _finish(acc, pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, part_ptr,
+            count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Large M: dequantize once into a scratch buffer, then cuBLAS.
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _int4_dequant_kernel(
+    qw_ptr, scales_ptr, zeros_ptr, w_ptr,  # w: [K, N] out, activation dtype
+    N, K, one_bits,
+    G: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols < N
+    k0 = pid_k * BLOCK_K
+    rows8 = k0 + 8 * tl.arange(0, BLOCK_K // 8)  # first weight row of each packed row
+    mask = (rows8 < K)[:, None] & n_mask[None, :]
+    q = tl.load(qw_ptr + (rows8 // 8)[:, None] * N + cols[None, :], mask=mask, other=0)
+    s16, sz16 = _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G, BLOCK_K, HAS_ZEROS)
+    for j in tl.static_range(8):  # one store per code position keeps 4 neighbouring columns per thread
+        w = (_nibble(q, j, one_bits) * s16 - sz16).to(w_ptr.dtype.element_ty)
+        tl.store(w_ptr + (rows8 + j)[:, None] * N + cols[None, :], w, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Launch: pick a path and a config, allocate, launch.
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class KernelConfig:
+    kind: str  # "gemv" (CUDA cores, M <= 4) or "mma" (tensor cores)
+    block_m: int
+    block_n: int  # weight columns per program
+    block_k: int  # weight rows per loop step
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+_CONFIG_CACHE: dict[tuple, KernelConfig] = {}
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_autotune = True
+# (block_m, block_n, num_warps, num_stages) per M bucket, best first. block_m <= 32 keeps the MMA on
+# mma.sync with the B operand in registers (wgmma would read dequantized weights from shared memory).
+_MMA_SHAPES = {
+    16: [(16, 128, 4, 3), (16, 64, 4, 3), (16, 256, 8, 3), (16, 128, 4, 4)],
+    32: [(32, 128, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (32, 256, 8, 3)],
+    64: [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 256, 8, 3)],
+    128: [(32, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (64, 256, 8, 3)],
+    256: [(128, 128, 8, 3), (64, 128, 8, 3), (128, 256, 8, 3), (64, 256, 8, 3)],
+}
+_GEMV_SHAPES = [(256, 64, 4, 1), (128, 128, 4, 1), (512, 64, 4, 1), (128, 64, 2, 1)]  # (block_n, block_k, ...)
+
+
+def set_autotune(enabled: bool) -> None:
+    """Time the candidate configs on the first call of each (M bucket, shape); else take the first."""
+    global _autotune
+    _autotune = enabled
+
+
+def _split_k(tiles: int, k_blocks: int, target_programs: int) -> int:
+    """The divisor of k_blocks (equal splits) that brings tiles * split closest to the target."""
+    want = target_programs / tiles
+    return min((d for d in range(1, min(k_blocks, 32) + 1) if k_blocks % d == 0), key=lambda d: abs(d - want))
+
+
+def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int) -> list[KernelConfig]:
+    """Configs worth timing for this M bucket, the untuned default first."""
+    n_out = N // 2 if silu else N
+    out: list[KernelConfig] = []
+    shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[min(max(triton.next_power_of_2(M), 16), 256)]]
+    if M <= 4:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
+        gemv = [("gemv", triton.next_power_of_2(M), bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
+        shapes = gemv + shapes
+    for kind, bm, bn, bk, warps, stages in shapes:
+        tiles = triton.cdiv(n_out, bn // 2 if silu else bn) * triton.cdiv(M, bm)
+        for waves in (2, 4) if kind == "gemv" else (1, 2):
+            split = _split_k(tiles, triton.cdiv(K, bk), waves * num_sms)
+            cfg = KernelConfig(kind, bm, bn, bk, split, warps, stages)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 split-K counters, shared by every launch on this device (each resets its own)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return buf
+
+
+def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+            zeros: torch.Tensor | None, G: int, bias: torch.Tensor | None, residual: torch.Tensor | None,
+            silu: bool, y: torch.Tensor) -> None:
+    """x: [M, K]; qweight: [K // 8, N]; y: [M, N] or [M, N // 2] with silu; residual like y."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    grid_n = triton.cdiv(N // 2, cfg.block_n // 2) if silu else triton.cdiv(N, cfg.block_n)
+    grid_m = 1 if cfg.kind == "gemv" else triton.cdiv(M, cfg.block_m)
+    part = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
+    counts = y if cfg.split_k == 1 else _counters(x.device, grid_m * grid_n)
+    if cfg.kind == "gemv":
+        kernel, extra = _int4_gemv_kernel, {}
+    else:
+        factored = x.dtype in (torch.float16, torch.bfloat16) and G % cfg.block_k == 0
+        kernel, extra = _int4_matmul_kernel, {"FACTORED": factored, "USE_ASM": x.is_cuda}
+    kernel[(grid_m * grid_n, cfg.split_k)](
+        x, qweight, scales, scales if zeros is None else zeros, y if bias is None else bias,
+        y if residual is None else residual, y, part, counts,
+        M, N, K,
+        x.stride(0), y.stride(0), y.stride(0) if residual is None else residual.stride(0),
+        cfg.split_k, triton.cdiv(K, cfg.block_k) // cfg.split_k, ONE_BITS,
+        G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        SILU=silu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+    )
+
+
+def _pick(x: torch.Tensor, N: int, key: tuple, silu: bool, run) -> KernelConfig:
+    """The cached config for ``key``, else the fastest candidate (timed once, eagerly, on CUDA)."""
+    if key in _CONFIG_CACHE:
+        return _CONFIG_CACHE[key]
+    M, K = x.shape
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    cands = _candidates(M, N, K, silu, num_sms)
+    if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
+        return cands[0]  # no timing inside a graph capture: a later eager call tunes
+    times = [triton.testing.do_bench(lambda c=c: run(c), warmup=5, rep=20) for c in cands]
+    _CONFIG_CACHE[key] = cands[times.index(min(times))]
+    return _CONFIG_CACHE[key]
+
+
+def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                       group_size: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                       silu: bool = False, config: KernelConfig | None = None) -> torch.Tensor:
+    """x: [M, K], unit stride along K -> [M, N] (or [M, N // 2] = silu(gate) * up with ``silu``) in x's dtype.
+
+    On CPU tensors this needs ``TRITON_INTERPRET=1`` before Triton is imported (tests). ``config``
+    skips the choice (benchmarks).
+    """
+    M, K = x.shape
+    N = qweight.shape[1]
+    if qweight.shape[0] * 8 != K or scales.shape != (K // group_size, N) or (silu and N % 2):
+        raise ValueError(f"x {tuple(x.shape)} does not match qweight {tuple(qweight.shape)} / scales {tuple(scales.shape)}")
+    y = torch.empty((M, N // 2 if silu else N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    if config is None and M >= DEQUANT_MIN_M and x.is_cuda and not silu:
+        w = dequantize_triton(qweight, scales, zeros, group_size, x.dtype)  # [K, N]
+        y = torch.addmm(bias, x, w) if bias is not None else x @ w
+        return y if residual is None else y.add_(residual)
+    run = lambda c: _launch(c, x, qweight, scales, zeros, group_size, bias, residual, silu, y)  # noqa: E731
+    key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, silu, x.device)
+    run(config or _pick(x, N, key, silu, run))
+    return y
+
+
+def dequantize_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """[K // 8, N] packed -> [K, N] (the transpose of ``dequantize``'s [N, K]) in ``dtype``."""
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    w = torch.empty((K, N), dtype=dtype, device=qweight.device)
+    _int4_dequant_kernel[(triton.cdiv(N, 128), triton.cdiv(K, 64))](
+        qweight, scales, scales if zeros is None else zeros, w, N, K, ONE_BITS,
+        G=group_size, HAS_ZEROS=zeros is not None, BLOCK_N=128, BLOCK_K=64, num_warps=4,
+    )
+    return w

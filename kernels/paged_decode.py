@@ -1,0 +1,213 @@
+"""Paged decode attention: one new token per sequence over a paged KV cache.
+
+Split-KV with a log-sum-exp merge (FlashDecoding; vLLM's paged attention v2): program
+``(b, kv_head, split)`` walks one slice of sequence ``b``'s pages with an online softmax and writes a
+partial output and its log-sum-exp; ``_merge_splits_kernel`` combines the slices. The ``G = H / Hkv``
+query heads of a KV head share one tile (GQA packing as in FlashInfer's and vLLM's decode kernels), so
+each K/V page is read once per KV head.
+
+The grid depends on shapes alone: ``num_splits`` comes from ``B``, ``Hkv`` and the block table's width,
+and each program derives its slice from ``seq_lens`` on the device. Calls therefore capture into CUDA
+graphs and never sync with the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SPLITS = 64
+_MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost (Q load, partial write) outweighs its share
+LOG2E = 1.4426950408889634
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, P, Hkv, D] one layer
+    v_cache: torch.Tensor,  # [num_blocks, P, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, includes the current token (already in the cache)
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """The spec and the CPU path: one sequence at a time, float32 softmax."""
+    B, H, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        pos = torch.arange(seq_len, device=q.device)
+        slots = block_tables[b, pos // P].long() * P + pos % P
+        k = k_cache.reshape(-1, Hkv, D)[slots].float().repeat_interleave(H // Hkv, dim=1)  # [S, H, D]
+        v = v_cache.reshape(-1, Hkv, D)[slots].float().repeat_interleave(H // Hkv, dim=1)
+        probs = (torch.einsum("hd,shd->hs", q[b].float(), k) * scale).softmax(-1)  # [H, S]
+        out[b] = torch.einsum("hs,shd->hd", probs, v).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len, qk_scale,
+                 stride_kb, stride_kp, offs_n, offs_d,
+                 PAGE: tl.constexpr, IS_TAIL: tl.constexpr):
+    """One BLOCK_N-token step of the online softmax; only the tail tile pays for bounds masks."""
+    pos = start + offs_n  # [BLOCK_N] token positions
+    if IS_TAIL:
+        valid = pos < seq_len
+        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // PAGE).to(tl.int64)
+    kv_off = blk * stride_kb + (pos % PAGE) * stride_kp + kv_head_off  # [BLOCK_N]
+    kv_ptrs = kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, D]
+    if IS_TAIL:
+        k = tl.load(k_ptr + kv_ptrs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_ptrs, mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + kv_ptrs)
+        v = tl.load(v_ptr + kv_ptrs)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32, log2 domain
+    if IS_TAIL:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    qk_scale,
+    stride_qb, stride_qh,
+    stride_kb, stride_kp, stride_kh,
+    stride_btb,
+    stride_os, stride_ob, stride_oh,
+    stride_ls, stride_lb,
+    num_splits,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + offs_g  # [BLOCK_G]; rows >= GROUP are padding for tl.dot's M >= 16
+    g_mask = offs_g < GROUP
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
+
+    # This split's slice, in whole tiles, from the device-side length (no host sync).
+    seq_len = tl.load(seq_lens_ptr + b)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    full_hi = tl.maximum(lo, tl.minimum(hi, (seq_len // BLOCK_N) * BLOCK_N))
+
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)  # finite: a fully masked row keeps p = 0, not NaN
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + b * stride_btb
+    kv_head_off = kv_head * stride_kh
+    for start in range(lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len,
+                                     qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, False)
+    for start in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len,
+                                     qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, True)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_ptrs = o_ptr + split * stride_os + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None])
+    if IS_SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.maximum(l_i, 1e-30)))  # log2 domain
+        tl.store(lse_ptr + split * stride_ls + b * stride_lb + head, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    o_part_ptr, lse_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ph,
+    stride_ls, stride_lt,
+    stride_ot, stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """out[t, h] = sum_s w_s * o_part[s, t, h] with w = softmax over splits of their log-sum-exps."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_S]; empty splits carry -inf and weigh 0
+    o = tl.load(o_part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
+                mask=s_mask[:, None], other=0.0)  # [BLOCK_S, D] fp32
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge ``o_part`` [S, T, H, D] fp32 and ``lse`` [S, T, H] (log2) into ``out`` [T, H, D]."""
+    S, T, H, D = o_part.shape
+    _merge_splits_kernel[(T, H)](
+        o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), S, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(S))
+
+
+@functools.lru_cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def pick_num_splits(num_programs: int, max_len: int, device: torch.device) -> int:
+    """Splits from shapes only: enough programs to fill the SMs, none shorter than _MIN_SPLIT_TOKENS."""
+    num_sms = _num_sms(device)
+    return max(1, min(MAX_SPLITS, math.ceil(2 * num_sms / num_programs), max_len // _MIN_SPLIT_TOKENS))
+
+
+def use_triton_for(t: torch.Tensor, use_triton: bool | None) -> bool:
+    """Triton on CUDA by default; ``use_triton=True`` forces it (CPU tensors need TRITON_INTERPRET=1)."""
+    return t.is_cuda if use_triton is None else use_triton
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, P, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, P, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    *,
+    use_triton: bool | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> torch.Tensor:  # [B, H, D]
+    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere."""
+    if not use_triton_for(q, use_triton):
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    B, H, D = q.shape
+    _, P, Hkv, _ = k_cache.shape
+    if (H % Hkv or D & (D - 1) or D < 16 or q.stride(-1) != 1 or k_cache.stride() != v_cache.stride()
+            or k_cache.stride(-1) != 1):
+        raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, kv {tuple(k_cache.shape)}")
+    G = H // Hkv
+    S = num_splits or pick_num_splits(B * Hkv, block_tables.shape[1] * P, q.device)
+    out = torch.empty_like(q)
+    o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, B, H, D, dtype=torch.float32)  # [S, B, H, D]
+    lse = q.new_empty(S, B, H, dtype=torch.float32)  # [S, B, H]
+    _paged_decode_kernel[(B, Hkv, S)](
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), S,
+        GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
+        IS_SPLIT=S > 1, num_warps=num_warps, num_stages=num_stages)
+    if S > 1:
+        merge_splits(o_part, lse, out)
+    return out

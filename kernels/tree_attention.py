@@ -1,0 +1,238 @@
+"""Tree-verification attention over a paged KV cache (also chunked prefill and ragged mixed batches).
+
+Every new token of a forward (prefill-chunk tokens and tree nodes alike) attends to
+
+* its sequence's paged prefix ``[0, context_len)`` with no mask, and
+* its sequence's new tokens ``[context_len, context_len + n)`` through an ancestor bitmask.
+
+The new tokens' K/V are already in the cache at slots ``context_len + i`` (the model writes them
+before attention), so one gather over ``context_len + n`` slots covers both parts.
+
+Mask format: ``mask_bits[t]`` (int64) has bit ``j`` set when token ``t`` sees new token ``j`` of its
+own sequence. A value of 0 means *causal* (token ``i`` sees new tokens ``0..i``): prefill chunks use it
+and may be longer than 64 tokens. ``mask_bits=None`` makes every sequence causal.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_decode import LOG2E, merge_splits, paged_decode_attention, pick_num_splits, use_triton_for
+
+
+def _visible(n: int, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """[n, n] bool intra-chunk visibility for one sequence's new tokens."""
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    if bits is None:
+        return causal
+    j = torch.arange(n, device=device)
+    from_bits = ((bits[:, None] >> j[None, :]) & 1).bool() if n <= 64 else causal
+    return torch.where((bits == 0)[:, None], causal, from_bits)
+
+
+def tree_attention_ref(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, P, Hkv, D] one layer
+    v_cache: torch.Tensor,  # [num_blocks, P, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32, cached tokens before this forward
+    query_start: torch.Tensor,  # [B + 1] int32, cumulative new-token counts
+    mask_bits: torch.Tensor | None,  # [T] int64, see module docstring
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """The spec and the CPU path: one sequence at a time, float32 softmax."""
+    T, H, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts, ctxs = query_start.tolist(), context_lens.tolist()
+    for b in range(len(ctxs)):
+        s, e, ctx = starts[b], starts[b + 1], ctxs[b]
+        n = e - s
+        if n == 0:
+            continue
+        total = ctx + n
+        pos = torch.arange(total, device=q.device)
+        slots = block_tables[b, pos // P].long() * P + pos % P
+        k = k_cache.reshape(-1, Hkv, D)[slots].float()  # [S, Hkv, D]
+        v = v_cache.reshape(-1, Hkv, D)[slots].float()
+        k = k.repeat_interleave(H // Hkv, dim=1)  # [S, H, D]
+        v = v.repeat_interleave(H // Hkv, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[s:e].float(), k) * scale  # [H, n, S]
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device)
+        mask[:, ctx:] = _visible(n, None if mask_bits is None else mask_bits[s:e], q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[s:e] = torch.einsum("hts,shd->thd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _tree_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, ctx, kv_hi, tok, bits, qk_scale,
+               stride_kb, stride_kp, offs_n, offs_d,
+               PAGE: tl.constexpr, HAS_BITS: tl.constexpr, IS_MASKED: tl.constexpr):
+    """One BLOCK_N-key step of the online softmax. Only tiles reaching past ``ctx`` (the new tokens, or
+    the prefix's ragged end) pay for the ancestor mask; prefix tiles run unmasked."""
+    pos = start + offs_n  # [BLOCK_N] key positions
+    if IS_MASKED:
+        valid = pos < kv_hi
+        blk = tl.load(bt_row + pos // PAGE, mask=valid, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // PAGE).to(tl.int64)
+    kv_ptrs = (blk * stride_kb + (pos % PAGE) * stride_kp + kv_head_off)[:, None] + offs_d[None, :]  # [BLOCK_N, D]
+    if IS_MASKED:
+        k = tl.load(k_ptr + kv_ptrs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_ptrs, mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + kv_ptrs)
+        v = tl.load(v_ptr + kv_ptrs)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 domain
+    if IS_MASKED:
+        j = pos - ctx  # [BLOCK_N] index among the new tokens; negative inside the prefix
+        sees_new = j[None, :] <= tok[:, None]  # causal
+        if HAS_BITS:
+            shift = tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)
+            from_bits = ((bits[:, None] >> shift[None, :]) & 1) != 0
+            sees_new = tl.where(bits[:, None] == 0, sees_new, from_bits)
+        s = tl.where((j[None, :] < 0) | (valid[None, :] & sees_new), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _tree_attention_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, bits_ptr, o_ptr, lse_ptr,
+    qk_scale, num_seqs, num_splits,
+    stride_qt, stride_qh,
+    stride_kb, stride_kp, stride_kh,
+    stride_btb,
+    stride_os, stride_ot, stride_oh,
+    stride_ls, stride_lt,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, IS_SPLIT: tl.constexpr,
+    HAS_BITS: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    # Ragged tile scheduler (as in FlashAttention's varlen kernels): sequence b owns query tiles
+    # [cum[b] - num_tiles[b], cum[b]), found by a cumsum over query_start on the device. The grid
+    # has an upper bound of tiles, so it depends on shapes alone; spare programs exit here.
+    offs_b = tl.arange(0, BLOCK_B)
+    b_mask = offs_b < num_seqs
+    q_lo = tl.load(qs_ptr + offs_b, mask=b_mask, other=0)
+    n_vec = tl.load(qs_ptr + offs_b + 1, mask=b_mask, other=0) - q_lo  # [BLOCK_B] new tokens per sequence
+    num_tiles = (n_vec + BLOCK_Q - 1) // BLOCK_Q
+    cum = tl.cumsum(num_tiles, 0)
+    b = tl.sum((cum <= tile).to(tl.int32), 0)
+    if b >= num_seqs:
+        return
+    is_b = offs_b == b
+    q_tile = tile - tl.sum(tl.where(is_b, cum - num_tiles, 0), 0)
+    seq_start = tl.sum(tl.where(is_b, q_lo, 0), 0)
+    n = tl.sum(tl.where(is_b, n_vec, 0), 0)
+    ctx = tl.load(ctx_ptr + b)
+
+    # Rows are (token, query head of this KV head) pairs: GQA packing, so each K/V tile is read once.
+    offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = q_tile * BLOCK_Q + offs_m // BLOCK_G  # [BLOCK_M] index among the sequence's new tokens
+    g = offs_m % BLOCK_G
+    row_mask = (tok < n) & (g < GROUP)
+    head = kv_head * GROUP + g
+    q = tl.load(q_ptr + (seq_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_mask[:, None], other=0.0)  # [BLOCK_M, D]
+    if HAS_BITS:
+        bits = tl.load(bits_ptr + seq_start + tok, mask=row_mask, other=0)  # [BLOCK_M] int64
+        bits = tl.where(n > 64, 0, bits)  # a 64-bit mask cannot address longer chunks: causal, as the ref
+        has_tree = tl.max((bits != 0).to(tl.int32), 0) > 0
+    else:
+        bits = tl.zeros([BLOCK_Q * BLOCK_G], tl.int64)
+        has_tree = False
+    # Causal tiles stop at their last token; a bitmask may point anywhere among the n new tokens.
+    kv_hi = ctx + tl.where(has_tree, n, tl.minimum(n, (q_tile + 1) * BLOCK_Q))
+
+    tiles_per_split = tl.cdiv(tl.cdiv(kv_hi, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_hi)
+    full_hi = tl.maximum(lo, tl.minimum(hi, (ctx // BLOCK_N) * BLOCK_N))
+    m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, tl.float32)  # finite: masked rows keep p = 0, not NaN
+    l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
+    bt_row = bt_ptr + b * stride_btb
+    kv_head_off = kv_head * stride_kh
+    for start in range(lo, full_hi, BLOCK_N):
+        acc, l_i, m_i = _tree_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, ctx, kv_hi, tok,
+                                   bits, qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, HAS_BITS, False)
+    for start in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _tree_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, ctx, kv_hi, tok,
+                                   bits, qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, HAS_BITS, True)
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    t = seq_start + tok
+    o_ptrs = o_ptr + split * stride_os + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+    if IS_SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.maximum(l_i, 1e-30)))  # log2 domain
+        tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_mask)
+
+
+def tree_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, P, Hkv, D]
+    v_cache: torch.Tensor,  # [num_blocks, P, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    query_start: torch.Tensor,  # [B + 1] int32
+    mask_bits: torch.Tensor | None,  # [T] int64
+    scale: float,
+    *,
+    use_triton: bool | None = None,
+    is_decode: bool = False,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int | None = None,
+    num_stages: int = 3,
+) -> torch.Tensor:  # [T, H, D]
+    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere.
+
+    ``is_decode=True`` promises one new token per sequence (``query_start == arange(B + 1)``) and
+    routes to the split-KV decode kernel; the promise is not checked (that would sync).
+    """
+    if not use_triton_for(q, use_triton):
+        return tree_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits, scale)
+    if is_decode:
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens + 1, scale, use_triton=True)
+    (T, H, D), (_, P, Hkv, _), B = q.shape, k_cache.shape, context_lens.shape[0]
+    if (H % Hkv or D & (D - 1) or D < 16 or q.stride(-1) != 1 or k_cache.stride() != v_cache.stride()
+            or k_cache.stride(-1) != 1):
+        raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, kv {tuple(k_cache.shape)}")
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    G = H // Hkv
+    block_g = triton.next_power_of_2(G)
+    # One query tile per tree (up to 128 rows); chunked prefill takes several.
+    block_q = min(triton.next_power_of_2(-(-T // B)), max(1, 128 // block_g))
+    block_q = max(block_q, -(-16 // block_g))  # tl.dot needs M >= 16
+    num_slots = -(-T // block_q) + min(B, T)  # >= sum over sequences of ceil(n_b / block_q)
+    busy_programs = max(B, -(-T // block_q)) * Hkv  # slots past the real tiles exit at once
+    S = num_splits or pick_num_splits(busy_programs, block_tables.shape[1] * P, q.device)
+    o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, T, H, D, dtype=torch.float32)  # [S, T, H, D]
+    lse = q.new_empty(S, T, H, dtype=torch.float32)  # [S, T, H]
+    _tree_attention_kernel[(num_slots, Hkv, S)](
+        q, k_cache, v_cache, block_tables, context_lens, query_start, q if mask_bits is None else mask_bits,
+        o_part, lse, scale * LOG2E, B, S,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_B=triton.next_power_of_2(B), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None,
+        num_warps=num_warps or (4 if block_q * block_g <= 64 else 8), num_stages=num_stages)
+    if S > 1:
+        merge_splits(o_part, lse, out)
+    return out

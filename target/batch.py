@@ -1,0 +1,91 @@
+"""Flattening a ragged batch of segments (prefill chunks, trees, catch-up chunks) into one forward.
+
+A ``Segment`` is one sequence's new tokens for this forward: they are written at slots
+``context_len + i`` of the sequence's block table and attend to the cached prefix ``[0, context_len)``
+plus each other through ``mask_bits`` (0 = causal). ``positions`` default to ``context_len + i``;
+trees pass ``context_len + depth``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from target.kv_cache import BlockTable, KVCache, NoFreeBlocks
+
+
+@dataclass(slots=True)
+class Segment:
+    table: BlockTable
+    context_len: int  # tokens already cached for this sequence
+    tokens: list[int]  # new tokens
+    positions: list[int] | None = None  # RoPE positions; None = context_len + i
+    mask_bits: list[int] | None = None  # ancestor bitmask per token; None = causal
+    logits: str = "last"  # which tokens need logits: "last", "all" or "none"
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Device tensors for one forward. T = total new tokens, B = segments, R = rows needing logits."""
+
+    tokens: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64 flat cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32
+    query_start: torch.Tensor  # [B + 1] int32
+    mask_bits: torch.Tensor | None  # [T] int64, None when every segment is causal
+    logits_indices: torch.Tensor  # [R] int64 rows of the hidden state that get logits
+    logits_start: list[int]  # [B + 1] where each segment's logits rows begin
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]
+
+
+def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | str) -> ForwardBatch:
+    """Reserve slots (allocating blocks, copy-on-write) and pack ``segments`` into tensors.
+
+    Mutates the segments' block tables: on return each holds ``context_len + len(tokens)`` slots.
+    Raises ``NoFreeBlocks`` before changing any table when the pool cannot hold them all.
+    """
+    need = sum(s.table.blocks_needed(s.context_len + len(s.tokens)) for s in segments)
+    if need > cache.pool.num_free:
+        raise NoFreeBlocks(f"forward needs {need} new KV blocks, {cache.pool.num_free} free")
+    tokens, positions, slots, bits, logit_rows = [], [], [], [], []
+    query_start, logits_start = [0], [0]
+    any_bits = any(s.mask_bits is not None for s in segments)
+    for s in segments:
+        n = len(s.tokens)
+        end = s.context_len + n
+        s.table.ensure(end)
+        cache.make_writable(s.table, s.context_len, end)
+        base = query_start[-1]
+        tokens += s.tokens
+        positions += s.positions if s.positions is not None else range(s.context_len, end)
+        slots += s.table.slots(s.context_len, end)
+        bits += s.mask_bits if s.mask_bits is not None else [0] * n
+        rows = {"all": range(base, base + n), "last": range(base + n - 1, base + n) if n else (), "none": ()}[s.logits]
+        logit_rows += rows
+        query_start.append(base + n)
+        logits_start.append(len(logit_rows))
+    max_blocks = max((len(s.table.blocks) for s in segments), default=0) or 1
+    tables = torch.zeros(len(segments), max_blocks, dtype=torch.int32)
+    for i, s in enumerate(segments):
+        tables[i, : len(s.table.blocks)] = torch.tensor(s.table.blocks, dtype=torch.int32)
+
+    def as_t(xs: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        tokens=as_t(tokens),
+        positions=as_t(positions),
+        slot_mapping=as_t(slots),
+        block_tables=tables.to(device, non_blocking=True),
+        context_lens=as_t([s.context_len for s in segments], torch.int32),
+        query_start=as_t(query_start, torch.int32),
+        mask_bits=as_t(bits) if any_bits else None,
+        logits_indices=as_t(logit_rows),
+        logits_start=logits_start,
+    )

@@ -1,0 +1,182 @@
+"""Our decoder-only transformer (Llama / Mistral / Qwen2 families) over the paged KV cache.
+
+Not HF's modeling code: a flat forward over a ragged batch (``ForwardBatch``), fused qkv and gate_up
+projections, RoPE at explicit positions (tree nodes sit at ``context_len + depth``), K/V written into
+the paged cache before attention, and logits only for the rows that need them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from kernels.int4_matmul import Int4Weight, int4_matmul, quantize_rtn
+from kernels.tree_attention import tree_attention
+from target.batch import ForwardBatch
+from target.config import ModelConfig
+from target.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class Linear:
+    """``y = x @ W.T + b`` with W dense ``[N, K]`` or INT4 (``Int4Weight``)."""
+
+    weight: torch.Tensor | Int4Weight
+    bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, Int4Weight):
+            return int4_matmul(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def quantized(self, group_size: int, use_zero_point: bool) -> "Linear":
+        if isinstance(self.weight, Int4Weight):
+            return self
+        K = self.weight.shape[1]
+        # Fall back to the largest smaller group that divides K (SmolLM2's hidden size 576 is not a
+        # multiple of 128): a ragged last group would cost the kernel a branch on every tile.
+        g = next((g for g in (group_size, 64, 32) if g <= group_size and K % g == 0), None)
+        if g is None:
+            raise ValueError(f"in_features {K} is not a multiple of 32: cannot quantize to INT4")
+        return Linear(quantize_rtn(self.weight, g, use_zero_point), self.bias)
+
+
+@dataclass(slots=True)
+class Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # [(H + 2 Hkv) * D, hidden]
+    o: Linear  # [hidden, H * D]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Linear  # [2 * I, hidden], gate rows first
+    down: Linear  # [hidden, I]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[D / 2] inverse frequencies, with Llama-3 or linear scaling when the config asks for it."""
+    D = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv.float()
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return (inv / rs["factor"]).float()
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}: supported are 'llama3' and 'linear'")
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, smoothed, scaled).float()
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D]. HF's rotate-half convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Transformer:
+    """Weights plus a forward over ``ForwardBatch``. Holds no per-sequence state: the cache does."""
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
+                 lm_head: Linear, dtype: torch.dtype) -> None:
+        self.config = config
+        self.embed = embed  # [V, hidden]
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.dtype = dtype
+        self.device = embed.device
+        self.inv_freq = rope_inv_freq(config).to(self.device)  # [D / 2]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @staticmethod
+    def from_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu") -> "Transformer":
+        """Build from HF-named tensors; a missing tensor is named in the error."""
+
+        def get(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint is missing tensor {name!r}")
+            return weights[name].to(device=device, dtype=dtype)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return get(name) if name in weights else None
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            qkv_w = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            biases = [opt(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
+            qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
+            layers.append(Layer(
+                input_norm=get(p + "input_layernorm.weight"),
+                qkv=Linear(qkv_w, qkv_b),
+                o=Linear(get(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias")),
+                post_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up=Linear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
+                down=Linear(get(p + "mlp.down_proj.weight")),
+            ))
+        embed = get("model.embed_tokens.weight")
+        head = embed if config.tie_word_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
+        return Transformer(config, embed, layers, get("model.norm.weight"), Linear(head), dtype)
+
+    def quantize(self, group_size: int = 128, use_zero_point: bool = True) -> "Transformer":
+        """A copy whose projections are INT4 (RTN); embeddings, norms and lm_head stay dense."""
+        layers = [replace(l, qkv=l.qkv.quantized(group_size, use_zero_point), o=l.o.quantized(group_size, use_zero_point),
+                          gate_up=l.gate_up.quantized(group_size, use_zero_point),
+                          down=l.down.quantized(group_size, use_zero_point)) for l in self.layers]
+        return Transformer(self.config, self.embed, layers, self.norm, self.lm_head, self.dtype)
+
+    def truncated(self, num_layers: int) -> "Transformer":
+        """The first ``num_layers`` layers plus the final norm and head (a layer-skip self-draft)."""
+        if not 1 <= num_layers <= self.num_layers:
+            raise ValueError(f"self-draft layers must be in 1..{self.num_layers}, got {num_layers}")
+        return Transformer(self.config, self.embed, self.layers[:num_layers], self.norm, self.lm_head, self.dtype)
+
+    def new_cache(self, num_blocks: int, page_size: int) -> KVCache:
+        c = self.config
+        return KVCache(self.num_layers, num_blocks, page_size, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Run every new token, write its K/V into ``cache``, return logits ``[R, V]`` float32."""
+        c = self.config
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        T = batch.num_tokens
+        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        scale = 1.0 / math.sqrt(D)
+        h = self.embed[batch.tokens]  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            q, k, v = layer.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = apply_rope(q.view(T, H, D), cos, sin)  # [T, H, D]
+            k = apply_rope(k.view(T, Hkv, D), cos, sin)  # [T, Hkv, D]
+            k_layer, v_layer = cache.k[i], cache.v[i]  # [num_blocks, P, Hkv, D]
+            k_layer.view(-1, Hkv, D)[batch.slot_mapping] = k
+            v_layer.view(-1, Hkv, D)[batch.slot_mapping] = v.view(T, Hkv, D)
+            attn = tree_attention(q, k_layer, v_layer, batch.block_tables, batch.context_lens,
+                                  batch.query_start, batch.mask_bits, scale)  # [T, H, D]
+            h = h + layer.o(attn.reshape(T, H * D))
+            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        h = rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)  # [R, hidden]
+        return self.lm_head(h).float()  # [R, V]

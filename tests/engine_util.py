@@ -1,0 +1,75 @@
+"""Tiny random models for engine tests: no files, no tokenizer, a few milliseconds a step."""
+
+from __future__ import annotations
+
+import torch
+
+from gateway.engine import Engine, EngineConfig
+from gateway.scheduler import SchedulerConfig
+from draft.model_drafter import ModelDrafter
+from draft.ngram import NgramDrafter
+from target.config import ModelConfig
+from target.loader import expected_weights
+from target.model import Transformer
+
+
+def tiny_config(family: str = "llama", vocab: int = 64, layers: int = 3, **kw) -> ModelConfig:
+    base = dict(family=family, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=layers,
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, rope_theta=10000.0,
+                attention_bias=family == "qwen2", tie_word_embeddings=False, eos_token_ids=())
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.3) -> dict[str, torch.Tensor]:
+    """Random weights with peaked logits (large embed/head scale) so greedy paths are stable."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in expected_weights(config).items():
+        if name.endswith("norm.weight"):
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        else:
+            out[name] = scale * torch.randn(shape, generator=g)
+    return out
+
+
+def noisy(weights: dict[str, torch.Tensor], amount: float, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A draft that mostly agrees with its target: the same weights plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + amount * v.std() * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+
+
+def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0.3, self_layers: int = 2,
+                max_running: int = 8, tree: tuple[int, ...] = (2, 2, 1), **model_kw) -> Engine:
+    """Target + drafters 'self' (first layers), 'ngram', 'exact' (the target itself: always accepted) and
+    'draft' (a noisy copy: sometimes accepted)."""
+    cfg = tiny_config(**model_kw)
+    w = random_weights(cfg)
+    target = Transformer.from_weights(cfg, w)
+    drafters = {
+        "self": ModelDrafter("self", target.truncated(self_layers), num_blocks, page_size),
+        "ngram": NgramDrafter(),
+        "exact": ModelDrafter("exact", Transformer.from_weights(cfg, w), num_blocks, page_size),
+        "draft": ModelDrafter("draft", Transformer.from_weights(cfg, noisy(w, draft_noise)), num_blocks, page_size),
+    }
+    ecfg = EngineConfig(num_blocks=num_blocks, page_size=page_size,
+                        scheduler=SchedulerConfig(max_running=max_running, max_step_tokens=256, max_model_len=512),
+                        default_drafter="draft", default_tree=tree)
+    return Engine(target, drafters, ecfg)
+
+
+def run_all(engine: Engine, requests: list[tuple[str, list[int], object, object]]) -> dict[str, list[int]]:
+    """Add (id, prompt, sampling, speculation) requests, step until all finish, return emitted tokens."""
+    out: dict[str, list[int]] = {}
+    for rid, prompt, sampling, spec in requests:
+        engine.add(rid, prompt, sampling, spec)
+        out[rid] = []
+    finished: set[str] = set()
+    while len(finished) < len(requests):
+        outs = engine.step()
+        for o in outs:
+            out[o.request_id] += o.new_token_ids
+            if o.finished:
+                finished.add(o.request_id)
+                assert o.error is None, o.error
+    return out

@@ -1,0 +1,154 @@
+"""The engine end to end on tiny random models: greedy losslessness for every drafter and tree shape,
+batching, seeded sampling, KV pool hygiene, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft.params import SpeculationParams
+from engine_util import run_all, tiny_engine
+from verify.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+TREES = [(1, 1, 1, 1), (2, 2, 1), (4, 2, 2, 1)]
+
+
+def prompts(n: int, vocab: int = 64, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(0, vocab, (3 + i % 7,), generator=g).tolist()
+        out.append(base * 3 if i % 2 else base)  # repeats give the n-gram drafter something to find
+    return out
+
+
+def reference(ps: list[list[int]], sampling: SamplingParams = GREEDY) -> list[list[int]]:
+    eng = tiny_engine()
+    got = run_all(eng, [(str(i), p, sampling, SpeculationParams(enabled=False)) for i, p in enumerate(ps)])
+    return [got[str(i)] for i in range(len(ps))]
+
+
+@pytest.fixture(scope="module")
+def ref20() -> tuple[list[list[int]], list[list[int]]]:
+    ps = prompts(20)
+    return ps, reference(ps)
+
+
+@pytest.mark.parametrize("drafter", ["self", "ngram", "exact", "draft"])
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_speculation_is_token_identical(ref20, drafter, tree, batch) -> None:
+    ps, want = ref20
+    eng = tiny_engine()
+    spec = SpeculationParams(drafter=drafter, tree=tree)
+    got: dict[str, list[int]] = {}
+    for start in range(0, len(ps), batch):
+        chunk = range(start, min(start + batch, len(ps)))
+        got |= run_all(eng, [(str(i), ps[i], GREEDY, spec) for i in chunk])
+    assert [got[str(i)] for i in range(len(ps))] == want
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+    for d in eng.drafters.values():
+        if hasattr(d, "cache"):
+            assert d.cache.pool.num_free == d.cache.pool.num_blocks
+
+
+def test_exact_draft_accepts_everything() -> None:
+    eng = tiny_engine()
+    eng.add("a", [1, 2, 3], GREEDY, SpeculationParams(drafter="exact", tree=(1, 1, 1)))
+    stats = None
+    while eng.has_work():
+        for o in eng.step():
+            stats = o.stats
+    # every step but possibly the last (cut by max_tokens) emits depth + 1 = 4 tokens
+    assert stats.accepted_tokens == stats.drafted_tokens
+    assert stats.mean_accepted_length > 3.0
+
+
+def test_mixed_batch_spec_on_and_off_agree(ref20) -> None:
+    ps, want = ref20
+    eng = tiny_engine()
+    reqs = [(str(i), p, GREEDY, SpeculationParams(enabled=bool(i % 2), drafter="draft")) for i, p in enumerate(ps)]
+    got = run_all(eng, reqs)
+    assert [got[str(i)] for i in range(len(ps))] == want
+
+
+def test_seeded_sampling_reproduces() -> None:
+    s = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True)
+    spec = SpeculationParams(drafter="draft", tree=(2, 2, 1))
+    a = run_all(tiny_engine(), [("x", [5, 6, 7], s, spec)])
+    b = run_all(tiny_engine(), [("x", [5, 6, 7], s, spec)])
+    assert a == b and len(a["x"]) == 20
+
+
+def test_preemption_keeps_output_identical() -> None:
+    ps = prompts(8)
+    want = reference(ps)
+    eng = tiny_engine(num_blocks=24, page_size=4)  # too small for 8 sequences of ~40 tokens at once
+    got = run_all(eng, [(str(i), p, GREEDY, SpeculationParams(drafter="draft")) for i, p in enumerate(ps)])
+    assert [got[str(i)] for i in range(len(ps))] == want
+    assert eng.num_preemptions > 0
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+
+
+def test_stop_token_and_max_tokens() -> None:
+    ps = prompts(1)
+    full = reference(ps)[0]
+    stop = full[5]
+    eng = tiny_engine()
+    cut = run_all(eng, [("s", ps[0], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=(stop,)),
+                         SpeculationParams(drafter="exact"))])["s"]
+    assert cut == full[: full.index(stop) + 1]
+    short = run_all(eng, [("m", ps[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                           SpeculationParams(drafter="exact"))])["m"]
+    assert short == full[:3]
+
+
+def test_abort_frees_every_block() -> None:
+    eng = tiny_engine()
+    for i, p in enumerate(prompts(4)):
+        eng.add(str(i), p, GREEDY, SpeculationParams(drafter="draft"))
+    eng.step()
+    eng.step()
+    assert eng.cache.pool.num_free < eng.cache.pool.num_blocks
+    for i in range(4):
+        out = eng.abort(str(i))
+        assert out.finished and out.finish_reason == "abort"
+    assert not eng.has_work()
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+    assert eng.drafters["draft"].cache.pool.num_free == eng.drafters["draft"].cache.pool.num_blocks
+
+
+def test_failed_step_fails_its_requests_and_frees_blocks(monkeypatch) -> None:
+    eng = tiny_engine()
+    eng.add("a", [1, 2, 3, 4], GREEDY, SpeculationParams(drafter="draft"))
+    eng.step()
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(eng.target, "forward", boom)
+    outs = eng.step()
+    assert [o.finish_reason for o in outs] == ["error"] and "injected" in outs[0].error
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+    assert eng.drafters["draft"].cache.pool.num_free == eng.drafters["draft"].cache.pool.num_blocks
+
+
+@pytest.mark.parametrize("prompt, sampling, spec, message", [
+    ([], GREEDY, SpeculationParams(), "prompt is empty"),
+    (list(range(10)) * 60, GREEDY, SpeculationParams(), "context"),
+    ([1, 2], GREEDY, SpeculationParams(drafter="nope"), "unknown drafter"),
+    ([1, 99], GREEDY, SpeculationParams(), "vocabulary"),
+])
+def test_bad_input_is_refused_and_changes_nothing(prompt, sampling, spec, message) -> None:
+    eng = tiny_engine()
+    with pytest.raises(ValueError, match=message):
+        eng.add("bad", prompt, sampling, spec)
+    assert not eng.has_work() and eng.cache.pool.num_free == eng.cache.pool.num_blocks
+
+
+def test_bad_sampling_params_name_the_field() -> None:
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-3)

@@ -1,0 +1,218 @@
+"""INT4 matmul: layout helpers, and every Triton path against ``int4_matmul_ref`` on edge shapes.
+
+Without a GPU the kernels run under Triton's interpreter (fp16 / fp32 only: the interpreter's bf16
+dot is wrong); with one they run compiled, and the ``gpu`` tests add bf16, the asm decode, large M and
+graph capture.
+"""
+
+import importlib
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    # Before Triton sees the kernels: @triton.jit picks the interpreter when the module is executed.
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _name in ("kernels.int4_matmul_triton", "kernels.int4_matmul"):  # imported earlier by other tests
+        if _name in sys.modules:
+            importlib.reload(sys.modules[_name])
+
+import pytest  # noqa: E402
+import triton.runtime.interpreter as _interp  # noqa: E402
+
+from kernels import int4_matmul_triton as T  # noqa: E402
+from kernels.int4_matmul import (  # noqa: E402
+    Int4Weight,
+    dequantize,
+    int4_matmul,
+    int4_matmul_ref,
+    int4_matmul_silu_mul,
+    int4_matmul_silu_mul_ref,
+    pack_int4,
+    quantize_rtn,
+    unpack_int4,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_int_index():
+    """Triton 3.6's interpreter turns a scalar into a 1-element array and ``range()`` over it calls
+    ``int()`` on that, which NumPy >= 2.4 refuses (older NumPy warns, an error here). Kernel loops
+    run over runtime trip counts, so index through ``.item()`` while these tests run."""
+    orig = _interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interp._patch_lang_tensor = patched
+    yield
+    _interp._patch_lang_tensor = orig
+
+
+def _weight(N: int, K: int, G: int, use_zero_point: bool, dtype: torch.dtype, seed: int = 0) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_rtn(torch.randn(N, K, generator=g), G, use_zero_point, dtype=dtype)
+    return w.to(DEVICE)
+
+
+def _x(M: int, K: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    return torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _ref(x: torch.Tensor, w: Int4Weight, bias=None, residual=None) -> torch.Tensor:
+    """fp32 reference on the same codes (upcast scales, zeros and inputs)."""
+    w32 = Int4Weight(w.qweight, w.scales.float(), None if w.zeros is None else w.zeros.float(), w.group_size)
+    return int4_matmul_ref(x.float(), w32, None if bias is None else bias.float(),
+                           None if residual is None else residual.float())
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not y.isnan().any()
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layout helpers (pure torch)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_pack_unpack_round_trip():
+    codes = torch.randint(0, 16, (48, 64), generator=torch.Generator().manual_seed(0))
+    q = pack_int4(codes)
+    assert q.shape == (8, 48) and q.dtype == torch.int32
+    assert torch.equal(unpack_int4(q), codes)
+    # GPTQ bit order: code k % 8 in bits 4 (k % 8) .. of word k // 8.
+    assert (q[0, 0].item() & 0xF) == codes[0, 0] and ((q[0, 0].item() >> 28) & 0xF) == codes[0, 7]
+
+
+@pytest.mark.parametrize("use_zero_point", [True, False])
+@pytest.mark.parametrize("G", [32, 64, 128])
+def test_quantize_rtn_error_bound(G, use_zero_point):
+    w = torch.randn(40, 256, generator=torch.Generator().manual_seed(G))
+    q = quantize_rtn(w, G, use_zero_point, dtype=torch.float32)
+    err = (dequantize(q) - w).abs().reshape(40, 256 // G, G)
+    half_step = q.scales.T.reshape(40, 256 // G, 1) / 2
+    assert (err <= half_step * (1 + 1e-5) + 1e-7).all()  # round to nearest: within half a step
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton paths vs the reference (interpreter on CPU, compiled on CUDA)
+# ---------------------------------------------------------------------------------------------------
+
+EDGE = [  # (M, N, K, G): M = 1 / 3 (GEMV), 16 / 17 (one tile, one row over); ragged N; K = 576 not a multiple of 128
+    (1, 96, 256, 128),
+    (3, 100, 576, 64),
+    (16, 72, 576, 32),
+    (17, 100, 512, 128),
+]
+
+
+@pytest.mark.parametrize("use_zero_point", [True, False])
+@pytest.mark.parametrize("M,N,K,G", EDGE)
+def test_dispatch_matches_ref(M, N, K, G, use_zero_point):
+    w = _weight(N, K, G, use_zero_point, torch.float16)
+    x, bias = _x(M, K, torch.float16), _x(1, N, torch.float16, seed=2)[0]
+    y = int4_matmul(x, w, bias, use_triton=True)
+    assert y.shape == (M, N) and y.dtype == torch.float16
+    assert _rel_err(y, _ref(x, w, bias)) < TOL[torch.float16]
+
+
+def _configs(M: int, N: int, K: int) -> list[T.KernelConfig]:
+    """Each kernel kind, with and without split-K."""
+    out = []
+    for cfg in T._candidates(M, N, K, False, num_sms=132):
+        if not any(c.kind == cfg.kind and (c.split_k > 1) == (cfg.split_k > 1) for c in out):
+            out.append(cfg)
+    out += [T.KernelConfig("mma", 16, 64, 128, 1, 4, 2)]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("M,N,K,G", [(2, 100, 576, 64), (5, 64, 1024, 128), (33, 40, 256, 32)])
+def test_every_kernel_matches_ref(M, N, K, G, dtype):
+    w = _weight(N, K, G, True, dtype)
+    x, bias = _x(M, K, dtype), _x(1, N, dtype, seed=2)[0]
+    ref = _ref(x, w, bias)
+    for cfg in _configs(M, N, K):
+        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, bias=bias, config=cfg)
+        assert _rel_err(y, ref) < TOL[dtype], cfg
+
+
+def test_residual_and_strided_rows():
+    w = _weight(64, 256, 64, True, torch.float16)
+    x = _x(6, 512, torch.float16)[:, ::2]  # non-unit K stride: the dispatcher makes rows contiguous
+    residual = _x(6, 64, torch.float16, seed=3)
+    y = int4_matmul(x.reshape(2, 3, 256), w, residual=residual.reshape(2, 3, 64), use_triton=True)
+    assert y.shape == (2, 3, 64)
+    assert _rel_err(y.reshape(6, 64), _ref(x, w, residual=residual)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("M", [1, 20])
+def test_silu_mul_matches_ref(M):
+    w = _weight(2 * 48, 256, 128, True, torch.float16)  # gate rows 0..47, up rows 48..95
+    x = _x(M, 256, torch.float16)
+    y = int4_matmul_silu_mul(x, w, use_triton=True)
+    ref = int4_matmul_silu_mul_ref(x.float(), Int4Weight(w.qweight, w.scales.float(), w.zeros.float(), 128))
+    assert y.shape == (M, 48)
+    assert _rel_err(y, ref) < TOL[torch.float16]
+
+
+def test_split_k_is_deterministic_and_resets_counters():
+    w = _weight(64, 1024, 128, True, torch.float16)
+    x = _x(3, 1024, torch.float16)
+    cfg = T.KernelConfig("gemv", 4, 64, 128, 4, 4, 1)
+    a = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, config=cfg)
+    b = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, config=cfg)
+    assert torch.equal(a, b)
+    assert not T._COUNTERS[x.device].any()
+
+
+def test_dequantize_triton_matches_dequantize():
+    w = _weight(100, 576, 64, True, torch.float16)
+    got = T.dequantize_triton(w.qweight, w.scales, w.zeros, 64, torch.float16)  # [K, N]
+    assert torch.allclose(got.float(), dequantize(w).float().T, atol=1e-3, rtol=1e-3)
+
+
+def test_empty_batch():
+    w = _weight(64, 256, 128, True, torch.float16)
+    assert int4_matmul(_x(0, 256, torch.float16), w, use_triton=True).shape == (0, 64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU only: bf16, the asm decode at real sizes, the large-M path, graph capture
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 4, 16, 50, 128, 300])
+def test_gpu_llama_shape(M, dtype):
+    w = _weight(1024, 4096, 128, True, dtype)
+    x, bias = _x(M, 4096, dtype), _x(1, 1024, dtype, seed=2)[0]
+    ref = _ref(x, w, bias)
+    for cfg in [None] + T._candidates(M, 1024, 4096, False, torch.cuda.get_device_properties(0).multi_processor_count):
+        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, bias=bias, config=cfg)
+        assert _rel_err(y, ref) < TOL[dtype], cfg
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graph_replay():
+    w = _weight(512, 1024, 128, True, torch.bfloat16)
+    x = _x(16, 1024, torch.bfloat16)
+    int4_matmul(x, w)  # compile and tune outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = int4_matmul(x, w)
+    x.copy_(_x(16, 1024, torch.bfloat16, seed=7))
+    graph.replay()
+    assert _rel_err(y, _ref(x, w)) < TOL[torch.bfloat16]

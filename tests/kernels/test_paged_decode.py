@@ -1,0 +1,109 @@
+"""paged_decode_attention: the Triton kernel against the reference, and the reference against dense SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_paged(seq_lens: list[int], page: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               gen: torch.Generator, device: torch.device = DEVICE):
+    """Random K/V in a cache whose block tables are a shuffled, non-contiguous pick of blocks."""
+    max_blocks = max(-(-n // page) for n in seq_lens) + 1
+    num_blocks = len(seq_lens) * max_blocks + 3
+    shape = (num_blocks, page, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks]
+    block_tables = perm.reshape(len(seq_lens), max_blocks).to(torch.int32)
+    return k_cache.to(device), v_cache.to(device), block_tables.to(device)
+
+
+def gather_dense(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, Hkv, D] contiguous copy of one sequence's paged K or V."""
+    page = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    return cache[block_table[pos // page].long(), pos % page]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def run_case(seq_lens, page, num_heads, num_kv_heads, head_dim, dtype, num_splits, seed, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, block_tables = make_paged(seq_lens, page, num_kv_heads, head_dim, dtype, gen, device)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype).to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    scale = head_dim**-0.5
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, scale)
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, use_triton=True, num_splits=num_splits)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    return rel_err(out, ref)
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (3, 1)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_matches_ref_ragged_batch(page, num_heads, num_kv_heads, num_splits):
+    # B=3: a single token, a ragged tail block, and a length spanning several tiles and splits.
+    err = run_case([1, 37, 150], page, num_heads, num_kv_heads, 64, torch.float16, num_splits, seed=page + num_heads)
+    assert err < 5e-3
+
+
+def test_batch_of_one_head_dim_128_auto_splits():
+    assert run_case([97], 16, 6, 2, 128, torch.float16, None, seed=1) < 5e-3
+
+
+def test_more_splits_than_tiles():
+    # Splits past the sequence's end stay empty and must weigh nothing in the merge.
+    assert run_case([5, 70], 16, 4, 2, 64, torch.float16, 8, seed=2) < 5e-3
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_ref_matches_dense_sdpa(num_heads, num_kv_heads):
+    gen = torch.Generator().manual_seed(3)
+    seq_lens, page, head_dim = [1, 19, 40], 16, 32
+    k_cache, v_cache, block_tables = make_paged(seq_lens, page, num_kv_heads, head_dim, torch.float64, gen, "cpu")
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen, dtype=torch.float64)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, 0.3)
+    for b, n in enumerate(seq_lens):
+        k = gather_dense(k_cache, block_tables[b], n).transpose(0, 1)  # [Hkv, n, D]
+        v = gather_dense(v_cache, block_tables[b], n).transpose(0, 1)
+        dense = F.scaled_dot_product_attention(q[b][:, None], k.repeat_interleave(num_heads // num_kv_heads, 0),
+                                               v.repeat_interleave(num_heads // num_kv_heads, 0), scale=0.3)
+        torch.testing.assert_close(ref[b], dense[:, 0], rtol=1e-4, atol=1e-5)  # the ref softmaxes in fp32
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("page", [16, 64])
+def test_gpu_bf16(page):
+    err = run_case([1, 700, 4000, 33], page, 32, 8, 128, torch.bfloat16, None, seed=4, device=torch.device("cuda"))
+    assert err < 1e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_cuda_graph_replay_follows_new_lengths():
+    gen = torch.Generator().manual_seed(5)
+    dev = torch.device("cuda")
+    k_cache, v_cache, block_tables = make_paged([2000, 2000], 16, 8, 128, torch.bfloat16, gen, dev)
+    q = torch.randn(2, 32, 128, generator=gen).to(torch.bfloat16).to(dev)
+    lens = torch.tensor([10, 1000], dtype=torch.int32, device=dev)
+    paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.1)
+    lens.copy_(torch.tensor([1999, 3], dtype=torch.int32))
+    graph.replay()
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, 0.1)
+    assert rel_err(out, ref) < 1e-2

@@ -1,0 +1,269 @@
+"""verify.accept: greedy rules with mock logits that always / never / sometimes agree, and statistical
+losslessness of stochastic verification (chi-square against the target's own distribution)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from draft.tree import TokenTree
+from verify.accept import AcceptResult, accept, accept_greedy, accept_stochastic, sample_first
+from verify.sampling import SamplingParams, apply_penalties, process_logits
+
+V = 6
+
+
+def _agreeing_logits(next_tokens: list[int], vocab: int = V) -> torch.Tensor:
+    """[N, V] mock target logits whose argmax at node i is next_tokens[i]."""
+    logits = torch.zeros(len(next_tokens), vocab)
+    logits[torch.arange(len(next_tokens)), torch.tensor(next_tokens)] = 5.0
+    return logits
+
+
+# --- greedy -----------------------------------------------------------------------------------------
+
+def test_result_properties() -> None:
+    result = AcceptResult(accepted_nodes=[0, 2, 5], bonus_token=9, node_tokens=[1, 4, 3])
+    assert result.tokens == [4, 3, 9] and result.num_accepted_drafts == 2
+
+
+def test_greedy_always_agrees_accepts_the_whole_chain() -> None:
+    tree = TokenTree.from_lists([1, 2, 3, 4], [-1, 0, 1, 2])
+    result = accept_greedy(tree, _agreeing_logits([2, 3, 4, 5]))
+    assert result.accepted_nodes == [0, 1, 2, 3] and result.tokens == [2, 3, 4, 5]
+
+
+def test_greedy_never_agrees_emits_only_the_bonus() -> None:
+    tree = TokenTree.from_lists([1, 2, 3, 4], [-1, 0, 1, 2])
+    result = accept_greedy(tree, _agreeing_logits([5, 3, 4, 5]))
+    assert result.accepted_nodes == [0] and result.tokens == [5] and result.num_accepted_drafts == 0
+
+
+def test_greedy_stops_at_the_first_mismatch() -> None:
+    tree = TokenTree.from_lists([1, 2, 3, 4], [-1, 0, 1, 2])
+    result = accept_greedy(tree, _agreeing_logits([2, 0, 4, 5]))  # node 2 would agree, but node 1 does not
+    assert result.accepted_nodes == [0, 1] and result.tokens == [2, 0]
+
+
+def test_greedy_picks_the_right_branch() -> None:
+    #        0(1)
+    #     /   |   \
+    #  1(2) 2(3) 3(4)
+    #   |    |  \
+    #  4(5) 5(0) 6(5)
+    tree = TokenTree.from_lists([1, 2, 3, 4, 5, 0, 5], [-1, 0, 0, 0, 1, 2, 2])
+    result = accept_greedy(tree, _agreeing_logits([3, 5, 5, 0, 0, 0, 1]))
+    assert result.accepted_nodes == [0, 2, 6] and result.tokens == [3, 5, 1]
+
+
+def test_greedy_root_only_is_plain_argmax() -> None:
+    result = accept_greedy(TokenTree.root_only(3), _agreeing_logits([4]))
+    assert result.accepted_nodes == [0] and result.tokens == [4]
+
+
+def test_accept_greedy_applies_penalties_along_the_path() -> None:
+    # Every node scores token 2 at 1.0, token 5 at 0.8, token 0 at 0.3, with a frequency penalty of 0.6.
+    # Root [2]: 2 -> 0.4, so 5 wins. Node 1, path [2, 5]: 2 -> 0.4, 5 -> 0.2, so 2 wins.
+    # Node 2, path [2, 5, 2]: 2 -> -0.2, 5 -> 0.2, so the bonus is 0.
+    tree = TokenTree.from_lists([2, 5, 2], [-1, 0, 1])
+    logits = torch.zeros(3, V)
+    logits[:, 2], logits[:, 5], logits[:, 0] = 1.0, 0.8, 0.3
+    params = SamplingParams(temperature=0, frequency_penalty=0.6)
+    result = accept(tree, logits, params, torch.Generator())
+    assert result.tokens == [5, 2, 0]
+    no_penalty = accept(tree, logits, SamplingParams(temperature=0), torch.Generator())
+    assert no_penalty.tokens == [2]  # the root's argmax is 2, and node 1 carries token 5
+
+
+def test_duplicate_sibling_tokens_are_rejected() -> None:
+    tree = TokenTree.from_lists([1, 2, 2], [-1, 0, 0])
+    with pytest.raises(ValueError, match="duplicate"):
+        accept_greedy(tree, _agreeing_logits([2, 0, 0]))
+    with pytest.raises(ValueError, match="duplicate"):
+        accept_stochastic(tree, torch.full((3, V), 1 / V), torch.Generator())
+
+
+def test_shape_mismatch_is_rejected() -> None:
+    tree = TokenTree.from_lists([1, 2], [-1, 0])
+    with pytest.raises(ValueError, match="N=2"):
+        accept(tree, torch.zeros(3, V), SamplingParams(), torch.Generator())
+
+
+# --- stochastic: deterministic corner cases -----------------------------------------------------------
+
+def test_stochastic_one_hot_target_equals_greedy() -> None:
+    tree = TokenTree.from_lists([1, 2, 3, 4, 5, 0, 5], [-1, 0, 0, 0, 1, 2, 2])
+    logits = _agreeing_logits([3, 5, 5, 0, 0, 0, 1])
+    one_hot = process_logits(logits, SamplingParams(temperature=0))
+    for seed in range(20):
+        assert accept_stochastic(tree, one_hot, torch.Generator().manual_seed(seed)) == accept_greedy(tree, logits)
+
+
+def test_stochastic_never_accepts_a_token_the_target_excludes() -> None:
+    q = torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0, 0.0])
+    tree = TokenTree.from_lists([0, 1, 2], [-1, 0, 0], draft_probs=q.expand(3, V).clone())
+    p = torch.tensor([0.0, 0.0, 0.0, 0.2, 0.3, 0.5]).expand(3, V)
+    for seed in range(50):
+        result = accept_stochastic(tree, p, torch.Generator().manual_seed(seed))
+        assert result.accepted_nodes == [0] and result.bonus_token in (3, 4, 5)
+
+
+def test_stochastic_draft_equal_to_target_always_accepts() -> None:
+    q = torch.softmax(torch.randn(V, generator=torch.Generator().manual_seed(1)), -1).expand(4, V).clone()
+    tree = TokenTree.from_lists([0, 1, 2, 3], [-1, 0, 1, 2], draft_probs=q)
+    for seed in range(50):
+        assert accept_stochastic(tree, q, torch.Generator().manual_seed(seed)).accepted_nodes == [0, 1, 2, 3]
+
+
+def test_zero_draft_probability_is_rejected() -> None:
+    q = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.0, 0.0]).expand(2, V).clone()
+    tree = TokenTree.from_lists([0, 1], [-1, 0], draft_probs=q)  # token 1 cannot have come from q
+    with pytest.raises(ValueError, match="zero probability"):
+        accept_stochastic(tree, torch.full((2, V), 1 / V), torch.Generator())
+
+
+def test_seeded_runs_reproduce() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.softmax(torch.randn(7, V, generator=gen), -1)
+    logits = torch.randn(7, V, generator=gen)
+    tree = TokenTree.from_lists([1, 2, 3, 4, 5, 0, 5], [-1, 0, 0, 0, 1, 2, 2], draft_probs=q)
+    params = SamplingParams(seed=42, top_p=0.9, frequency_penalty=0.5)
+
+    def run() -> list[list[int]]:
+        g = torch.Generator().manual_seed(params.seed)  # type: ignore[arg-type]
+        return [accept(tree, logits, params, g).tokens for _ in range(200)]
+
+    first = run()
+    assert first == run() and len({tuple(t) for t in first}) > 1
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, repetition_penalty=1.3),
+                                    SamplingParams(top_k=4, frequency_penalty=0.7, repetition_penalty=1.3)])
+def test_sample_first_agrees_with_a_one_node_tree(params: SamplingParams) -> None:
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(5))
+    prompt_mask = torch.tensor([True, False, False, True, False, False])
+    before_root = torch.tensor([0, 1, 0, 0, 2, 0])
+    root = 4
+    with_root = before_root + torch.nn.functional.one_hot(torch.tensor(root), V)
+    for seed in range(30):
+        a = sample_first(logits, params, torch.Generator().manual_seed(seed), prompt_mask, with_root)
+        b = accept(TokenTree.root_only(root), logits[None], params, torch.Generator().manual_seed(seed),
+                   prompt_mask, before_root)
+        assert b.tokens == [a]
+
+
+# --- stochastic: statistical losslessness ---------------------------------------------------------------
+# A mock "model" maps a context to logits. The drafter builds trees from a different mock model; the
+# verifier sees the target's logits at each node. The emitted tokens must follow the target exactly.
+
+PROMPT = (0, 3)
+BEFORE_ROOT = (4,)  # generated before the pending root
+ROOT = 1
+
+
+@functools.cache
+def _mock_logits(salt: int, context: tuple[int, ...]) -> torch.Tensor:
+    seed = salt
+    for tok in context:
+        seed = (seed * 1_000_003 + tok + 1) % (2**61 - 1)
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 1.5  # [V]
+
+
+@functools.cache
+def _draft_probs(context: tuple[int, ...], params: SamplingParams) -> torch.Tensor:
+    return process_logits(_mock_logits(2, context)[None], params)[0]  # [V]
+
+
+def _draft_tree(context: tuple[int, ...], widths: tuple[int, ...], draft_params: SamplingParams,
+                is_sampled: bool, gen: torch.Generator) -> tuple[TokenTree, list[tuple[int, ...]]]:
+    """Grow a tree level by level; children sampled without replacement from q, or q's top-k (point masses)."""
+    tokens, parents, contexts = [context[-1]], [-1], [context]
+    frontier = [0]
+    for width in widths:
+        next_frontier = []
+        for u in frontier:
+            q = _draft_probs(contexts[u], draft_params)
+            kids = torch.multinomial(q, width, replacement=False, generator=gen) if is_sampled else q.topk(width).indices
+            for tok in kids.tolist():
+                next_frontier.append(len(tokens))
+                tokens.append(tok)
+                parents.append(u)
+                contexts.append(contexts[u] + (tok,))
+        frontier = next_frontier
+    draft = torch.stack([_draft_probs(c, draft_params) for c in contexts]) if is_sampled else None  # [N, V]
+    return TokenTree.from_lists(tokens, parents, draft_probs=draft), contexts
+
+
+def _step(context: tuple[int, ...], widths: tuple[int, ...], params: SamplingParams, draft_params: SamplingParams,
+          is_sampled: bool, gen: torch.Generator) -> list[int]:
+    """One engine step: draft, score with the target, accept. context ends with the pending root."""
+    tree, contexts = _draft_tree(context, widths, draft_params, is_sampled, gen)
+    target_logits = torch.stack([_mock_logits(1, c) for c in contexts])  # [N, V]
+    prompt_mask = torch.zeros(V, dtype=torch.bool)
+    prompt_mask[list(PROMPT)] = True
+    output = context[len(PROMPT):-1]  # generated before this step's root
+    output_counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=V)
+    return accept(tree, target_logits, params, gen, prompt_mask, output_counts).tokens
+
+
+def _target_probs(context: tuple[int, ...], params: SamplingParams) -> torch.Tensor:
+    """The reference: the target's processed distribution after ``context``, penalties counted by hand."""
+    counts = torch.bincount(torch.tensor(context[len(PROMPT):]), minlength=V)  # every generated token, root too
+    prompt_mask = torch.zeros(V, dtype=torch.bool)
+    prompt_mask[list(PROMPT)] = True
+    logits = apply_penalties(_mock_logits(1, context)[None], params, prompt_mask, counts)
+    return process_logits(logits, params)[0].double()  # [V]
+
+
+def _chi2_critical(dof: int, z: float = 4.265) -> float:
+    """Upper quantile of chi-square(dof) by Wilson-Hilferty; z = 4.265 is a one-sided 1e-5 tail."""
+    c = 2 / (9 * dof)
+    return dof * (1 - c + z * math.sqrt(c)) ** 3
+
+
+def _assert_follows(counts: Counter, probs: dict, num_samples: int) -> None:
+    """Chi-square goodness of fit; cells the target gives probability zero must never occur."""
+    impossible = [k for k, p in probs.items() if p == 0]
+    assert sum(counts[k] for k in impossible) == 0, "emitted a token the target excludes"
+    cells = sorted(((probs[k] * num_samples, counts[k]) for k in probs if probs[k] > 0), reverse=True)
+    while len(cells) > 2 and cells[-1][0] < 5:  # pool sparse cells so the chi-square approximation holds
+        e, o = cells.pop()
+        cells[-1] = (cells[-1][0] + e, cells[-1][1] + o)
+    stat = sum((o - e) ** 2 / e for e, o in cells)
+    assert stat < _chi2_critical(len(cells) - 1), f"chi2 {stat:.1f} over {len(cells) - 1} dof"
+
+
+CASES = {  # name: (widths, is_sampled, target params, draft params)
+    "chain3-sampled": ((1, 1, 1), True, SamplingParams(), SamplingParams(temperature=1.3)),
+    "tree-sampled": ((3, 2), True, SamplingParams(), SamplingParams(temperature=0.7)),
+    "tree-sampled-topkp-penalties": ((3, 2), True,
+                                     SamplingParams(temperature=0.8, top_k=4, top_p=0.9, frequency_penalty=0.5,
+                                                    presence_penalty=0.3, repetition_penalty=1.2),
+                                     SamplingParams(top_k=3)),  # the draft misses tokens the target keeps
+    "tree-point-mass": ((2, 2), False, SamplingParams(), SamplingParams()),
+    "chain2-point-mass-topkp": ((1, 1), False, SamplingParams(top_k=5, top_p=0.8), SamplingParams()),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_stochastic_verification_is_lossless(name: str) -> None:
+    widths, is_sampled, params, draft_params = CASES[name]
+    num_samples = 8_000
+    gen = torch.Generator().manual_seed(1234)
+    start = PROMPT + BEFORE_ROOT + (ROOT,)
+    firsts, pairs = Counter(), Counter()
+    for _ in range(num_samples):
+        tokens = _step(start, widths, params, draft_params, is_sampled, gen)
+        if len(tokens) == 1:  # the next step (a fresh tree on the new root) supplies the second token
+            tokens += _step(start + (tokens[0],), widths, params, draft_params, is_sampled, gen)
+        firsts[tokens[0]] += 1
+        pairs[tokens[0], tokens[1]] += 1
+    first_probs = _target_probs(start, params)  # [V]
+    _assert_follows(firsts, {a: first_probs[a].item() for a in range(V)}, num_samples)
+    pair_probs = {(a, b): first_probs[a].item() * _target_probs(start + (a,), params)[b].item()
+                  for a in range(V) for b in range(V)}
+    _assert_follows(pairs, pair_probs, num_samples)

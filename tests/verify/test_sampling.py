@@ -1,0 +1,150 @@
+"""verify.sampling: parameter validation, penalties, processing and seeded draws."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft.tree import TokenTree
+from verify.sampling import (SamplingParams, apply_penalties, make_generator, process_logits, sample,
+                             tree_path_counts)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("temperature", float("nan")),
+    ("top_p", 0.0), ("top_p", 1.5),
+    ("top_k", -1),
+    ("repetition_penalty", 0.0),
+    ("presence_penalty", 2.5), ("presence_penalty", -2.1),
+    ("frequency_penalty", -3.0),
+    ("max_tokens", 0),
+    ("stop_token_ids", (-1,)),
+])
+def test_validation_names_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_defaults_and_flags() -> None:
+    params = SamplingParams()
+    assert not params.is_greedy and not params.use_penalties
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(repetition_penalty=1.1).use_penalties
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)  # type: ignore[arg-type]
+
+
+def test_make_generator_is_seeded() -> None:
+    params = SamplingParams(seed=1234)
+    a = torch.rand(8, generator=make_generator(params))
+    b = torch.rand(8, generator=make_generator(params))
+    assert torch.equal(a, b)
+    unseeded = SamplingParams()
+    assert make_generator(unseeded).initial_seed() != make_generator(unseeded).initial_seed()
+
+
+def _penalties_ref(logits: list[float], params: SamplingParams, prompt: set[int], counts: list[int]) -> list[float]:
+    """One row, token by token: the spec written plainly."""
+    out = []
+    for tok, x in enumerate(logits):
+        if tok in prompt or counts[tok] > 0:
+            x = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
+        x -= params.frequency_penalty * counts[tok] + params.presence_penalty * (counts[tok] > 0)
+        out.append(x)
+    return out
+
+
+def test_apply_penalties_matches_reference() -> None:
+    v = 7
+    logits = torch.randn(3, v, generator=torch.Generator().manual_seed(0))  # [N, V]
+    params = SamplingParams(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.5)
+    prompt_mask = torch.zeros(v, dtype=torch.bool)
+    prompt_mask[[0, 6]] = True
+    output_counts = torch.tensor([0, 2, 0, 1, 0, 0, 0])
+    path_counts = torch.tensor([[0, 0, 0, 0, 1, 0, 0], [0, 1, 0, 0, 1, 0, 0], [0, 0, 0, 0, 1, 3, 0]])
+    got = apply_penalties(logits, params, prompt_mask, output_counts, path_counts)
+    assert got.dtype == torch.float32
+    for i in range(3):
+        counts = (output_counts + path_counts[i]).tolist()
+        want = _penalties_ref(logits[i].tolist(), params, {0, 6}, counts)
+        torch.testing.assert_close(got[i], torch.tensor(want))
+
+
+def test_apply_penalties_neutral_is_a_no_op() -> None:
+    logits = torch.randn(2, 5)
+    out = apply_penalties(logits, SamplingParams(), torch.ones(5, dtype=torch.bool), torch.ones(5, dtype=torch.int64))
+    assert out is logits
+
+
+def test_repetition_penalty_signs() -> None:
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    counts = torch.tensor([1, 1, 0, 0])
+    out = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), None, counts)
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0]]
+
+
+def test_tree_path_counts() -> None:
+    #      0(t=4)
+    #     /      \
+    #  1(t=2)   2(t=4)
+    #    |
+    #  3(t=2)
+    tree = TokenTree.from_lists([4, 2, 4, 2], [-1, 0, 0, 1])
+    counts = tree_path_counts(tree, 5)
+    assert counts.dtype == torch.int64
+    for node in range(4):
+        want = torch.bincount(tree.tokens[tree.path_to(node)], minlength=5)
+        assert torch.equal(counts[node], want)
+    assert counts[3].tolist() == [0, 0, 2, 0, 1] and counts[2].tolist() == [0, 0, 0, 0, 2]
+
+
+def test_process_logits_greedy_is_one_hot() -> None:
+    logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 0.0, 4.9]])
+    probs = process_logits(logits, SamplingParams(temperature=0))
+    assert probs.dtype == torch.float32 and probs.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_process_logits_temperature() -> None:
+    logits = torch.randn(4, 9, dtype=torch.bfloat16)
+    probs = process_logits(logits, SamplingParams(temperature=0.5))
+    assert probs.dtype == torch.float32
+    torch.testing.assert_close(probs, torch.softmax(logits.float() * 2, -1))
+
+
+def test_top_k() -> None:
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0]])
+    probs = process_logits(logits, SamplingParams(top_k=2))
+    assert (probs[0] > 0).tolist() == [False, True, True, False, False]
+    torch.testing.assert_close(probs.sum(-1), torch.ones(1))
+    assert torch.equal(process_logits(logits, SamplingParams(top_k=9)), process_logits(logits, SamplingParams()))
+
+
+def test_top_p() -> None:
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    logits = probs.log()
+    kept = process_logits(logits, SamplingParams(top_p=0.7))
+    assert (kept[0] > 0).tolist() == [False, True, False, True]  # 0.5 + 0.3 reaches 0.7
+    torch.testing.assert_close(kept[0, [1, 3]], torch.tensor([0.5, 0.3]) / 0.8)
+    only_top = process_logits(logits, SamplingParams(top_p=1e-6))
+    assert only_top.tolist() == [[0.0, 1.0, 0.0, 0.0]]  # at least one token survives
+
+
+def test_top_k_then_top_p() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    probs = process_logits(logits, SamplingParams(top_k=3, top_p=0.6))
+    # after top-k: softmax of [1, 2, 3] = [0.090, 0.245, 0.665] -> the nucleus is token 3 alone
+    assert probs.tolist() == [[0.0, 0.0, 0.0, 1.0]]
+
+
+def test_sample_shapes_and_seed() -> None:
+    probs = torch.softmax(torch.randn(3, 6), -1)
+    a = sample(probs, torch.Generator().manual_seed(7))
+    b = sample(probs, torch.Generator().manual_seed(7))
+    assert a.shape == (3,) and a.dtype == torch.int64 and torch.equal(a, b)
+    assert sample(probs[0], torch.Generator().manual_seed(7)).shape == ()
+
+
+def test_sample_frequencies() -> None:
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    draws = sample(probs.expand(30_000, 3), torch.Generator().manual_seed(3))  # [30000]
+    freq = torch.bincount(draws, minlength=3) / draws.numel()
+    torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)

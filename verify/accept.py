@@ -1,0 +1,177 @@
+"""Verification: which draft nodes the target accepts, and the bonus token after them.
+
+Greedy verification follows the target's argmax down the tree. Stochastic verification is the
+multi-candidate recursive rejection sampling of SpecInfer (Miao et al.) with the without-replacement
+residual of Sequoia (Chen et al.): the emitted tokens are distributed exactly as if sampled one by one
+from the target's processed distribution, whatever the draft proposed.
+
+Every function is pure: it reads the tree and the target's scores, never touches a KV cache, and draws
+randomness only from the generator it is handed. The walk down the tree is host-side Python over at most
+64 nodes; each stochastic accept/reject decision reads three scalars back from the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draft.tree import TokenTree
+from verify.sampling import SamplingParams, apply_penalties, process_logits, sample, tree_path_counts
+
+
+@dataclass(slots=True)
+class AcceptResult:
+    """The outcome of verifying one sequence's tree."""
+
+    accepted_nodes: list[int]  # node indices from the root down; always starts with 0
+    bonus_token: int  # sampled from the target (or its residual) after the last accepted node
+    node_tokens: list[int]  # tree tokens at accepted_nodes; node_tokens[0] is the root (already emitted)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The newly emitted tokens: accepted drafts then the bonus. Length == len(accepted_nodes)."""
+        return self.node_tokens[1:] + [self.bonus_token]
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return len(self.accepted_nodes) - 1
+
+
+def accept(tree: TokenTree, target_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+           prompt_mask: torch.Tensor | None = None, output_counts: torch.Tensor | None = None) -> AcceptResult:
+    """Verify one sequence's tree: the single entry point the engine calls per sequence.
+
+    target_logits: [N, V] raw target logits (row i scores node i's children). prompt_mask: [V] bool.
+    output_counts: [V] int, counts of tokens generated *before* the root; the root and the draft path are
+    counted here (row i sees the path root..i). Penalties, then greedy or stochastic verification.
+    """
+    _check_shapes(tree, target_logits)
+    logits = _penalise(target_logits, params, prompt_mask, output_counts, tree)  # [N, V]
+    if params.is_greedy:
+        return accept_greedy(tree, logits)
+    return accept_stochastic(tree, process_logits(logits, params), generator)
+
+
+def sample_first(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                 prompt_mask: torch.Tensor | None = None, output_counts: torch.Tensor | None = None) -> int:
+    """Sample the token after prefill from logits [V]: the same processing and the same generator draw
+    as ``accept`` on a one-node tree, so the two agree when output_counts here includes that root."""
+    logits = _penalise(logits[None], params, prompt_mask, output_counts, tree=None)  # [1, V]
+    if params.is_greedy:
+        return int(logits[0].argmax())
+    return int(sample(process_logits(logits, params)[0], generator))
+
+
+def accept_greedy(tree: TokenTree, target_logits: torch.Tensor) -> AcceptResult:
+    """Follow the target's argmax from the root; the bonus is the argmax at the last accepted node.
+
+    target_logits: [N, V], already penalised by the caller (``accept`` does it): the argmax is taken as is.
+    """
+    _check_shapes(tree, target_logits)
+    tokens, children = _tree_lists(tree)
+    best = target_logits.argmax(dim=-1).tolist()  # [N]: the one host copy
+    nodes = [0]
+    while True:
+        u = nodes[-1]
+        match = [c for c in children[u] if tokens[c] == best[u]]  # at most one: siblings are distinct
+        if not match:
+            return _result(tokens, nodes, best[u])
+        nodes.append(match[0])
+
+
+def accept_stochastic(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator) -> AcceptResult:
+    """Recursive rejection sampling down the tree (SpecInfer / Sequoia).
+
+    target_probs: [N, V] float32, fully processed (penalties, temperature, top-k/p), rows summing to 1.
+    tree.draft_probs: [N, V] or None (children are point masses). At each node the children are tried in
+    node order against the running residual; the first accepted one becomes the new current node. When all
+    are rejected, or the node is a leaf, the bonus is drawn from the residual. Sibling tokens must be
+    distinct (``ValueError`` otherwise): a drafter sampling without replacement never repeats one, and a
+    deterministic drafter must merge duplicates.
+    """
+    _check_shapes(tree, target_probs)
+    tokens, children = _tree_lists(tree)
+    nodes = [0]
+    while True:
+        u = nodes[-1]
+        draft = None if tree.draft_probs is None else tree.draft_probs[u]  # [V]
+        child, residual = _try_children(children[u], tokens, target_probs[u], draft, generator)
+        if child is None:
+            return _result(tokens, nodes, int(sample(residual, generator)))
+        nodes.append(child)
+
+
+def _try_children(children: list[int], tokens: list[int], p: torch.Tensor, q: torch.Tensor | None,
+                  generator: torch.Generator) -> tuple[int | None, torch.Tensor]:
+    """Try each child of one node. p: [V] target, q: [V] draft or None. Returns (accepted child, residual).
+
+    Point masses (q None): accept child token t with probability p[t] / sum(p); on reject zero p[t]. The
+    residual stays unnormalised, which is exact: a rejection needs u >= p[t] / sum(p) with u < 1, so the
+    mass left is positive and the next test and the bonus draw see a proper distribution.
+    Draft q: accept with min(1, p[t] / q[t]); on reject p <- norm(max(p - q, 0)), q <- norm(q with t zeroed).
+    """
+    if q is not None:  # p - q needs both on one scale
+        p, q = _normalise(p, fallback=p), _normalise(q, fallback=q)
+    for child in children:
+        t = tokens[child]
+        u = torch.rand((), generator=generator, device=p.device)
+        q_t = p.sum() if q is None else q[t]  # a point mass is q = one-hot(t) scaled to p's mass
+        p_t, q_t, u = torch.stack((p[t], q_t, u)).tolist()  # the decision's host sync
+        if q_t <= 0:
+            raise ValueError(f"node {child}: draft_probs gives its token {t} zero probability")
+        if u < p_t / q_t:  # u in [0, 1): a ratio >= 1 always accepts
+            return child, p
+        without_t = p.index_fill(0, torch.tensor([t], device=p.device), 0.0)  # [V]
+        if q is None:
+            p = without_t
+        else:
+            p = _normalise((p - q).clamp_min(0), fallback=p)
+            q = _normalise(q.index_fill(0, torch.tensor([t], device=q.device), 0.0), fallback=q)
+    return None, p
+
+
+def _normalise(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """x / sum(x), or ``fallback`` when x has no mass (no host sync).
+
+    For the Sequoia residual max(p - q, 0), zero mass means p <= q everywhere, i.e. p == q, where the
+    rejection that led here has probability zero: it can only come from float rounding, so keeping p is
+    as good as any choice. For q with t zeroed, zero mass means q was a point mass at t and no sibling can
+    follow; a drafter that still adds one hits the zero-probability check in ``_try_children``.
+    """
+    mass = x.sum()
+    return torch.where(mass > 0, x / mass.clamp_min(torch.finfo(x.dtype).tiny), fallback)
+
+
+def _penalise(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None,
+              output_counts: torch.Tensor | None, tree: TokenTree | None) -> torch.Tensor:
+    """apply_penalties with each tree row also counting its path root..i. logits: [N, V]."""
+    if not params.use_penalties:
+        return logits
+    path_counts = None if tree is None else tree_path_counts(tree, logits.shape[-1])  # [N, V]
+    return apply_penalties(logits, params, prompt_mask, output_counts, path_counts)
+
+
+def _tree_lists(tree: TokenTree) -> tuple[list[int], list[list[int]]]:
+    """Host copies: tokens [N] and each node's children in node order. Rejects duplicate sibling tokens."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    children: list[list[int]] = [[] for _ in tokens]
+    for node in range(1, len(tokens)):
+        children[parents[node]].append(node)
+    for node, kids in enumerate(children):
+        kid_tokens = [tokens[c] for c in kids]
+        if len(set(kid_tokens)) != len(kid_tokens):
+            raise ValueError(f"node {node} has duplicate child tokens {kid_tokens}; a drafter must merge them")
+    return tokens, children
+
+
+def _check_shapes(tree: TokenTree, scores: torch.Tensor) -> None:
+    n = tree.num_nodes
+    if scores.dim() != 2 or scores.shape[0] != n:
+        raise ValueError(f"target scores must be [N={n}, V], got {tuple(scores.shape)}")
+    if tree.draft_probs is not None and tree.draft_probs.shape != scores.shape:
+        raise ValueError(f"draft_probs must be {tuple(scores.shape)}, got {tuple(tree.draft_probs.shape)}")
+
+
+def _result(tokens: list[int], nodes: list[int], bonus: int) -> AcceptResult:
+    return AcceptResult(accepted_nodes=nodes, bonus_token=bonus, node_tokens=[tokens[i] for i in nodes])

@@ -1,0 +1,139 @@
+"""Per-request sampling: parameters, logit processing and draws.
+
+Every function here is pure: it reads its tensors, returns new ones and draws randomness only from the
+``torch.Generator`` it is handed, so a seeded request reproduces token for token.
+
+Processing order (the vLLM order): penalties on raw logits, then temperature, top-k, top-p, softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draft.tree import TokenTree
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling knobs (OpenAI names). Validates itself; ``ValueError`` names the field."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass, 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None = a fresh random seed per request
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # HF/vLLM: divides positive / multiplies negative logits of seen tokens
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # accept a list
+        checks = (
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an int >= 1"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "an int or None"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "ints >= 0"),
+        )
+        for name, ok, rule in checks:
+            if not ok:  # NaN fails every comparison above, so it lands here too
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def use_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded from ``params.seed``, or from fresh OS entropy when it is None."""
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None,
+                    output_counts: torch.Tensor | None, path_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Penalise repeated tokens. Returns new float32 logits, or ``logits`` itself when all penalties are neutral.
+
+    logits: [N, V]. prompt_mask: [V] bool, tokens in the prompt (None = none). output_counts: [V] int, counts
+    of tokens already generated (None = none). path_counts: [N, V] int, extra per-row counts (the tree path
+    of each node, see ``tree_path_counts``), added to ``output_counts``.
+    Presence/frequency act on generated tokens only (OpenAI); repetition acts on prompt or generated tokens.
+    """
+    if not params.use_penalties:
+        return logits
+    counts = torch.zeros(1, logits.shape[-1], dtype=torch.int64, device=logits.device)  # [1, V]
+    if output_counts is not None:
+        counts = counts + output_counts
+    if path_counts is not None:
+        counts = counts + path_counts  # [N, V]
+    is_output = counts > 0  # [N or 1, V]
+    out = logits.float()  # [N, V]
+    if params.repetition_penalty != 1:
+        is_seen = is_output if prompt_mask is None else is_output | prompt_mask
+        penalised = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
+        out = torch.where(is_seen, penalised, out)
+    if params.frequency_penalty != 0:
+        out = out - params.frequency_penalty * counts
+    if params.presence_penalty != 0:
+        out = out - params.presence_penalty * is_output
+    return out
+
+
+def tree_path_counts(tree: TokenTree, vocab_size: int) -> torch.Tensor:
+    """[N, V] int64: counts[i, t] = how often token t occurs on the path root..i (both ends included).
+
+    The logits at node i predict i's children, whose context ends with exactly that path, so row i is what
+    node i's penalties must see on top of the tokens generated before the root.
+    """
+    on_path = tree.ancestor_mask().to(torch.float32)  # [N, N]
+    one_hot = torch.nn.functional.one_hot(tree.tokens, vocab_size).to(torch.float32)  # [N, V]
+    return (on_path @ one_hot).to(torch.int64)  # [N, V]; exact, counts are at most 64
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p, softmax. logits: [N, V] (or [V]) -> probs, same shape, float32.
+
+    Greedy params give the one-hot argmax. Top-k keeps ties with the k-th logit (so possibly more than k
+    tokens); top-p keeps the smallest prefix of the sorted distribution whose mass reaches ``top_p``, which
+    always includes the most likely token.
+    """
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+    scaled = logits.float() / params.temperature  # [N, V]
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.top_p < 1:
+        scaled = _top_p(scaled, params.top_p)
+    return torch.softmax(scaled, dim=-1)
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) every token outside the nucleus. logits: [N, V] float32."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [N, V]
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly earlier tokens
+    drop_sorted = mass_before >= top_p  # the first token has mass_before 0 < top_p: always kept
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocab order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row: probs [V] -> [] or [N, V] -> [N], int64. Rows need not be normalised."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
