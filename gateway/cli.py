@@ -1,4 +1,5 @@
-"""``python -m gateway``: the command line. ``generate`` runs prompts through the engine once."""
+"""``python -m gateway``: the command line. ``generate`` runs prompts through the engine once; ``serve``
+runs the OpenAI-compatible HTTP server (gateway/serve.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ from draft.params import SpeculationParams, parse_tree
 from gateway.engine import EngineConfig
 from gateway.llm import LLM, LoadConfig, log_stderr
 from gateway.scheduler import SchedulerConfig
+from gateway.serve import add_serve_args, apply_config, cmd_serve
 from verify.sampling import SamplingParams
+
+
+def tree_arg(spec: str) -> tuple[int, ...]:
+    try:
+        return parse_tree(spec)
+    except ValueError as exc:  # argparse shows ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -27,8 +36,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per cache")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-running", type=int, default=32, help="sequences decoding at once")
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before new ones are refused")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--tree", type=parse_tree, default=None, help="widths per depth, e.g. 2,2,2,1")
+    p.add_argument("--tree", type=tree_arg, default=None, help="widths per depth, e.g. 2,2,2,1")
 
 
 def load(args: argparse.Namespace) -> LLM:
@@ -36,7 +46,8 @@ def load(args: argparse.Namespace) -> LLM:
                      quantize=args.quantize, group_size=args.group_size, dtype=args.dtype, device=args.device,
                      cache_dir=args.cache_dir)
     ecfg = EngineConfig(num_blocks=args.num_blocks, page_size=args.page_size,
-                        scheduler=SchedulerConfig(max_running=args.max_running, max_model_len=args.max_model_len),
+                        scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
+                                                  max_model_len=args.max_model_len),
                         **({"default_tree": args.tree} if args.tree else {}))
     return LLM.load(cfg, ecfg, log=log_stderr)
 
@@ -46,6 +57,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if prompt.startswith("@"):
         with open(prompt[1:], encoding="utf-8") as f:
             prompt = f.read()
+    if not prompt:
+        raise ValueError("prompt is empty")
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                               max_tokens=args.max_tokens)
     speculation = SpeculationParams(enabled=args.speculation == "on", tree=args.tree)
@@ -86,12 +99,27 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object with the speculation figures")
     add_model_args(g)
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", parents=[serve_options()],
+                       help="serve the OpenAI-compatible HTTP API (default: embedded model on 127.0.0.1:8000)")
+    s.set_defaults(func=cmd_serve)
+    return p
+
+
+def serve_options() -> argparse.ArgumentParser:
+    """The serve flags alone, also used to re-parse them over a config file's values."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_model_args(p)
+    add_serve_args(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    p = parser()
+    args = p.parse_args(argv)
     try:
+        if args.command == "serve" and args.config:
+            args = apply_config(args, serve_options(), argv[1:])  # argv[0] is the subcommand
         return args.func(args)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -3,14 +3,14 @@
 No repack is needed: ``qweight`` is ``[K // 8, N]`` int32 with N contiguous, so a thread that owns four
 neighbouring columns of one packed row issues one 16-byte load, and a warp reads 512 contiguous bytes.
 
-Three paths, picked by the number of rows M (``int4_matmul_triton``):
+Three paths; the launcher times the candidates of each (M bucket, shape) once and keeps the fastest:
 
-* ``M <= GEMV_MAX_M``: ``_int4_gemv_kernel``, CUDA-core FMAs with split-K. Decode is memory-bound only
-  if dequantization costs ~3 instructions per weight, hence the trick in ``_gemv_step``.
-* up to ``DEQUANT_MIN_M``: ``_int4_matmul_kernel``, tensor cores (``tl.dot``) on tiles dequantized in
-  registers (the GPTQ-triton / Marlin idea: weights cross HBM once, as 4-bit codes), with split-K.
-* larger M is compute-bound: ``_int4_dequant_kernel`` writes a bf16/fp16 ``[K, N]`` scratch buffer and
-  cuBLAS does the product.
+* ``_int4_matmul_kernel``: tensor cores (``tl.dot``) on register-decoded codes, split-K; the workhorse
+  from M=1 to M=64 (weights cross HBM once, as 4-bit codes: the GPTQ-triton / Marlin idea).
+* ``_int4_gemv_kernel``: CUDA-core FMAs for M <= 4 (a candidate at M = 1), split-K; ~4 instructions per
+  weight, so it wins only on some shapes.
+* M >= 64 turns compute-bound: ``_int4_dequant_kernel`` writes a bf16/fp16 ``[K, N]`` scratch copy and
+  cuBLAS does the product (the ``"dequant"`` config).
 
 Split-K without atomics on the output: every program writes its fp32 partial tile to a workspace
 ``[SPLIT_K, M, N]`` and bumps a per-tile counter; the last one to arrive sums the partials in a fixed
@@ -27,8 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-GEMV_MAX_M = 4  # at M=8 the FMA path does 11 instructions per weight and tensor cores win
-DEQUANT_MIN_M = 256  # compute-bound from here: dequant once + cuBLAS (see bench/results)
 ONE_BITS = 0x3F800000  # fp32 1.0; a kernel argument, not a constant: see _nibble
 _NIBBLE_AT_19 = tl.constexpr(0x780000)  # mantissa bits 19..22
 
@@ -112,7 +110,7 @@ def _epilogue(acc, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_
 def _finish(acc, tile, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
             HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr, USE_SPLIT: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FIX_R: tl.constexpr):
     """Store directly, or as one of split_k partials; the last partial to land reduces and stores.
     ``tile`` indexes this output tile's counter."""
     if not USE_SPLIT:
@@ -125,9 +123,14 @@ def _finish(acc, tile, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
         tl.debug_barrier()  # every thread's partial is written before thread 0 releases the counter
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == split_k - 1:
+            # FIX_R partials per step, all loads in flight at once (one at a time costs a round trip
+            # to L2 each); fixed order, so results are bit-identical whatever the arrival order.
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for s in range(split_k):  # fixed order: bit-identical results whatever the arrival order
-                total += tl.load(part_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            r = tl.arange(0, FIX_R)[:, None, None]
+            for s0 in range(0, split_k, FIX_R):
+                p = tl.load(part_ptrs[None, :, :] + (s0 + r) * M * N, mask=mask[None, :, :] & (s0 + r < split_k),
+                            other=0.0, cache_modifier=".cg")  # [FIX_R, BLOCK_M, BLOCK_N]
+                total += tl.sum(p, axis=0)
             _epilogue(total, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
                       HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N)
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (and graph replay)
@@ -165,7 +168,7 @@ def _int4_gemv_kernel(
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_SPLIT: tl.constexpr,
+    USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr,
 ):
     """One program: all M <= BLOCK_M <= 4 rows, BLOCK_N weight columns, one K split.
 
@@ -183,9 +186,13 @@ def _int4_gemv_kernel(
     acc1 = tl.zeros([BLOCK_K8, BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_K8, BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_K8, BLOCK_N], tl.float32)
+    # Software pipelining by hand (Triton pipelines only loads that feed a dot): the next tile's words
+    # are in flight while this one is decoded.
+    q_next = tl.load(q_ptrs + pid_k * K_ITERS * BLOCK_K8 * N, mask=n_mask[None, :], other=0)
     for i in range(K_ITERS):
         k0 = (pid_k * K_ITERS + i) * BLOCK_K
-        q = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[None, :], other=0)  # [BLOCK_K8, BLOCK_N] int32
+        q = q_next  # [BLOCK_K8, BLOCK_N] int32
+        q_next = tl.load(q_ptrs + (k0 // 8 + BLOCK_K8) * N, mask=n_mask[None, :] & (i + 1 < K_ITERS), other=0)
         s16, sz16 = _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G, BLOCK_K, HAS_ZEROS)
         acc0 = _gemv_row(acc0, x_ptrs + k0, 0 < M, q, s16, sz16, one_bits)
         if BLOCK_M > 1:
@@ -202,7 +209,7 @@ def _int4_gemv_kernel(
         out = tl.where(offs_m[:, None] == 3, tl.sum(acc3, axis=0)[None, :], out)
     _finish(out, pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
-            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N)
+            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -278,7 +285,7 @@ def _int4_matmul_kernel(
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_SPLIT: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
+    USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split. The M tiles of an N tile are
     neighbours in the grid, so a weight tile comes from HBM once and from L2 for the others.
@@ -331,7 +338,7 @@ def _int4_matmul_kernel(
             for j in tl.static_range(8):
                 acc = _dot(xj[j], (_nibble(q, j, one_bits) * s16 - sz16).to(x.dtype), acc)
     _finish(acc, pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, part_ptr,
-            count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N)
+            count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -365,28 +372,28 @@ def _int4_dequant_kernel(
 
 @dataclass(frozen=True, slots=True)
 class KernelConfig:
-    kind: str  # "gemv" (CUDA cores, M <= 4) or "mma" (tensor cores)
-    block_m: int
-    block_n: int  # weight columns per program
-    block_k: int  # weight rows per loop step
-    split_k: int
-    num_warps: int
-    num_stages: int
+    kind: str  # "gemv" (CUDA cores, M <= 4; tuned for M = 1), "mma" (tensor cores) or "dequant" (W + cuBLAS)
+    block_m: int = 16
+    block_n: int = 128  # weight columns per program
+    block_k: int = 128  # weight rows per loop step
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
-# (block_m, block_n, num_warps, num_stages) per M bucket, best first. block_m <= 32 keeps the MMA on
-# mma.sync with the B operand in registers (wgmma would read dequantized weights from shared memory).
+# (block_m, block_n, num_warps, num_stages) per M bucket, the H200 favourite first. block_m <= 32 keeps
+# the MMA on mma.sync with B in registers (wgmma would read dequantized weights from shared memory).
 _MMA_SHAPES = {
-    16: [(16, 128, 4, 3), (16, 64, 4, 3), (16, 256, 8, 3), (16, 128, 4, 4)],
-    32: [(32, 128, 4, 3), (16, 128, 4, 3), (32, 64, 4, 3), (32, 256, 8, 3)],
-    64: [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 256, 8, 3)],
-    128: [(32, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (64, 256, 8, 3)],
-    256: [(128, 128, 8, 3), (64, 128, 8, 3), (128, 256, 8, 3), (64, 256, 8, 3)],
+    16: [(16, 128, 4, 4), (16, 64, 4, 3), (16, 128, 4, 3)],
+    32: [(32, 128, 4, 3), (32, 64, 4, 3)],
+    64: [(32, 128, 4, 3)],
+    128: [(32, 128, 4, 3)],
+    256: [(128, 128, 8, 3)],
 }
-_GEMV_SHAPES = [(256, 64, 4, 1), (128, 128, 4, 1), (512, 64, 4, 1), (128, 64, 2, 1)]  # (block_n, block_k, ...)
+_GEMV_SHAPES = [(512, 64, 4, 1)]  # (block_n, block_k, warps, stages); more rows or a larger block_k spill
 
 
 def set_autotune(enabled: bool) -> None:
@@ -395,27 +402,29 @@ def set_autotune(enabled: bool) -> None:
     _autotune = enabled
 
 
-def _split_k(tiles: int, k_blocks: int, target_programs: int) -> int:
-    """The divisor of k_blocks (equal splits) that brings tiles * split closest to the target."""
-    want = target_programs / tiles
-    return min((d for d in range(1, min(k_blocks, 32) + 1) if k_blocks % d == 0), key=lambda d: abs(d - want))
+def _splits(tiles: int, k_blocks: int, num_sms: int) -> list[int]:
+    """Split-K factors that divide k_blocks (equal splits) and bring the grid near 1.5, 3 or 6 programs
+    per SM: few programs leave SMs idle in the last wave, many pay for partials and fix-ups."""
+    divisors = [d for d in range(1, min(k_blocks, 32) + 1) if k_blocks % d == 0]
+    picks = [min(divisors, key=lambda d: abs(tiles * d - w * num_sms)) for w in (1.5, 3, 6)]
+    return sorted(set(picks))
 
 
 def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int) -> list[KernelConfig]:
     """Configs worth timing for this M bucket, the untuned default first."""
     n_out = N // 2 if silu else N
     out: list[KernelConfig] = []
+    if M >= 128 and not silu:  # compute-bound: cuBLAS on a dequantized copy wins from here (H200)
+        out.append(KernelConfig("dequant"))
     shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[min(max(triton.next_power_of_2(M), 16), 256)]]
-    if M <= 4:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
-        gemv = [("gemv", triton.next_power_of_2(M), bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
-        shapes = gemv + shapes
+    if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
+        shapes += [("gemv", 1, bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
     for kind, bm, bn, bk, warps, stages in shapes:
-        tiles = triton.cdiv(n_out, bn // 2 if silu else bn) * triton.cdiv(M, bm)
-        for waves in (2, 4) if kind == "gemv" else (1, 2):
-            split = _split_k(tiles, triton.cdiv(K, bk), waves * num_sms)
-            cfg = KernelConfig(kind, bm, bn, bk, split, warps, stages)
-            if cfg not in out:
-                out.append(cfg)
+        tiles = triton.cdiv(n_out, bn // 2 if silu else bn) * (1 if kind == "gemv" else triton.cdiv(M, bm))
+        for split in _splits(tiles, triton.cdiv(K, bk), num_sms):
+            out.append(KernelConfig(kind, bm, bn, bk, split, warps, stages))
+    if M >= 64 and not silu and out[0].kind != "dequant":
+        out.append(KernelConfig("dequant"))
     return out
 
 
@@ -433,6 +442,14 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
     """x: [M, K]; qweight: [K // 8, N]; y: [M, N] or [M, N // 2] with silu; residual like y."""
     M, K = x.shape
     N = qweight.shape[1]
+    if cfg.kind == "dequant":  # compute-bound M: one dequantized copy, then cuBLAS
+        w = dequantize_triton(qweight, scales, zeros, G, x.dtype)  # [K, N]
+        torch.matmul(x, w, out=y)
+        if bias is not None:
+            y += bias
+        if residual is not None:
+            y += residual
+        return
     grid_n = triton.cdiv(N // 2, cfg.block_n // 2) if silu else triton.cdiv(N, cfg.block_n)
     grid_m = 1 if cfg.kind == "gemv" else triton.cdiv(M, cfg.block_m)
     part = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
@@ -450,6 +467,9 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
         cfg.split_k, triton.cdiv(K, cfg.block_k) // cfg.split_k, ONE_BITS,
         G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SILU=silu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1,
+        # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
+        # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
+        FIX_R=max(1, min(8, 4096 // cfg.block_n)) if cfg.kind == "gemv" else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
 
@@ -483,10 +503,6 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     y = torch.empty((M, N // 2 if silu else N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    if config is None and M >= DEQUANT_MIN_M and x.is_cuda and not silu:
-        w = dequantize_triton(qweight, scales, zeros, group_size, x.dtype)  # [K, N]
-        y = torch.addmm(bias, x, w) if bias is not None else x @ w
-        return y if residual is None else y.add_(residual)
     run = lambda c: _launch(c, x, qweight, scales, zeros, group_size, bias, residual, silu, y)  # noqa: E731
     key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, silu, x.device)
     run(config or _pick(x, N, key, silu, run))

@@ -21,6 +21,10 @@ import triton.language as tl
 
 from kernels.paged_decode import LOG2E, merge_splits, paged_decode_attention, pick_num_splits, use_triton_for
 
+# Programs of the default configs resident per SM at D=128: 180 to 213 registers and 74 to 99 KB of
+# shared memory each (ptxas -v, sm_90a); 128-row tiles (8 warps) fit only one, which measured the same.
+TREE_PROGRAMS_PER_SM = 2
+
 
 def _visible(n: int, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     """[n, n] bool intra-chunk visibility for one sequence's new tokens."""
@@ -195,9 +199,9 @@ def tree_attention(
     use_triton: bool | None = None,
     is_decode: bool = False,
     num_splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere.
 
@@ -221,8 +225,12 @@ def tree_attention(
     block_q = min(triton.next_power_of_2(-(-T // B)), max(1, 128 // block_g))
     block_q = max(block_q, -(-16 // block_g))  # tl.dot needs M >= 16
     num_slots = -(-T // block_q) + min(B, T)  # >= sum over sequences of ceil(n_b / block_q)
+    # Measured on an H200 (bench/kernels/bench_attention.py): tiles of <= 32 rows stream 128-key steps;
+    # 64- and 128-row tiles (trees of 16+ nodes, prefill) run 32-key steps 7 stages deep.
+    block_n = block_n or (128 if block_q * block_g <= 32 else 32)
+    num_stages = num_stages or (2 if block_n == 128 else 7)
     busy_programs = max(B, -(-T // block_q)) * Hkv  # slots past the real tiles exit at once
-    S = num_splits or pick_num_splits(busy_programs, block_tables.shape[1] * P, q.device)
+    S = num_splits or pick_num_splits(busy_programs, block_tables.shape[1] * P, q.device, TREE_PROGRAMS_PER_SM)
     o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, T, H, D, dtype=torch.float32)  # [S, T, H, D]
     lse = q.new_empty(S, T, H, dtype=torch.float32)  # [S, T, H]
     _tree_attention_kernel[(num_slots, Hkv, S)](

@@ -38,6 +38,7 @@ class ForwardBatch:
     mask_bits: torch.Tensor | None  # [T] int64, None when every segment is causal
     logits_indices: torch.Tensor  # [R] int64 rows of the hidden state that get logits
     logits_start: list[int]  # [B + 1] where each segment's logits rows begin
+    is_decode: bool = False  # every segment has exactly one new token: the decode kernel applies
 
     @property
     def num_tokens(self) -> int:
@@ -88,4 +89,5 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
         mask_bits=as_t(bits) if any_bits else None,
         logits_indices=as_t(logit_rows),
         logits_start=logits_start,
+        is_decode=all(len(s.tokens) == 1 for s in segments),
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from kernels.int4_matmul import Int4Weight, int4_matmul, quantize_rtn
+from kernels.int4_matmul import Int4Weight, dequantize, int4_matmul, int4_matmul_silu_mul, quantize_rtn
 from kernels.tree_attention import tree_attention
 from target.batch import ForwardBatch
 from target.config import ModelConfig
@@ -26,11 +26,24 @@ class Linear:
 
     weight: torch.Tensor | Int4Weight
     bias: torch.Tensor | None = None
+    # CPU only: the INT4 weight dequantized once. The reference matmul dequantizes on every call, which
+    # is the spec but costs 5x the matmul itself; the product is bit-identical either way.
+    dequantized: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, Int4Weight):
-            return int4_matmul(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T + b (+ residual)``; the INT4 kernel fuses the residual add into its epilogue."""
+        if self.dequantized is None and isinstance(self.weight, Int4Weight):
+            return int4_matmul(x, self.weight, self.bias, residual=residual)
+        w = self.dequantized.to(x.dtype) if self.dequantized is not None else self.weight
+        y = F.linear(x, w, self.bias)
+        return y if residual is None else y + residual
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for a gate_up projection (gate rows first), fused for INT4 weights."""
+        if self.dequantized is None and isinstance(self.weight, Int4Weight):
+            return int4_matmul_silu_mul(x, self.weight)
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def quantized(self, group_size: int, use_zero_point: bool) -> "Linear":
         if isinstance(self.weight, Int4Weight):
@@ -41,7 +54,8 @@ class Linear:
         g = next((g for g in (group_size, 64, 32) if g <= group_size and K % g == 0), None)
         if g is None:
             raise ValueError(f"in_features {K} is not a multiple of 32: cannot quantize to INT4")
-        return Linear(quantize_rtn(self.weight, g, use_zero_point), self.bias)
+        q = quantize_rtn(self.weight, g, use_zero_point)
+        return Linear(q, self.bias, dequantize(q) if not self.weight.is_cuda else None)
 
 
 @dataclass(slots=True)
@@ -173,10 +187,9 @@ class Transformer:
             k_layer.view(-1, Hkv, D)[batch.slot_mapping] = k
             v_layer.view(-1, Hkv, D)[batch.slot_mapping] = v.view(T, Hkv, D)
             attn = tree_attention(q, k_layer, v_layer, batch.block_tables, batch.context_lens,
-                                  batch.query_start, batch.mask_bits, scale)  # [T, H, D]
-            h = h + layer.o(attn.reshape(T, H * D))
+                                  batch.query_start, batch.mask_bits, scale, is_decode=batch.is_decode)  # [T, H, D]
+            h = layer.o(attn.reshape(T, H * D), residual=h)
             x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = layer.down(layer.gate_up.silu_mul(x), residual=h)
         h = rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)  # [R, hidden]
         return self.lm_head(h).float()  # [R, V]

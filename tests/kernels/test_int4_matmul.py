@@ -1,28 +1,15 @@
 """INT4 matmul: layout helpers, and every Triton path against ``int4_matmul_ref`` on edge shapes.
 
-Without a GPU the kernels run under Triton's interpreter (fp16 / fp32 only: the interpreter's bf16
-dot is wrong); with one they run compiled, and the ``gpu`` tests add bf16, the asm decode, large M and
-graph capture.
+Without a GPU the kernels run under Triton's interpreter (tests/conftest.py turns it on; fp16 / fp32
+only: the interpreter's bf16 dot is wrong); with one they run compiled, and the ``gpu`` tests add bf16,
+the asm decode, large M and graph capture.
 """
 
-import importlib
-import os
-import sys
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Before Triton sees the kernels: @triton.jit picks the interpreter when the module is executed.
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("kernels.int4_matmul_triton", "kernels.int4_matmul"):  # imported earlier by other tests
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
-
-import pytest  # noqa: E402
-import triton.runtime.interpreter as _interp  # noqa: E402
-
-from kernels import int4_matmul_triton as T  # noqa: E402
-from kernels.int4_matmul import (  # noqa: E402
+from kernels import int4_matmul_triton as T
+from kernels.int4_matmul import (
     Int4Weight,
     dequantize,
     int4_matmul,
@@ -36,22 +23,6 @@ from kernels.int4_matmul import (  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_int_index():
-    """Triton 3.6's interpreter turns a scalar into a 1-element array and ``range()`` over it calls
-    ``int()`` on that, which NumPy >= 2.4 refuses (older NumPy warns, an error here). Kernel loops
-    run over runtime trip counts, so index through ``.item()`` while these tests run."""
-    orig = _interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = patched
-    yield
-    _interp._patch_lang_tensor = orig
 
 
 def _weight(N: int, K: int, G: int, use_zero_point: bool, dtype: torch.dtype, seed: int = 0) -> Int4Weight:
@@ -126,12 +97,14 @@ def test_dispatch_matches_ref(M, N, K, G, use_zero_point):
 
 
 def _configs(M: int, N: int, K: int) -> list[T.KernelConfig]:
-    """Each kernel kind, with and without split-K."""
+    """Each kernel kind, with and without split-K (GEMV with several rows too)."""
     out = []
     for cfg in T._candidates(M, N, K, False, num_sms=132):
         if not any(c.kind == cfg.kind and (c.split_k > 1) == (cfg.split_k > 1) for c in out):
             out.append(cfg)
-    out += [T.KernelConfig("mma", 16, 64, 128, 1, 4, 2)]
+    out += [T.KernelConfig("mma", 16, 64, 128, 1, 4, 2), T.KernelConfig("dequant")]
+    if M <= 4:
+        out += [T.KernelConfig("gemv", 4 if M > 2 else M, 128, 64, 3, 4, 1)]
     return out
 
 
@@ -199,7 +172,7 @@ def test_gpu_llama_shape(M, dtype):
     w = _weight(1024, 4096, 128, True, dtype)
     x, bias = _x(M, 4096, dtype), _x(1, 1024, dtype, seed=2)[0]
     ref = _ref(x, w, bias)
-    for cfg in [None] + T._candidates(M, 1024, 4096, False, torch.cuda.get_device_properties(0).multi_processor_count):
+    for cfg in [None] + T._candidates(M, 1024, 4096, False, torch.cuda.get_device_properties(0).multi_processor_count)[:3]:
         y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, bias=bias, config=cfg)
         assert _rel_err(y, ref) < TOL[dtype], cfg
 

@@ -160,6 +160,15 @@ def test_sample_first_agrees_with_a_one_node_tree(params: SamplingParams) -> Non
 # A mock "model" maps a context to logits. The drafter builds trees from a different mock model; the
 # verifier sees the target's logits at each node. The emitted tokens must follow the target exactly.
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tensors have six entries: intra-op threads only add overhead (badly so on a busy machine)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
 PROMPT = (0, 3)
 BEFORE_ROOT = (4,)  # generated before the pending root
 ROOT = 1
@@ -175,7 +184,9 @@ def _mock_logits(salt: int, context: tuple[int, ...]) -> torch.Tensor:
 
 @functools.cache
 def _draft_probs(context: tuple[int, ...], params: SamplingParams) -> torch.Tensor:
-    return process_logits(_mock_logits(2, context)[None], params)[0]  # [V]
+    """The drafter: correlated with the target (so paths run deep) but far from equal to it."""
+    logits = 0.7 * _mock_logits(1, context) + 0.7 * _mock_logits(2, context)  # [V]
+    return process_logits(logits[None], params)[0]  # [V]
 
 
 def _draft_tree(context: tuple[int, ...], widths: tuple[int, ...], draft_params: SamplingParams,
@@ -187,7 +198,10 @@ def _draft_tree(context: tuple[int, ...], widths: tuple[int, ...], draft_params:
         next_frontier = []
         for u in frontier:
             q = _draft_probs(contexts[u], draft_params)
-            kids = torch.multinomial(q, width, replacement=False, generator=gen) if is_sampled else q.topk(width).indices
+            if is_sampled:
+                kids = torch.multinomial(q, width, replacement=False, generator=gen)
+            else:
+                kids = q.topk(width).indices
             for tok in kids.tolist():
                 next_frontier.append(len(tokens))
                 tokens.append(tok)

@@ -1,0 +1,265 @@
+"""The Starlette app: OpenAI-compatible routes over one ``EngineRunner``.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (stream and non-stream), GET /v1/models,
+GET /health (503 until warm-up has generated tokens), GET /metrics (Prometheus text).
+How streams, disconnects and shutdown cancel one another: see ARCHITECTURE.md, "The server".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from draft.params import SpeculationParams
+from gateway.engine import Engine, QueueFull
+from gateway.generation import Generation
+from gateway.metrics import CONTENT_TYPE, Metrics, spec_label
+from gateway.protocol import ApiError, GenerateRequest, Shape, error_body, parse_request
+from gateway.runner import EngineRunner, ShuttingDown
+from verify.sampling import SamplingParams
+
+log = logging.getLogger("specgate.app")
+PING_S = 15  # SSE comment pings keep idle proxies from closing a slow stream
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None  # None = no authentication
+    warmup_tokens: int = 4  # generated with speculation on and off before /health says ready
+    retry_after_s: int = 1  # Retry-After on 429 / 503
+    device: str = "cpu"  # reported by /health, for benchmark records
+
+
+def json_response(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status, headers, media_type="application/json")
+
+
+def error_response(exc: ApiError) -> Response:
+    return json_response(exc.body(), exc.status, exc.headers)
+
+
+class Gateway:
+    """The routes' state: one runner, one tokenizer, one metrics registry."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, chat_template: str | None, config: ServerConfig) -> None:
+        self.engine, self.tokenizer, self.chat_template, self.config = engine, tokenizer, chat_template, config
+        self.metrics = Metrics()
+        self.runner = EngineRunner(engine, self.metrics)
+        self.max_model_len = engine.max_model_len  # a constant: safe to read off the engine thread
+        self.is_ready = False
+        self.warmup_error: str | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.runner.start(asyncio.get_running_loop())
+        warm = asyncio.create_task(self.warm_up())
+        try:
+            yield
+        finally:
+            warm.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await warm
+            await asyncio.to_thread(self.runner.shutdown)  # the join waits out the current step
+
+    async def warm_up(self) -> None:
+        """Generate a few tokens with speculation on and off so first requests hit a warm engine."""
+        try:
+            ids = self._encode_chat([{"role": "user", "content": "Hello"}]) if self.chat_template else [0]
+            sampling = SamplingParams(temperature=0, max_tokens=self.config.warmup_tokens, ignore_eos=True)
+            for enabled in (True, False):
+                sub = await self.runner.submit(f"warmup-{uuid.uuid4().hex}", ids, sampling,
+                                               SpeculationParams(enabled=enabled))
+                while not (event := await sub.events.get()).finished:
+                    pass
+                if event.error:
+                    raise RuntimeError(event.error)
+        except Exception as exc:  # noqa: BLE001 -- reported by /health, the server stays up to say so
+            self.warmup_error = f"{type(exc).__name__}: {exc}"
+            log.error("warm-up failed: %s", self.warmup_error)
+            return
+        self.is_ready = True
+        log.info("warm-up done: ready")
+
+    # --- routes -----------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.is_ready:
+            return json_response({"status": "ready", "model": self.config.model_name, "device": self.config.device})
+        status = f"warm-up failed: {self.warmup_error}" if self.warmup_error else "warming up"
+        return json_response({"status": status}, 503, {"Retry-After": str(self.config.retry_after_s)})
+
+    async def metrics_route(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except ApiError as exc:
+            return error_response(exc)
+        cfg = self.engine.config
+        card = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specgate",
+                "max_model_len": self.max_model_len,
+                "speculation": {"drafters": sorted(self.engine.drafters), "default_drafter": cfg.default_drafter,
+                                "default_tree": list(cfg.default_tree)}}
+        return json_response({"object": "list", "data": [card]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, is_chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, is_chat=False)
+
+    # --- generation -------------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, is_chat: bool) -> Response:
+        arrival = time.monotonic()
+        route = request.url.path
+        label = "unknown"
+        try:
+            self._authorize(request)
+            req = parse_request(await request.body(), is_chat, request.headers.get("x-speculation"))
+            label = spec_label(req.speculation.enabled)
+            gen = await self._start(req, route, arrival)
+        except ApiError as exc:
+            self.metrics.requests.labels(route, str(exc.status), label).inc()
+            return error_response(exc)
+        headers = {"X-Request-Id": gen.sub.request_id}
+        if req.stream:
+            return EventSourceResponse(gen.stream(), headers=headers, ping=PING_S, sep="\n",
+                                       background=BackgroundTask(gen.close))
+        body = await self._collect_watching(request, gen)
+        if isinstance(body, ApiError):
+            return error_response(body)
+        return json_response(body, headers=headers)
+
+    async def _start(self, req: GenerateRequest, route: str, arrival: float) -> Generation:
+        if req.model is not None and req.model != self.config.model_name:
+            raise ApiError(404, f"model {req.model!r} does not exist: this server serves {self.config.model_name!r}",
+                           param="model", code="model_not_found")
+        prompt_ids = self._encode(req)
+        sampling = req.sampling_params(self.max_model_len - len(prompt_ids))
+        prefix = "chatcmpl-" if req.is_chat else "cmpl-"
+        request_id = prefix + uuid.uuid4().hex
+        sub = await self._submit(request_id, prompt_ids, sampling, req)
+        shape = Shape(req.is_chat, request_id, int(time.time()), self.config.model_name)
+        return Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route)
+
+    async def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                      req: GenerateRequest):
+        retry = {"Retry-After": str(self.config.retry_after_s)}
+        try:
+            return await self.runner.submit(request_id, prompt_ids, sampling, req.speculation)
+        except QueueFull as exc:
+            raise ApiError(429, f"the server is at capacity ({exc}); retry later", code="queue_full",
+                           type="rate_limit_error", headers=retry) from None
+        except ShuttingDown as exc:
+            raise ApiError(503, str(exc), type="server_error", headers=retry) from None
+        except ValueError as exc:
+            raise _engine_refusal(str(exc), req.is_chat) from None
+
+    async def _collect_watching(self, request: Request, gen: Generation) -> dict[str, Any] | ApiError | None:
+        """Collect a non-stream body, cancelling it if the client disconnects first (which aborts it)."""
+        collect = asyncio.ensure_future(gen.collect())
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (watch, collect):
+                if not task.done():
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.gather(task, return_exceptions=True)
+        if collect.cancelled():
+            return None
+        exc = collect.exception()
+        if isinstance(exc, ApiError):
+            return exc
+        if exc is not None:
+            raise exc
+        return collect.result()
+
+    def _encode(self, req: GenerateRequest) -> list[int]:
+        if req.is_chat:
+            return self._encode_chat(req.messages)
+        if isinstance(req.prompt, list):
+            return req.prompt
+        return self.tokenizer.encode(req.prompt)
+
+    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not self.chat_template:
+            raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      chat_template=self.chat_template)
+        except Exception as exc:  # noqa: BLE001 -- templates raise their own errors on unsupported turns
+            raise ApiError(400, f"messages do not fit the chat template: {exc}", param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())):
+            raise ApiError(401, "missing or incorrect API key: send Authorization: Bearer KEY",
+                           code="invalid_api_key")
+
+
+def _engine_refusal(message: str, is_chat: bool) -> ApiError:
+    """Engine.add's ValueError as a 400 naming the field."""
+    if "drafter" in message:
+        return ApiError(400, message, param="speculation.drafter")
+    code = "context_length_exceeded" if "context" in message or "KV pool" in message else None
+    return ApiError(400, message, param="messages" if is_chat else "prompt", code=code)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away. The body is already read, so the next message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return json_response(error_body(str(exc.detail), kind), exc.status_code)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return json_response(error_body("internal server error", "server_error"), 500)
+
+
+def create_app(engine: Engine, tokenizer: Any, chat_template: str | None, config: ServerConfig) -> Starlette:
+    """The ASGI app. The engine must not be stepped by anyone else once the app's lifespan starts."""
+    gw = Gateway(engine, tokenizer, chat_template, config)
+    routes = [
+        Route("/v1/chat/completions", gw.chat, methods=["POST"]),
+        Route("/v1/completions", gw.completions, methods=["POST"]),
+        Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/health", gw.health, methods=["GET"]),
+        Route("/metrics", gw.metrics_route, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=gw.lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    app.state.gateway = gw
+    return app

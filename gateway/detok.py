@@ -1,0 +1,99 @@
+"""Token ids -> text deltas for streaming: never split a character, never leak a stop string.
+
+Pure Python over a Hugging Face tokenizer; runs on the event loop, one ``TextAssembler`` per request.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"  # what a decoder returns for an incomplete UTF-8 sequence
+PROMPT_CONTEXT = 4  # prompt tokens decoded ahead of the output, so a leading space is not lost
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Decodes a window ``ids[prefix:]`` and emits what it adds to ``ids[prefix:read]``.
+
+    Decoding a window instead of each token alone keeps tokenizers whose pieces depend on their
+    neighbours (SentencePiece's leading space) exact; holding text that ends in U+FFFD waits for the
+    rest of a multi-byte character that a byte-level tokenizer split across tokens.
+    """
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int]) -> None:
+        self._tok = tokenizer
+        self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def _delta(self) -> str:
+        before = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        after = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=True)
+        return after[len(before) :] if len(after) > len(before) else ""
+
+    def feed(self, token_ids: list[int]) -> str:
+        """Add tokens; return the text that is now stable (possibly empty)."""
+        self._ids += token_ids
+        delta = self._delta()
+        if not delta or delta.endswith(REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return delta
+
+    def flush(self) -> str:
+        """The request ended: whatever is held back, incomplete characters included."""
+        delta = self._delta()
+        self._prefix = self._read = len(self._ids)
+        return delta
+
+
+class StopMatcher:
+    """Cuts the text before the first stop string and holds back any tail that could start one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._pending = ""  # text not yet emitted: at most the longest stop string minus one, plus a delta
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string matched). After a match, stop feeding."""
+        pending = self._pending + text
+        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._pending = ""
+            return pending[: min(hits)], True
+        keep = 0 if final else self._partial_len(pending)
+        self._pending = pending[len(pending) - keep :]
+        return pending[: len(pending) - keep], False
+
+    def _partial_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
+
+        Emitted text never ends in such a prefix, so a match can only start inside ``_pending``.
+        """
+        best = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+
+class TextAssembler:
+    """One request's text: ``feed`` engine tokens, get text to send and whether a stop string ended it."""
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stops: tuple[str, ...] = ()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stops = StopMatcher(stops)
+        self.text = ""  # everything emitted so far
+
+    def feed(self, token_ids: list[int], finished: bool) -> tuple[str, bool]:
+        text = self._detok.feed(token_ids)
+        if finished:
+            text += self._detok.flush()
+        out, stopped = self._stops.feed(text, final=finished)
+        self.text += out
+        return out, stopped

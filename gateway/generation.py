@@ -1,0 +1,145 @@
+"""One request on the event loop: engine events -> text pieces -> an OpenAI body or SSE chunks.
+
+Owns the request's timing (TTFT, per-token latency, decode rate), its request-level metrics, and
+the guarantee that a request nobody reads any more is aborted in the engine: ``close`` runs from
+every exit (finished, stop string, engine failure, client gone, cancellation) and is idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway.detok import Decoder, TextAssembler
+from gateway.metrics import Metrics, spec_label
+from gateway.protocol import SSE_DONE, ApiError, GenerateRequest, Shape, error_body, speculation_report, sse, usage
+from gateway.runner import EngineRunner, Event, Submission
+from gateway.sequence import SpecStats
+
+
+class EngineFailure(Exception):
+    """The engine ended the request with an error (500) or aborted it on shutdown (503)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Generation:
+    def __init__(self, runner: EngineRunner, sub: Submission, req: GenerateRequest, shape: Shape,
+                 tokenizer: Decoder, prompt_ids: list[int], arrival: float, metrics: Metrics, route: str) -> None:
+        self.runner, self.sub, self.req, self.shape, self.metrics = runner, sub, req, shape, metrics
+        self.route, self.arrival = route, arrival
+        self.label = spec_label(sub.is_speculative)
+        self.assembler = TextAssembler(tokenizer, prompt_ids, req.stop)
+        self.stats = SpecStats()
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.first_time: float | None = None
+        self.first_tokens = 0
+        self.last_time: float | None = None
+        self.is_done = False  # the engine holds nothing for this request any more
+        self.is_closed = False
+
+    # --- events -> text ---------------------------------------------------------------------------
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Stable text deltas; the last one is yielded (maybe empty) once ``finish_reason`` is set."""
+        while not self.is_done:
+            event = await self.sub.events.get()
+            self._observe(event)
+            if event.finished and event.finish_reason in ("error", "abort"):
+                self.is_done = True
+                status = 503 if event.finish_reason == "abort" else 500
+                raise EngineFailure(event.error or "the request was aborted", status)
+            text, stopped = self.assembler.feed(event.token_ids, event.finished)
+            if stopped and not event.finished:
+                self.runner.abort(self.sub.request_id)  # free its KV now, not at max_tokens
+            if stopped or event.finished:
+                self.is_done = True
+                self.finish_reason = "stop" if stopped else event.finish_reason
+            if text or self.is_done:
+                yield text
+
+    def _observe(self, event: Event) -> None:
+        n = len(event.token_ids)
+        if n:
+            if self.first_time is None:
+                self.first_time, self.first_tokens = event.time, n
+                self.metrics.ttft.labels(self.label).observe(event.time - self.arrival)
+            else:
+                per_token = (event.time - self.last_time) / n  # a speculative event carries several tokens
+                for _ in range(n):
+                    self.metrics.per_token.labels(self.label).observe(per_token)
+            self.last_time = event.time
+        self.completion_tokens = event.completion_tokens
+        self.stats = event.stats
+
+    # --- reports ----------------------------------------------------------------------------------
+
+    def usage(self, final: bool = True) -> dict[str, Any]:
+        ttft = None if self.first_time is None else self.first_time - self.arrival
+        rate = None
+        decoded = self.completion_tokens - self.first_tokens
+        if self.first_time is not None and self.last_time > self.first_time and decoded > 0:
+            rate = decoded / (self.last_time - self.first_time)
+        report = speculation_report(self.sub.is_speculative, self.stats, ttft, rate)
+        if not final:  # live figures on every chunk: the counters only
+            report = {k: report[k] for k in ("drafted_tokens", "accepted_tokens", "mean_accepted_length", "steps")}
+        return usage(self.sub.prompt_tokens, self.completion_tokens, report)
+
+    def _chunk_usage(self) -> dict[str, Any] | None | bool:
+        if self.req.continuous_usage:
+            return self.usage(final=False)
+        return None if self.req.include_usage else False
+
+    # --- the two response forms -------------------------------------------------------------------
+
+    async def collect(self) -> dict[str, Any]:
+        """The non-stream body. Raises ApiError when the engine fails the request."""
+        status = "499"  # stays if we are cancelled: the client went away
+        try:
+            text = "".join([piece async for piece in self.pieces()])
+            status = "200"
+            return self.shape.response(text, self.finish_reason, self.usage())
+        except EngineFailure as exc:
+            status = str(exc.status)
+            raise ApiError(exc.status, f"generation failed: {exc}", type="server_error") from None
+        finally:
+            self.close(status)
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """SSE bytes: role chunk (chat), text chunks, finish chunk, usage chunk, ``[DONE]``."""
+        status = "499"
+        try:
+            if self.shape.is_chat:
+                yield sse(self.shape.chunk("", role=True, usage=self._chunk_usage()))
+            async for text in self.pieces():
+                if text:
+                    yield sse(self.shape.chunk(text, usage=self._chunk_usage()))
+            yield sse(self.shape.chunk(None, self.finish_reason, usage=self._chunk_usage()))
+            if self.req.include_usage:
+                yield sse(self.shape.usage_chunk(self.usage()))
+            yield SSE_DONE
+            status = "200"
+        except EngineFailure as exc:
+            status = str(exc.status)
+            yield sse(error_body(f"generation failed: {exc}", "server_error"))
+            yield SSE_DONE
+        finally:
+            self.close(status)
+
+    def close(self, status: str = "499") -> None:
+        """Abort the request if the engine still holds it; record request metrics once."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        if not self.is_done:
+            self.runner.abort(self.sub.request_id)
+        m, label = self.metrics, self.label
+        m.requests.labels(self.route, status, label).inc()
+        m.finished.labels(self.finish_reason or ("abort" if status == "499" else "error"), label).inc()
+        m.prompt_tokens.labels(label).inc(self.sub.prompt_tokens)
+        m.generation_tokens.labels(label).inc(self.completion_tokens)
+        if self.last_time is not None:
+            m.e2e.labels(label).observe(self.last_time - self.arrival)

@@ -1,0 +1,302 @@
+"""OpenAI-compatible request parsing and response shapes, as plain dicts; no HTTP framework here.
+
+Parsing checks every field's type and range and raises ``ApiError`` naming the field, so the app can
+answer in OpenAI's error shape before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from draft.params import SpeculationParams, check_widths, parse_tree
+from gateway.sequence import SpecStats
+from verify.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 4
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Fields we know and refuse rather than silently ignore: their absence would change what the user gets.
+UNSUPPORTED = {"echo": "echo", "suffix": "suffix", "tools": "tool calling", "functions": "function calling",
+               "logit_bias": "logit_bias"}
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """A validated /v1/completions or /v1/chat/completions body."""
+
+    is_chat: bool
+    model: str | None
+    messages: list[dict[str, str]] | None  # chat
+    prompt: str | list[int] | None  # completions: text or token ids
+    max_tokens: int | None  # None = what the context leaves (chat) or 16 (completions, as OpenAI)
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields other than max_tokens
+    speculation: SpeculationParams = SpeculationParams()
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a final usage chunk
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
+
+    def sampling_params(self, context_left: int) -> SamplingParams:
+        max_tokens = self.max_tokens or (max(context_left, 1) if self.is_chat else 16)
+        try:
+            return SamplingParams(max_tokens=max_tokens, **self.sampling)
+        except ValueError as exc:  # SamplingParams messages start with the field's name
+            raise ApiError(400, str(exc), param=str(exc).split()[0]) from None
+
+
+def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> GenerateRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    _refuse_unsupported(body, is_chat)
+    stream = _get(body, "stream", bool, False)
+    options = _get(body, "stream_options", dict, {})
+    max_tokens = _get(body, "max_completion_tokens", int, None) if is_chat else None
+    max_tokens = _get(body, "max_tokens", int, max_tokens)
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    return GenerateRequest(
+        is_chat=is_chat, model=_get(body, "model", str, None),
+        messages=_messages(body) if is_chat else None, prompt=None if is_chat else _prompt(body),
+        max_tokens=max_tokens, sampling=_sampling(body), speculation=_speculation(body, spec_header),
+        stop=_stop(body), stream=stream,
+        include_usage=stream and _get(options, "include_usage", bool, False, "stream_options.include_usage"),
+        continuous_usage=stream and _get(options, "continuous_usage_stats", bool, False,
+                                         "stream_options.continuous_usage_stats"))
+
+
+_TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+               dict: "an object"}
+
+
+def _get(body: dict, name: str, kind: type, default: Any, param: str | None = None) -> Any:
+    """``body[name]`` checked against ``kind`` (JSON null = absent); bools are not numbers here."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        raise ApiError(400, f"{param or name} must be {_TYPE_NAMES[kind]}, got {orjson.dumps(value).decode()}",
+                       param=param or name)
+    return value
+
+
+def _refuse_unsupported(body: dict, is_chat: bool) -> None:
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise ApiError(400, f"n must be 1: this server returns one choice per request, got {n}", param="n")
+    best_of = _get(body, "best_of", int, 1)
+    if best_of != 1:
+        raise ApiError(400, f"best_of must be 1, got {best_of}", param="best_of")
+    wants_logprobs = body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None
+    if wants_logprobs:
+        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    for name, what in UNSUPPORTED.items():
+        if body.get(name) not in (None, False, "", [], {}):
+            raise ApiError(400, f"{what} is not supported by this server", param=name)
+    fmt = body.get("response_format")
+    if is_chat and fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(400, "response_format other than text is not supported", param="response_format")
+
+
+def _sampling(body: dict) -> dict[str, Any]:
+    top_k = _get(body, "top_k", int, 0)
+    out = {
+        "temperature": _get(body, "temperature", float, 1.0),
+        "top_p": _get(body, "top_p", float, 1.0),
+        "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "off" as -1
+        "seed": _get(body, "seed", int, None),
+        "presence_penalty": _get(body, "presence_penalty", float, 0.0),
+        "frequency_penalty": _get(body, "frequency_penalty", float, 0.0),
+        "repetition_penalty": _get(body, "repetition_penalty", float, 1.0),
+        "ignore_eos": _get(body, "ignore_eos", bool, False),
+    }
+    if out["temperature"] > 2:
+        raise ApiError(400, f"temperature must be in [0, 2], got {out['temperature']}", param="temperature")
+    ids = _get(body, "stop_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ApiError(400, "stop_token_ids must be an array of integers", param="stop_token_ids")
+    out["stop_token_ids"] = tuple(ids)
+    return out
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "stop must be a string or an array of strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    return tuple(s for s in stops if s)
+
+
+def _messages(body: dict) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty array of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object", param=where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)})
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts joined (images and audio are refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise ApiError(400, f"{where}.content must be a string or an array of text parts", param=f"{where}.content")
+
+
+def _prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError(400, "prompt must be one prompt: batches of several are not supported", param="prompt")
+    raise ApiError(400, "prompt must be a non-empty string or array of token ids", param="prompt")
+
+
+def _speculation(body: dict, header: str | None) -> SpeculationParams:
+    enabled = True
+    if header is not None:
+        if header.strip().lower() not in ("on", "off"):
+            raise ApiError(400, f"X-Speculation must be on or off, got {header!r}", param="X-Speculation")
+        enabled = header.strip().lower() == "on"
+    spec = _get(body, "speculation", dict, {})
+    unknown = sorted(set(spec) - {"enabled", "max_nodes", "drafter", "tree"})
+    if unknown:
+        raise ApiError(400, f"speculation has unknown fields {unknown}: use enabled, max_nodes, drafter, tree",
+                       param=f"speculation.{unknown[0]}")
+    try:
+        return SpeculationParams(
+            enabled=_get(spec, "enabled", bool, enabled, "speculation.enabled"),
+            drafter=_get(spec, "drafter", str, None, "speculation.drafter"), tree=_tree(spec.get("tree")),
+            max_nodes=_get(spec, "max_nodes", int, None, "speculation.max_nodes"))
+    except ValueError as exc:
+        param = "speculation.max_nodes" if "max_nodes" in str(exc) else "speculation.tree"
+        raise ApiError(400, str(exc), param=param) from None
+
+
+def _tree(value: Any) -> tuple[int, ...] | None:
+    """Widths per depth, as ``[2, 2, 1]`` or ``"2,2,1"``; ValueError names what is wrong."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return parse_tree(value)
+    if isinstance(value, list) and all(type(w) is int for w in value):
+        check_widths(tuple(value))
+        return tuple(value)
+    raise ApiError(400, "speculation.tree must be widths per depth, like [2, 2, 1]", param="speculation.tree")
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+
+def speculation_report(is_speculative: bool, stats: SpecStats, ttft_s: float | None,
+                       decode_tokens_per_s: float | None) -> dict[str, Any]:
+    return {"enabled": is_speculative, "drafted_tokens": stats.drafted_tokens,
+            "accepted_tokens": stats.accepted_tokens,
+            "mean_accepted_length": round(stats.mean_accepted_length, 4), "steps": stats.steps,
+            "accepted_by_depth": list(stats.accepted_by_depth),
+            "ttft_s": None if ttft_s is None else round(ttft_s, 6),
+            "decode_tokens_per_s": None if decode_tokens_per_s is None else round(decode_tokens_per_s, 3)}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, speculation: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if speculation is not None:
+        out["speculation"] = speculation
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """What every response of one request shares."""
+
+    is_chat: bool
+    id: str
+    created: int
+    model: str
+
+    def _head(self, suffix: str) -> dict[str, Any]:
+        kind = "chat.completion" if self.is_chat else "text_completion"
+        return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
+
+    def response(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.is_chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        return self._head("") | {"choices": [choice], "usage": usage}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+              usage: dict[str, Any] | None | bool = False) -> dict[str, Any]:
+        """One stream chunk; ``usage=False`` leaves the field out, ``None`` writes null (include_usage)."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.is_chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        out = self._head(".chunk" if self.is_chat else "") | {"choices": [choice]}
+        if usage is not False:
+            out["usage"] = usage
+        return out
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return self._head(".chunk" if self.is_chat else "") | {"choices": [], "usage": usage}
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
