@@ -73,6 +73,7 @@ class TreeBuilder:
         """Add the nodes of ``depth + 1`` from ``logits`` [F, V], one row per frontier node at ``depth``."""
         front = self.frontier(depth)
         width = self.widths[depth]
+        logits = logits.float().cpu()  # [F, V]: choices are host-side Python, and the generator lives on CPU
         if self.sampling.is_greedy:
             self._expand_top(front, logits, width)
         else:

@@ -29,25 +29,29 @@ class IncrementalDetokenizer:
         self._prefix = 0
         self._read = len(self._ids)
 
-    def _delta(self) -> str:
-        before = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
-        after = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=True)
-        return after[len(before) :] if len(after) > len(before) else ""
+    def _decode(self, end: int) -> str:
+        return self._tok.decode(self._ids[self._prefix : end], skip_special_tokens=True)
 
     def feed(self, token_ids: list[int]) -> str:
-        """Add tokens; return the text that is now stable (possibly empty)."""
+        """Add tokens; return the text that is now stable (possibly empty).
+
+        A speculative step adds several tokens; when only the last ones end in a partial character,
+        the text of the tokens before them still goes out now.
+        """
         self._ids += token_ids
-        delta = self._delta()
-        if not delta or delta.endswith(REPLACEMENT):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return delta
+        before = self._decode(self._read)
+        for end in range(len(self._ids), self._read, -1):
+            after = self._decode(end)
+            if len(after) > len(before) and not after.endswith(REPLACEMENT):
+                self._prefix, self._read = self._read, end
+                return after[len(before) :]
+        return ""
 
     def flush(self) -> str:
         """The request ended: whatever is held back, incomplete characters included."""
-        delta = self._delta()
+        before, after = self._decode(self._read), self._decode(len(self._ids))
         self._prefix = self._read = len(self._ids)
-        return delta
+        return after[len(before) :] if len(after) > len(before) else ""
 
 
 class StopMatcher:

@@ -8,7 +8,15 @@ thread-safe. Each ``Metrics`` owns its registry, so several servers (tests) can 
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from gateway.sequence import SpecStats
 
@@ -24,6 +32,7 @@ def spec_label(is_speculative: bool) -> str:
 
 class Metrics:
     def __init__(self) -> None:
+        disable_created_metrics()  # the *_created series double the page and no dashboard reads them
         r = self.registry = CollectorRegistry()
         spec = ["speculation"]
         self.requests = Counter("specgate_requests", "HTTP requests by route and final status "

@@ -8,6 +8,10 @@ Layout (the project's one INT4 format; loaders and quantizers repack into it onc
 * ``scales``: ``[K // G, N]`` in the activation dtype.
 * ``zeros``: ``[K // G, N]`` in the activation dtype, or ``None`` for symmetric codes (zero point 8).
 * ``W[n, k] = (code - zero[k // G, n]) * scale[k // G, n]``.
+
+The Triton kernels (``kernels/int4_matmul_triton.py``) read this layout as is: no GPU repack. On CUDA
+they tune once per (M bucket, shape) on the first eager call, so call each shape once before capturing
+a CUDA graph. Fused epilogues: ``bias``, ``residual=`` and ``int4_matmul_silu_mul`` (SwiGLU's gate).
 """
 
 from __future__ import annotations

@@ -416,7 +416,8 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int) -> list[Kernel
     out: list[KernelConfig] = []
     if M >= 128 and not silu:  # compute-bound: cuBLAS on a dequantized copy wins from here (H200)
         out.append(KernelConfig("dequant"))
-    shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[min(max(triton.next_power_of_2(M), 16), 256)]]
+    bucket = min(max(triton.next_power_of_2(M), 16), 256)
+    shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[bucket]]
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
         shapes += [("gemv", 1, bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
     for kind, bm, bn, bk, warps, stages in shapes:
@@ -499,7 +500,8 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     M, K = x.shape
     N = qweight.shape[1]
     if qweight.shape[0] * 8 != K or scales.shape != (K // group_size, N) or (silu and N % 2):
-        raise ValueError(f"x {tuple(x.shape)} does not match qweight {tuple(qweight.shape)} / scales {tuple(scales.shape)}")
+        raise ValueError(f"x {tuple(x.shape)} does not match qweight {tuple(qweight.shape)} "
+                         f"/ scales {tuple(scales.shape)}")
     y = torch.empty((M, N // 2 if silu else N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y

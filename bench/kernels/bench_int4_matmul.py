@@ -224,7 +224,8 @@ def timing(dtype: torch.dtype, results: dict) -> None:
         nbytes = K * N // 2
         copies = max(2, math.ceil(ROTATE_BYTES / nbytes))
         weights[(K, N)] = [rand_weight(N, K, dtype) for _ in range(copies)]
-        dense[(K, N)] = [torch.randn(N, K, device="cuda", dtype=dtype) for _ in range(max(1, math.ceil(ROTATE_BYTES / (2 * N * K))))]
+        num_dense = max(1, math.ceil(ROTATE_BYTES / (2 * N * K)))
+        dense[(K, N)] = [torch.randn(N, K, device="cuda", dtype=dtype) for _ in range(num_dense)]
         try:
             packs[(K, N)] = [int4pack_weight(w) for w in weights[(K, N)]]
         except Exception as e:  # noqa: BLE001
@@ -249,7 +250,8 @@ def timing(dtype: torch.dtype, results: dict) -> None:
             per = {}
             r = ref(x, ws[0])
             for cfg in T._candidates(M, N, K, False, sms):
-                fns = [lambda w=w, c=cfg: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=c) for w in ws]
+                fns = [lambda w=w, c=cfg: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=c)
+                       for w in ws]
                 try:
                     per[cfg], out = graph_time_us(fns)
                     e = rel_err(out, r)
@@ -321,7 +323,8 @@ def main() -> None:
     print(f"\n{'M':>4} {'us/layer':>9} {'TB/s':>6} {'%copy':>6} {'int4pack':>9} {'cuBLAS':>8} {'dq+cuBLAS':>10}")
     for r in results["rows"]:
         print(f"{r['M']:4d} {r['us_per_layer']:9.1f} {r['tbps']:6.2f} {r['pct_copy']:6.1f} "
-              f"{r['int4pack_us_per_layer']:9.1f} {r['cublas_us_per_layer']:8.1f} {r['dequant_cublas_us_per_layer']:10.1f}")
+              f"{r['int4pack_us_per_layer']:9.1f} {r['cublas_us_per_layer']:8.1f} "
+              f"{r['dequant_cublas_us_per_layer']:10.1f}")
     for r in results["rows"]:
         print(r["M"], {k: v["config"] for k, v in r["shapes"].items()})
     print("wrote", path)

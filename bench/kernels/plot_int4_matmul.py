@@ -21,7 +21,8 @@ def main(path: str) -> None:
     rows = res["rows"]
     ms = [r["M"] for r in rows]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series = [("us_per_layer", "ours (Triton W4A16)", "C0"), ("int4pack_us_per_layer", "torch _weight_int4pack_mm", "C1"),
+    series = [("us_per_layer", "ours (Triton W4A16)", "C0"),
+              ("int4pack_us_per_layer", "torch _weight_int4pack_mm", "C1"),
               ("cublas_us_per_layer", "bf16 cuBLAS F.linear", "C2"),
               ("dequant_cublas_us_per_layer", "dequant + cuBLAS", "C3")]
     for key, label, color in series:
@@ -52,4 +53,5 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "results", "int4_matmul.json"))
+    default = os.path.join(os.path.dirname(__file__), "..", "results", "int4_matmul.json")
+    main(sys.argv[1] if len(sys.argv) > 1 else default)

@@ -172,7 +172,8 @@ def test_gpu_llama_shape(M, dtype):
     w = _weight(1024, 4096, 128, True, dtype)
     x, bias = _x(M, 4096, dtype), _x(1, 1024, dtype, seed=2)[0]
     ref = _ref(x, w, bias)
-    for cfg in [None] + T._candidates(M, 1024, 4096, False, torch.cuda.get_device_properties(0).multi_processor_count)[:3]:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cfg in [None] + T._candidates(M, 1024, 4096, False, sms)[:3]:
         y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, bias=bias, config=cfg)
         assert _rel_err(y, ref) < TOL[dtype], cfg
 

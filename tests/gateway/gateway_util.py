@@ -1,0 +1,125 @@
+"""Helpers for the gateway tests: a tiny random engine, a tiny byte-level BPE tokenizer with a chat
+template, the app over them, reached through httpx's ASGI transport or a live uvicorn on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import uvicorn
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from engine_util import tiny_engine
+from gateway.app import ServerConfig, create_app
+from gateway.engine import Engine
+
+MODEL = "tiny"
+API_KEY = "test-key"
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what a byte-level BPE vocabulary is written in)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return chars
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """Printable ASCII, space, the bytes of 'é' and '€' (so characters split across tokens), a few merges."""
+    chars = byte_chars()
+    tokens = SPECIALS + [chars[b] for b in range(32, 127)] + [chars[b] for b in sorted(set("é€".encode()))]
+    merges = [("H", "e"), ("l", "l"), ("He", "ll"), ("Hell", "o"), (chars[32], "w"), ("o", "r")]
+    merges += [("a", c) for c in "bcdefghijklmnopqrstuvwxyz"]
+    tokens += [a + b for a, b in merges]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[2], bos_token=SPECIALS[1])
+
+
+def make_app(tokenizer: Any, engine: Engine | None = None, **config: Any):
+    engine = engine or tiny_engine(vocab=len(tokenizer), num_blocks=128)
+    return create_app(engine, tokenizer, CHAT_TEMPLATE, ServerConfig(model_name=MODEL, warmup_tokens=2, **config))
+
+
+@contextlib.asynccontextmanager
+async def asgi_client(app) -> AsyncIterator[httpx.AsyncClient]:
+    """The app's lifespan (runner thread, warm-up) around an in-process client; for finite responses only."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            await wait_ready(client)
+            yield client
+
+
+async def wait_ready(client: httpx.AsyncClient, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (await client.get("/health")).status_code != 200:
+        assert time.monotonic() < deadline, "server never became ready"
+        await asyncio.sleep(0.02)
+
+
+class LiveServer:
+    """uvicorn in a thread on a free port of 127.0.0.1; stops and joins cleanly on exit."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @property
+    def engine(self) -> Engine:
+        return self.app.state.gateway.engine
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self._ready():
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def _ready(self) -> bool:
+        if not self.server.started:
+            return False
+        return httpx.get(self.url + "/health").status_code == 200
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.sock.close()
+        assert not self.thread.is_alive(), "server did not stop"
+
+
+def pool_is_full(engine: Engine) -> bool:
+    pools = [engine.cache.pool] + [d.cache.pool for d in engine.drafters.values() if hasattr(d, "cache")]
+    return all(p.num_free == p.num_blocks for p in pools)
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)

@@ -1,0 +1,195 @@
+"""gateway/app.py through httpx's ASGI transport: OpenAI shapes, streams, stop strings, the A/B switch,
+metrics and health. Finite responses only; endless streams and disconnects are in test_live.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from gateway_util import MODEL, asgi_client, make_app, pool_is_full, wait_until
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "temperature": 0, "max_tokens": 24,
+        "ignore_eos": True}
+
+
+def events(body: str) -> list[dict | str]:
+    """SSE body -> parsed data payloads; asserts the exact `data: ...\\n\\n` framing."""
+    assert body.endswith("data: [DONE]\n\n")
+    out = []
+    for block in body.split("\n\n")[:-1]:
+        assert block.startswith("data: ") and "\n" not in block, block
+        data = block[len("data: ") :]
+        out.append(data if data == "[DONE]" else orjson.loads(data))
+    return out
+
+
+def run(tokenizer, fn, **app_kw):
+    async def main():
+        app = make_app(tokenizer, **app_kw)
+        async with asgi_client(app) as client:
+            return await fn(client, app)
+
+    return asyncio.run(main())
+
+
+def test_chat_non_stream_shape(tokenizer) -> None:
+    async def go(client, app):
+        return await client.post("/v1/chat/completions", json=CHAT)
+
+    r = run(tokenizer, go)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] == "length" and choice["index"] == 0
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 24 and usage["total_tokens"] == usage["prompt_tokens"] + 24
+    spec = usage["speculation"]
+    assert spec["enabled"] and spec["steps"] >= 1 and spec["drafted_tokens"] >= spec["accepted_tokens"]
+    assert spec["mean_accepted_length"] >= 1 and spec["ttft_s"] > 0 and spec["decode_tokens_per_s"] > 0
+
+
+def test_streams_match_non_stream_and_end_with_usage_and_done(tokenizer) -> None:
+    async def go(client, app):
+        full = await client.post("/v1/chat/completions", json=CHAT)
+        stream = await client.post("/v1/chat/completions",
+                                   json=CHAT | {"stream": True, "stream_options": {"include_usage": True}})
+        comp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 8,
+                                                          "stream": True})
+        return full.json(), stream, comp
+
+    full, stream, comp = run(tokenizer, go)
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    chunks = events(stream.text)
+    assert chunks[-1] == "[DONE]"
+    first, *middle, finish, usage_chunk, _ = chunks
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in [first, *middle, finish])
+    text = "".join(c["choices"][0]["delta"]["content"] for c in middle)
+    assert text == full["choices"][0]["message"]["content"]
+    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 24
+    assert usage_chunk["usage"]["speculation"]["steps"] >= 1
+    comp_chunks = events(comp.text)
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in comp_chunks[:-1])
+    assert comp_chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_continuous_usage_counts_every_token(tokenizer) -> None:
+    async def go(client, app):
+        opts = {"include_usage": True, "continuous_usage_stats": True}
+        return await client.post("/v1/chat/completions", json=CHAT | {"stream": True, "stream_options": opts})
+
+    chunks = events(run(tokenizer, go).text)[:-1]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 24
+    assert {"drafted_tokens", "accepted_tokens", "steps"} <= set(chunks[1]["usage"]["speculation"])
+
+
+def test_greedy_text_is_the_same_with_speculation_on_and_off(tokenizer) -> None:
+    arms = [({}, {"speculation": {"enabled": True, "drafter": "draft", "tree": [2, 2, 1]}}),
+            ({}, {"speculation": {"drafter": "exact", "tree": [1, 1, 1], "max_nodes": 3}}),
+            ({}, {"speculation": {"enabled": False}}),
+            ({"X-Speculation": "off"}, {}),
+            ({"X-Speculation": "on"}, {"speculation": {"drafter": "ngram", "tree": "2,1"}})]
+
+    async def go(client, app):
+        # all arms at once: they share engine steps, which is the A/B setting
+        rs = await asyncio.gather(*(client.post("/v1/chat/completions", json=CHAT | body, headers=headers)
+                                    for headers, body in arms))
+        return [r.json() for r in rs]
+
+    bodies = run(tokenizer, go)
+    texts = {b["choices"][0]["message"]["content"] for b in bodies}
+    assert len(texts) == 1
+    enabled = [b["usage"]["speculation"]["enabled"] for b in bodies]
+    assert enabled == [True, True, False, False, True]
+    assert bodies[1]["usage"]["speculation"]["accepted_tokens"] == bodies[1]["usage"]["speculation"]["drafted_tokens"]
+    assert bodies[2]["usage"]["speculation"]["drafted_tokens"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_text_and_frees_the_request(tokenizer, stream: bool) -> None:
+    async def go(client, app):
+        full = (await client.post("/v1/chat/completions", json=CHAT)).json()["choices"][0]["message"]["content"]
+        stop = next(full[i : i + 2] for i in range(4, len(full)) if "\ufffd" not in full[i : i + 2])
+        r = await client.post("/v1/chat/completions", json=CHAT | {"stop": [stop], "stream": stream,
+                                                                   "max_tokens": 400})
+        engine = app.state.gateway.engine
+        await asyncio.to_thread(wait_until, lambda: pool_is_full(engine) and not engine.has_work())
+        return full, stop, r
+
+    full, stop, r = run(tokenizer, go)
+    want = full[: full.index(stop)]
+    if stream:
+        chunks = events(r.text)[:-1]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        reason = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        text, reason = r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"]
+    assert (text, reason) == (want, "stop")
+
+
+def test_completions_accept_token_ids_and_report_usage(tokenizer) -> None:
+    async def go(client, app):
+        return await client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 5,
+                                                          "temperature": 0, "ignore_eos": True})
+
+    body = run(tokenizer, go).json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 5
+    assert body["choices"][0]["finish_reason"] == "length" and "text" in body["choices"][0]
+
+
+def test_models_metrics_and_health(tokenizer) -> None:
+    async def go(client, app):
+        await client.post("/v1/chat/completions", json=CHAT)
+        await client.post("/v1/chat/completions", json=CHAT, headers={"X-Speculation": "off"})
+        await client.post("/v1/chat/completions", json=CHAT | {"model": "nope"})
+        return [await client.get(p) for p in ("/v1/models", "/metrics", "/health")]
+
+    models, metrics, health = run(tokenizer, go)
+    card = models.json()["data"][0]
+    assert card["id"] == MODEL and "draft" in card["speculation"]["drafters"]
+    text = metrics.text
+    for needle in ['specgate_requests_total{route="/v1/chat/completions",speculation="on",status="200"} 1.0',
+                   'specgate_requests_total{route="/v1/chat/completions",speculation="off",status="200"} 1.0',
+                   'status="404"', "specgate_time_to_first_token_seconds_bucket",
+                   'specgate_time_per_output_token_seconds_count{speculation="off"} 23.0',  # first token: TTFT
+                   "specgate_e2e_request_latency_seconds", "specgate_queue_depth", "specgate_running_sequences",
+                   "specgate_kv_blocks_used", "specgate_kv_blocks_free 128.0", 'specgate_drafted_tokens_total',
+                   'specgate_accepted_length_bucket{le="1.0",speculation="on"}', "specgate_accepted_by_depth_total"]:
+        assert needle in text, needle
+    assert health.json() == {"status": "ready", "model": MODEL, "device": "cpu"}
+
+
+def test_health_is_503_until_warm_up_is_done(tokenizer) -> None:
+    async def main():
+        app = make_app(tokenizer)
+        gw = app.state.gateway
+        release = asyncio.Event()
+        real = gw.warm_up
+
+        async def held():
+            await release.wait()
+            await real()
+
+        gw.warm_up = held
+        async with app.router.lifespan_context(app):
+            import httpx
+
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                before = await client.get("/health")
+                release.set()
+                for _ in range(500):
+                    if (after := await client.get("/health")).status_code == 200:
+                        break
+                    await asyncio.sleep(0.01)
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert before.status_code == 503 and before.json()["status"] == "warming up" and "retry-after" in before.headers
+    assert after.status_code == 200

@@ -1,0 +1,142 @@
+"""One test per error class: OpenAI's error shape, the status, the field named, no stack trace, and a
+server that keeps serving afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.engine import QueueFull
+from gateway_util import API_KEY, MODEL, asgi_client, make_app
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+
+
+def post(tokenizer, body, path: str = "/v1/chat/completions", headers=None, prepare=None, **app_kw):
+    """POST ``body`` (bytes or JSON), then check a normal request still succeeds. Returns the first response."""
+
+    async def main():
+        app = make_app(tokenizer, **app_kw)
+        async with asgi_client(app) as client:
+            if prepare is not None:
+                prepare(app.state.gateway.engine)
+            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            r = await client.post(path, headers=headers, **kw)
+            if prepare is not None:
+                prepare(None)
+            ok = await client.post("/v1/chat/completions", json=CHAT,
+                                   headers={"Authorization": f"Bearer {API_KEY}"})
+            assert ok.status_code == 200, ok.text
+            return r
+
+    return asyncio.run(main())
+
+
+def check(r, status: int, param: str | None, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param
+    assert "Traceback" not in r.text and 'File "' not in r.text
+    for w in words:
+        assert w in err["message"], err["message"]
+    return err
+
+
+def test_malformed_json(tokenizer) -> None:
+    check(post(tokenizer, b'{"model": "tiny", "messages": ['), 400, None, "not valid JSON")
+    check(post(tokenizer, b"[1, 2]"), 400, None, "JSON object")
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("max_tokens", "ten", "max_tokens"),
+    ("temperature", True, "temperature"),
+    ("stream", "yes", "stream"),
+    ("messages", "Hi", "messages"),
+    ("stop", [1, 2], "stop"),
+    ("speculation", {"enabled": "no"}, "speculation.enabled"),
+])
+def test_wrong_types_name_the_field(tokenizer, field, value, param) -> None:
+    check(post(tokenizer, CHAT | {field: value}), 400, param, param.split(".")[-1])
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("max_tokens", 0, "max_tokens"),
+    ("temperature", -1, "temperature"),
+    ("top_p", 1.5, "top_p"),
+    ("presence_penalty", 3, "presence_penalty"),
+    ("speculation", {"max_nodes": 999}, "speculation.max_nodes"),
+    ("speculation", {"tree": [2, 0]}, "speculation.tree"),
+    ("speculation", {"drafter": "nope"}, "speculation.drafter"),
+    ("speculation", {"depth": 3}, "speculation.depth"),
+    ("stop", ["a", "b", "c", "d", "e"], "stop"),
+])
+def test_out_of_range_values_name_the_field(tokenizer, field, value, param) -> None:
+    check(post(tokenizer, CHAT | {field: value}), 400, param)
+
+
+def test_bad_speculation_header(tokenizer) -> None:
+    check(post(tokenizer, CHAT, headers={"X-Speculation": "maybe"}), 400, "X-Speculation")
+
+
+def test_unknown_model_is_404(tokenizer) -> None:
+    err = check(post(tokenizer, CHAT | {"model": "gpt-9"}), 404, "model", "gpt-9")
+    assert err["code"] == "model_not_found"
+
+
+def test_prompt_too_long_is_400(tokenizer) -> None:
+    r = post(tokenizer, {"model": MODEL, "prompt": [5] * 600}, path="/v1/completions")
+    assert check(r, 400, "prompt", "context")["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", True), ("top_logprobs", 2), ("tools", [{}])])
+def test_unsupported_features_are_refused(tokenizer, field, value) -> None:
+    check(post(tokenizer, CHAT | {field: value}), 400, "logprobs" if field == "top_logprobs" else field)
+
+
+def test_queue_full_is_429_with_retry_after(tokenizer) -> None:
+    def prepare(engine):
+        if engine is None:
+            return
+        real = engine.add
+
+        def full(*a):
+            engine.add = real  # one refusal, then the check request is served
+            raise QueueFull("256 requests are waiting")
+
+        engine.add = full
+
+    r = post(tokenizer, CHAT, prepare=prepare)
+    check(r, 429, None, "capacity")
+    assert r.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_failure_fails_the_request_not_the_server(tokenizer, stream: bool) -> None:
+    saved = {}
+
+    def prepare(engine):
+        if engine is not None:
+            saved["engine"], saved["forward"] = engine, engine.target.forward
+            engine.target.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device fell over"))
+        else:
+            saved["engine"].target.forward = saved["forward"]
+
+    r = post(tokenizer, CHAT | {"stream": stream}, prepare=prepare)
+    if not stream:
+        check(r, 500, None, "device fell over")
+        return
+    assert r.status_code == 200  # the stream had started; the error arrives as an event
+    assert '"error":{"message":"generation failed: RuntimeError: device fell over"' in r.text
+    assert r.text.endswith("data: [DONE]\n\n") and "Traceback" not in r.text
+
+
+def test_missing_or_wrong_api_key_is_401(tokenizer) -> None:
+    check(post(tokenizer, CHAT, api_key=API_KEY), 401, None, "API key")
+    r = post(tokenizer, CHAT, headers={"Authorization": "Bearer wrong"}, api_key=API_KEY)
+    assert check(r, 401, None)["code"] == "invalid_api_key"
+
+
+def test_unknown_route_is_404_in_openai_shape(tokenizer) -> None:
+    check(post(tokenizer, CHAT, path="/v1/embeddings"), 404, None)
