@@ -1,0 +1,91 @@
+"""A live uvicorn on 127.0.0.1: the real openai SDK, `curl -N`, and a client that drops mid-stream."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from engine_util import tiny_engine
+from gateway_util import API_KEY, MODEL, LiveServer, make_app, pool_is_full, wait_until
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def greedy(**extra_body: object) -> dict:
+    """SDK kwargs for 16 greedy tokens; ``extra_body`` carries the non-OpenAI fields (speculation)."""
+    return {"temperature": 0, "max_tokens": 16, "extra_body": {"ignore_eos": True, **extra_body}}
+
+
+def client(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+
+def test_openai_sdk_chat_stream_and_non_stream(live) -> None:
+    on = greedy(speculation={"enabled": True, "drafter": "draft", "max_nodes": 4})
+    with client(live) as c:
+        full = c.chat.completions.create(model=MODEL, messages=MESSAGES, **on)
+        chunks = list(c.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                stream_options={"include_usage": True}, **greedy()))
+        off = c.chat.completions.create(model=MODEL, messages=MESSAGES, **greedy(speculation={"enabled": False}))
+    text = full.choices[0].message.content
+    assert text and full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 16
+    report = full.usage.model_extra["speculation"]
+    assert report["enabled"] and report["drafted_tokens"] > 0 and report["steps"] <= 16
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert off.choices[0].message.content == text  # greedy: speculation changes speed, not text
+    assert off.usage.model_extra["speculation"]["drafted_tokens"] == 0
+
+
+def test_openai_sdk_completions_models_and_errors(live) -> None:
+    with client(live) as c:
+        full = c.completions.create(model=MODEL, prompt="Hello", **greedy())
+        stream = c.completions.create(model=MODEL, prompt="Hello", stream=True, **greedy(speculation={"drafter": "ngram"}))
+        streamed = "".join(ch.choices[0].text for ch in stream if ch.choices)
+        assert [m.id for m in c.models.list()] == [MODEL]
+        with pytest.raises(openai.BadRequestError, match="n must be 1"):
+            c.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="other", messages=MESSAGES)
+    with openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    assert full.choices[0].text == streamed and full.usage.completion_tokens == 16
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_streams_a_chat_completion(live) -> None:
+    body = orjson.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 12, "stream": True,
+                         "stream_options": {"include_usage": True}}).decode()
+    out = subprocess.run(["curl", "-sN", live.url + "/v1/chat/completions", "-H", "Content-Type: application/json",
+                          "-H", f"Authorization: Bearer {API_KEY}", "-d", body],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    lines = [line for line in out.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    usage = orjson.loads(lines[-2][len("data: "):])["usage"]
+    assert usage["completion_tokens"] == 12 and "speculation" in usage
+
+
+def test_client_dropping_mid_stream_aborts_and_frees_kv(tokenizer) -> None:
+    engine = tiny_engine(vocab=len(tokenizer), num_blocks=128)
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.005), step())[1]  # ~500 tokens would take seconds: plenty to drop
+    with LiveServer(make_app(tokenizer, engine=engine)) as live:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 480, "stream": True, "ignore_eos": True}
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", live.url + "/v1/chat/completions", json=body) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(6)]  # role chunk + a few tokens
+                assert not pool_is_full(engine)
+            # leaving the block closes the connection mid-stream
+        wait_until(lambda: pool_is_full(engine) and not engine.has_work())
+        metrics = httpx.get(live.url + "/metrics").text
+    assert any('"content"' in line for line in got)
+    assert 'specgate_request_finish_total{reason="abort",speculation="on"} 1.0' in metrics
+    assert 'route="/v1/chat/completions",speculation="on",status="499"} 1.0' in metrics

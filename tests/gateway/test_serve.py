@@ -1,0 +1,105 @@
+"""`python -m gateway serve`: config files under flags, and the real command on a tiny model directory,
+stopped by SIGINT while a stream is open."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_util import random_weights, tiny_config
+from gateway.cli import main, serve_options
+from gateway.serve import apply_config, read_config
+from gateway_util import CHAT_TEMPLATE
+from target.loader import LoadedCheckpoint, save_hf_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parse(argv: list[str]):
+    args = serve_options().parse_args(argv)
+    args.func, args.command = None, "serve"
+    return apply_config(args, serve_options(), argv)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("c.json", '{"port": 9001, "num-blocks": 64, "tree": [2, 1], "api_key": "k"}'),
+    ("c.toml", 'port = 9001\nnum-blocks = 64\ntree = [2, 1]\napi_key = "k"\n'),
+])
+def test_config_file_sets_defaults_and_flags_win(tmp_path: Path, name: str, text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    args = parse(["--config", str(path), "--num-blocks", "32"])
+    assert (args.port, args.num_blocks, args.tree, args.api_key, args.host) == (9001, 32, (2, 1), "k", "127.0.0.1")
+
+
+def test_config_file_with_an_unknown_option_is_refused(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "c.json"
+    path.write_text('{"prot": 1}')
+    with pytest.raises(ValueError, match="unknown option 'prot'"):
+        read_config(str(path), serve_options())
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "unknown option 'prot'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path, tokenizer) -> Path:
+    cfg = tiny_config(vocab=len(tokenizer), eos_token_ids=(2,))
+    ckpt = LoadedCheckpoint(cfg, random_weights(cfg), tokenizer, CHAT_TEMPLATE, "tiny")
+    return save_hf_dir(ckpt, tmp_path / "tiny-llama")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_command_answers_then_stops_on_sigint_with_a_stream_open(model_dir: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "gateway", "serve", "--model", str(model_dir), "--quantize", "none",
+           "--port", str(port), "--num-blocks", "64", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(url, proc)
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=30,
+                          json=body | {"max_tokens": 100000, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGINT)  # shutdown must end the open stream, not wait for it
+            rest = list(lines)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert "data: [DONE]" not in rest  # cut off, not finished
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("server never became healthy")
