@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import orjson
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
@@ -36,6 +37,7 @@ from verify.sampling import SamplingParams
 
 log = logging.getLogger("specgate.app")
 PING_S = 15  # SSE comment pings keep idle proxies from closing a slow stream
+SHUTDOWN_GRACE_S = 2.0  # for open streams to send their last event; below uvicorn's graceful timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +146,7 @@ class Gateway:
             return error_response(exc)
         headers = {"X-Request-Id": gen.sub.request_id}
         if req.stream:
-            return EventSourceResponse(gen.stream(), headers=headers, ping=PING_S, sep="\n",
-                                       background=BackgroundTask(gen.close))
+            return _event_source(gen, headers)
         body = await self._collect_watching(request, gen)
         if isinstance(body, ApiError):
             return error_response(body)
@@ -222,6 +223,23 @@ class Gateway:
         if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())):
             raise ApiError(401, "missing or incorrect API key: send Authorization: Bearer KEY",
                            code="invalid_api_key")
+
+
+def _event_source(gen: Generation, headers: dict[str, str]) -> EventSourceResponse:
+    """SSE for one generation. sse-starlette runs the stream, the disconnect listener and the shutdown
+    listener as sibling tasks; whichever ends first cancels the others. On shutdown it sets ``shutdown``
+    and waits a grace period: ``interrupt`` aborts the request so the stream ends itself with an error
+    event and ``[DONE]`` instead of a cut connection. ``gen.close`` (also the stream's ``finally``)
+    aborts a request whose client went away."""
+    shutdown = anyio.Event()
+
+    async def on_shutdown() -> None:
+        await shutdown.wait()
+        gen.interrupt("the server is shutting down")
+
+    return EventSourceResponse(gen.stream(), headers=headers, ping=PING_S, sep="\n",
+                               background=BackgroundTask(gen.close), data_sender_callable=on_shutdown,
+                               shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
 
 
 def _engine_refusal(message: str, is_chat: bool) -> ApiError:

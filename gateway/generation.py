@@ -40,6 +40,7 @@ class Generation:
         self.last_time: float | None = None
         self.is_done = False  # the engine holds nothing for this request any more
         self.is_closed = False
+        self.interrupted: str | None = None  # why the server aborted it (shutdown)
 
     # --- events -> text ---------------------------------------------------------------------------
 
@@ -51,7 +52,7 @@ class Generation:
             if event.finished and event.finish_reason in ("error", "abort"):
                 self.is_done = True
                 status = 503 if event.finish_reason == "abort" else 500
-                raise EngineFailure(event.error or "the request was aborted", status)
+                raise EngineFailure(event.error or self.interrupted or "the request was aborted", status)
             text, stopped = self.assembler.feed(event.token_ids, event.finished)
             if stopped and not event.finished:
                 self.runner.abort(self.sub.request_id)  # free its KV now, not at max_tokens
@@ -128,6 +129,12 @@ class Generation:
             yield SSE_DONE
         finally:
             self.close(status)
+
+    def interrupt(self, reason: str) -> None:
+        """Abort from the server's side: the engine's abort event then ends ``pieces`` with ``reason``."""
+        if not self.is_done:
+            self.interrupted = reason
+            self.runner.abort(self.sub.request_id)
 
     def close(self, status: str = "499") -> None:
         """Abort the request if the engine still holds it; record request metrics once."""

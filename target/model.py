@@ -29,9 +29,14 @@ class Linear:
     # CPU only: the INT4 weight dequantized once. The reference matmul dequantizes on every call, which
     # is the spec but costs 5x the matmul itself; the product is bit-identical either way.
     dequantized: torch.Tensor | None = None
+    # [K] int64 input order, or None. The kernel has no g_idx, so act-order GPTQ checkpoints are stored
+    # with K reordered into contiguous groups and the input is gathered to match: y = x[..., perm] @ W'.T.
+    perm: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + b (+ residual)``; the INT4 kernel fuses the residual add into its epilogue."""
+        if self.perm is not None:
+            x = x[..., self.perm]
         if self.dequantized is None and isinstance(self.weight, Int4Weight):
             return int4_matmul(x, self.weight, self.bias, residual=residual)
         w = self.dequantized.to(x.dtype) if self.dequantized is not None else self.weight
@@ -41,21 +46,29 @@ class Linear:
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for a gate_up projection (gate rows first), fused for INT4 weights."""
         if self.dequantized is None and isinstance(self.weight, Int4Weight):
-            return int4_matmul_silu_mul(x, self.weight)
+            return int4_matmul_silu_mul(x if self.perm is None else x[..., self.perm], self.weight)
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
     def quantized(self, group_size: int, use_zero_point: bool) -> "Linear":
         if isinstance(self.weight, Int4Weight):
             return self
-        K = self.weight.shape[1]
-        # Fall back to the largest smaller group that divides K (SmolLM2's hidden size 576 is not a
-        # multiple of 128): a ragged last group would cost the kernel a branch on every tile.
-        g = next((g for g in (group_size, 64, 32) if g <= group_size and K % g == 0), None)
-        if g is None:
-            raise ValueError(f"in_features {K} is not a multiple of 32: cannot quantize to INT4")
-        q = quantize_rtn(self.weight, g, use_zero_point)
-        return Linear(q, self.bias, dequantize(q) if not self.weight.is_cuda else None)
+        q = quantize_rtn(self.weight, int4_group_size(self.weight.shape[1], group_size), use_zero_point)
+        return int4_linear(q, self.bias)
+
+
+def int4_group_size(in_features: int, group_size: int) -> int:
+    """``group_size``, or the largest smaller of 64 / 32 that divides K (SmolLM2's hidden size 576 is not a
+    multiple of 128): a ragged last group would cost the kernel a branch on every tile."""
+    g = next((g for g in (group_size, 64, 32) if g <= group_size and in_features % g == 0), None)
+    if g is None:
+        raise ValueError(f"in_features {in_features} is not a multiple of 32: cannot quantize to INT4")
+    return g
+
+
+def int4_linear(w: Int4Weight, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> Linear:
+    """An INT4 Linear; on the CPU it keeps the dequantized copy that the reference path multiplies by."""
+    return Linear(w, bias, None if w.qweight.is_cuda else dequantize(w), perm)
 
 
 @dataclass(slots=True)
@@ -121,8 +134,14 @@ class Transformer:
 
     @staticmethod
     def from_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                     device: torch.device | str = "cpu") -> "Transformer":
-        """Build from HF-named tensors; a missing tensor is named in the error."""
+                     device: torch.device | str = "cpu", quantized: dict[str, Linear] | None = None) -> "Transformer":
+        """Build from HF-named tensors; a missing tensor is named in the error.
+
+        ``quantized`` maps fused projection names (``model.layers.{i}.self_attn.qkv_proj``, ``.o_proj``,
+        ``mlp.gate_up_proj``, ``mlp.down_proj``) to INT4 Linears from a quantized checkpoint; those
+        projections take no dense weight from ``weights`` (biases still come from there).
+        """
+        quantized = quantized or {}
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
@@ -132,19 +151,28 @@ class Transformer:
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in weights else None
 
+        def proj(fused: str, parts: list[str], bias: torch.Tensor | None = None) -> Linear:
+            q = quantized.get(fused)
+            if q is None:
+                return Linear(torch.cat([get(n) for n in parts]), bias)
+            w = q.weight
+            assert isinstance(w, Int4Weight)
+            zeros = None if w.zeros is None else w.zeros.to(device, dtype)
+            w = Int4Weight(w.qweight.to(device), w.scales.to(device, dtype), zeros, w.group_size)
+            return int4_linear(w, bias, None if q.perm is None else q.perm.to(device))
+
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            qkv_w = torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
             biases = [opt(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
             qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
             layers.append(Layer(
                 input_norm=get(p + "input_layernorm.weight"),
-                qkv=Linear(qkv_w, qkv_b),
-                o=Linear(get(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias")),
+                qkv=proj(p + "self_attn.qkv_proj", [p + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv_b),
+                o=proj(p + "self_attn.o_proj", [p + "self_attn.o_proj.weight"], opt(p + "self_attn.o_proj.bias")),
                 post_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                down=Linear(get(p + "mlp.down_proj.weight")),
+                gate_up=proj(p + "mlp.gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=proj(p + "mlp.down_proj", [p + "mlp.down_proj.weight"]),
             ))
         embed = get("model.embed_tokens.weight")
         head = embed if config.tie_word_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")

@@ -36,15 +36,19 @@ def mixed_forward(model: Transformer) -> torch.Tensor:
     return model.forward(build_batch(segs, cache, model.device), cache)
 
 
-def test_int4_bf16_cuda_matches_cpu_reference() -> None:
+@pytest.mark.parametrize("group", [64, 128])
+def test_int4_cuda_matches_cpu_reference(group: int) -> None:
+    """fp32 activations, so the comparison isolates the kernels: in bf16 the weights themselves round
+    differently before quantization (~15% logit drift on this random model, dense bf16 alone ~3%), which
+    would hide a kernel bug. The kernels' own bf16 tests live in tests/kernels."""
     cfg = tiny_config(**CFG)
     w = random_weights(cfg, scale=0.05)
-    cpu = Transformer.from_weights(cfg, w, torch.float32, "cpu").quantize(64)
-    gpu = Transformer.from_weights(cfg, w, torch.bfloat16, "cuda").quantize(64)
+    cpu = Transformer.from_weights(cfg, w, torch.float32, "cpu").quantize(group)
+    gpu = Transformer.from_weights(cfg, w, torch.float32, "cuda").quantize(group)
     ref, out = mixed_forward(cpu), mixed_forward(gpu).cpu()
     err = (out - ref).abs().max() / ref.abs().max()
-    assert err < 0.03, f"relative error {err:.4f}"
-    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    assert err < 1e-2, f"relative error {err:.4f}"
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
 
 
 def test_engine_on_cuda_greedy_spec_on_equals_off() -> None:
