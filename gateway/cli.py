@@ -10,6 +10,7 @@ import time
 import orjson
 
 from draft.params import SpeculationParams, parse_tree
+from gateway.budget import BudgetConfig
 from gateway.engine import EngineConfig
 from gateway.llm import LLM, LoadConfig, log_stderr
 from gateway.scheduler import SchedulerConfig
@@ -28,7 +29,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="self", help="default drafter: self, ngram, none, or a draft model dir/.gguf")
     p.add_argument("--self-draft-layers", type=int, default=None, help="layers of the layer-skip self-draft")
-    p.add_argument("--quantize", choices=["int4", "none"], default="int4", help="target weights (default int4 W4A16)")
+    p.add_argument("--quantize", choices=["int4", "gptq", "none"], default="int4",
+                   help="target weights: int4 (W4A16 RTN, default), gptq (calibrated once, cached) or none")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=128)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -39,6 +41,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before new ones are refused")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--tree", type=tree_arg, default=None, help="widths per depth, e.g. 2,2,2,1")
+    p.add_argument("--max-verify-tokens", type=int, default=64,
+                   help="roots + draft nodes verified per step across the batch (the INT4 knee)")
+    p.add_argument("--policy", choices=["fifo", "sef"], default="fifo", help="order within a priority class")
 
 
 def load(args: argparse.Namespace) -> LLM:
@@ -47,7 +52,8 @@ def load(args: argparse.Namespace) -> LLM:
                      cache_dir=args.cache_dir)
     ecfg = EngineConfig(num_blocks=args.num_blocks, page_size=args.page_size,
                         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
-                                                  max_model_len=args.max_model_len),
+                                                  max_model_len=args.max_model_len, policy=args.policy,
+                                                  budget=BudgetConfig(max_verify_tokens=args.max_verify_tokens)),
                         **({"default_tree": args.tree} if args.tree else {}))
     return LLM.load(cfg, ecfg, log=log_stderr)
 

@@ -67,7 +67,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids or target.config.eos_token_ids
         self.cache: KVCache = target.new_cache(config.num_blocks, config.page_size)
         self.max_model_len = min(config.scheduler.max_model_len, target.config.max_position_embeddings)
-        self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), self.cache)
+        self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), self.cache.pool)
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_preemptions = 0
@@ -75,7 +75,7 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-            speculation: SpeculationParams = SpeculationParams()) -> Sequence:
+            speculation: SpeculationParams = SpeculationParams(), priority: int = 0) -> Sequence:
         """Validate and queue a request. Raises ValueError naming the bad field, QueueFull when full."""
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -95,7 +95,7 @@ class Engine:
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting")
         seq = Sequence(request_id, list(prompt_ids), sampling, speculation,
-                       make_generator(sampling, "cpu"), drafter)
+                       make_generator(sampling, "cpu"), drafter, priority)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -113,19 +113,20 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step. A failure fails only the sequences in this step; the pools stay whole."""
-        plan = self.scheduler.schedule(self._widths_of)
+        plan = self.scheduler.schedule(self._template_of)
         self.num_preemptions += len(plan.preempted)
         for seq in plan.preempted:
             self._release_draft(seq)
+        ended = [self._finish(s, "length", error=None) for s in plan.exhausted]  # the KV pool cannot hold more
         if plan.empty:
-            return []
+            return ended
         seqs = [s for s, _ in plan.prefills] + [s for s, _ in plan.decodes]
         try:
             outputs = self._run(plan)
         except Exception as exc:  # noqa: BLE001 -- one bad step must not take the server down
             return [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
         self.num_steps += 1
-        return outputs
+        return ended + outputs
 
     def _run(self, plan) -> list[RequestOutput]:
         trees = self._propose(plan.decodes)
@@ -156,8 +157,13 @@ class Engine:
                 seq.table.truncate(seq.num_cached + 1)
         return outputs
 
-    def _widths_of(self, seq: Sequence) -> tuple[int, ...]:
-        return seq.speculation.widths(self.config.default_tree) if seq.drafter else ()
+    def _template_of(self, seq: Sequence) -> tuple[tuple[int, ...], bool]:
+        """The tree template, and whether the adaptive budget may cut it: a tree or node budget the
+        request set itself is kept (A/B experiments need the shape they asked for)."""
+        if not seq.drafter:
+            return (), False
+        spec = seq.speculation
+        return spec.widths(self.config.default_tree), spec.tree is None and spec.max_nodes is None
 
     def _propose(self, decodes: list[tuple[Sequence, tuple[int, ...]]]) -> list[TokenTree]:
         trees: list[TokenTree | None] = [None] * len(decodes)
@@ -197,6 +203,9 @@ class Engine:
         seq.num_cached = ctx + len(nodes)
         if seq.drafter:
             self.drafters[seq.drafter].commit(seq.request_id, tree, nodes)
+        depth = int(tree.depths.max()) if tree.num_nodes > 1 else 0
+        seq.acceptance.update(len(nodes) - 1, depth)
+        seq.steps_without_draft = 0 if depth else seq.steps_without_draft + 1
         st = seq.stats
         st.steps += 1
         st.drafted_tokens += tree.num_nodes - 1

@@ -1,17 +1,27 @@
 """Continuous batching: which sequences run this step, with how many prefill tokens or tree nodes.
 
-Pure Python over ``Sequence`` objects; KV blocks are only counted here (``BlockTable.blocks_needed``)
-and allocated when the forward batch is built. When the pool cannot hold a step, the most recently
-admitted sequence is preempted: its blocks are freed and it recomputes later (vLLM's recompute policy).
+Pure Python over ``Sequence`` objects and the ``BlockPool`` (no torch: it is tested on its own). KV
+blocks are only counted here and allocated when the forward batch is built. When the pool cannot hold
+a step, the least urgent running sequence (lowest priority, latest arrival) is preempted: its blocks are
+freed and it recomputes later (vLLM's recompute policy). Tree sizes come from ``gateway/budget.py``.
+
+Waiting order: lower ``priority`` first; within a priority, arrival order (FIFO) or, with
+``policy="sef"``, shortest expected first. Every ``aging_s`` seconds of waiting lifts a request by one
+priority class, so nothing starves.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Callable
 
+from gateway.budget import BudgetConfig, adaptive_widths, cap_total
 from gateway.sequence import Sequence, Status
-from target.kv_cache import KVCache
+from target.blocks import BlockPool, BlockTable
+
+# (template widths, adapt?) for a decoding sequence: adapt=False keeps a tree the request asked for
+TemplateOf = Callable[[Sequence], tuple[tuple[int, ...], bool]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +30,18 @@ class SchedulerConfig:
     max_step_tokens: int = 1024  # prefill tokens + tree nodes per step
     max_waiting: int = 256  # queue bound: beyond it submissions are refused (HTTP 429)
     max_model_len: int = 2048
+    policy: str = "fifo"  # "fifo" or "sef" (shortest expected first) within a priority class
+    aging_s: float = 10.0  # seconds of waiting that lift a request by one priority class
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_step_tokens", "max_waiting", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy not in ("fifo", "sef"):
+            raise ValueError(f"policy must be 'fifo' or 'sef', got {self.policy!r}")
+        if self.aging_s <= 0:
+            raise ValueError(f"aging_s must be > 0, got {self.aging_s}")
 
 
 @dataclass(slots=True)
@@ -32,6 +49,7 @@ class StepPlan:
     prefills: list[tuple[Sequence, int]]  # (sequence, number of prompt tokens to prefill now)
     decodes: list[tuple[Sequence, tuple[int, ...]]]  # (sequence, tree widths for this step)
     preempted: list[Sequence]
+    exhausted: list[Sequence] = field(default_factory=list)  # alone and still out of KV: end with "length"
 
     @property
     def empty(self) -> bool:
@@ -39,10 +57,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache: KVCache) -> None:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.cache = cache
-        self.waiting: deque[Sequence] = deque()
+        self.pool = pool
+        self.clock = clock
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
@@ -58,39 +77,72 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, widths_of) -> StepPlan:
-        """``widths_of(seq)`` gives a decoding sequence's wanted tree widths (the drafter's template)."""
+    def urgency(self, seq: Sequence, now: float) -> tuple[float, float, float]:
+        """Sort key, smallest first: aged priority class, then SEF length or nothing, then arrival."""
+        aged = seq.priority - int((now - seq.arrival_time) / self.config.aging_s)
+        length = seq.num_tokens + seq.remaining_tokens if self.config.policy == "sef" else 0
+        return (aged, length, seq.arrival_time)
+
+    def schedule(self, template_of: TemplateOf) -> StepPlan:
         plan = StepPlan([], [], [])
+        decoding = [s for s in self.running if not s.is_prefilling]
+        widths = [self._widths(s, template_of) for s in decoding]
+        cap = self.config.budget.max_verify_tokens
+        widths = cap_total(widths, [s.acceptance.alpha for s in decoding], max(cap, len(decoding)))
         budget = self.config.max_step_tokens
         reserved = 0  # blocks this plan will allocate
-        for seq in [s for s in self.running if not s.is_prefilling]:
+        for seq, w in zip(decoding, widths):
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            widths = self._fit(seq, widths_of(seq), budget)
-            need = seq.table.blocks_needed(seq.num_cached + 1 + sum(widths))
-            while need > self.cache.pool.num_free - reserved and self._preempt_last(plan, exclude=seq):
+            w = self._fit_budget(w, budget)
+            need = seq.table.blocks_needed(seq.num_cached + 1 + sum(w))
+            while need > self.pool.num_free - reserved and self._preempt_victim(plan, exclude=seq):
                 pass
-            if need > self.cache.pool.num_free - reserved:
-                widths = ()
+            if need > self.pool.num_free - reserved:
+                w = ()
                 need = seq.table.blocks_needed(seq.num_cached + 1)
-                if need > self.cache.pool.num_free - reserved:  # not even one slot: wait and recompute
-                    self._preempt(plan, seq)
+                if need > self.pool.num_free - reserved:  # not even one slot
+                    if len(self.running) == 1:  # nobody else will ever free a block: it cannot grow
+                        self.running.remove(seq)
+                        plan.exhausted.append(seq)
+                    else:  # wait for others to finish, then recompute
+                        self._preempt(plan, seq)
                     continue
             reserved += need
-            budget -= 1 + sum(widths)
-            plan.decodes.append((seq, widths))
-        self._plan_prefills(plan, budget, self.cache.pool.num_free - reserved)
+            budget -= 1 + sum(w)
+            plan.decodes.append((seq, w))
+        self._plan_prefills(plan, budget, self.pool.num_free - reserved)
         return plan
 
+    def _widths(self, seq: Sequence, template_of: TemplateOf) -> tuple[int, ...]:
+        template, adapt = template_of(seq)
+        if adapt:
+            template = adaptive_widths(template, seq.acceptance.alpha, seq.steps_without_draft, self.config.budget)
+        # No deeper than the tokens still wanted (a step emits depth + 1) or the context allows.
+        depth = min(len(template), seq.remaining_tokens - 1, self.config.max_model_len - seq.num_tokens)
+        return template[: max(depth, 0)]
+
+    @staticmethod
+    def _fit_budget(widths: tuple[int, ...], budget: int) -> tuple[int, ...]:
+        while widths and 1 + sum(widths) > budget:
+            widths = widths[:-1]
+        return widths
+
     def _plan_prefills(self, plan: StepPlan, budget: int, free: int) -> None:
-        P = self.cache.page_size
+        P = self.pool.page_size
         candidates = [s for s in self.running if s.is_prefilling]
+        # Admission reserves a whole prompt's blocks against what running prefills still need, so
+        # admitted prefills can always complete and never deadlock one another half-way.
+        avail = free - sum(s.table.blocks_needed(s.num_tokens - 1) for s in candidates)
+        now = self.clock()
         while self.waiting and len(self.running) < self.config.max_running:
-            seq = self.waiting[0]
-            if -(-seq.num_tokens // P) > free:  # admit only what can finish its prefill
+            seq = min(self.waiting, key=lambda s: self.urgency(s, now))
+            need = -(-seq.num_tokens // P)
+            if need > avail:  # no overtaking: the head waits until it fits
                 break
-            self.waiting.popleft()
-            seq.status, seq.table = Status.RUNNING, self.cache.new_table()
+            avail -= need
+            self.waiting.remove(seq)
+            seq.status, seq.table = Status.RUNNING, BlockTable(self.pool)
             self.running.append(seq)
             candidates.append(seq)
         for seq in candidates:
@@ -104,20 +156,13 @@ class Scheduler:
             budget -= n
             plan.prefills.append((seq, n))
 
-    def _fit(self, seq: Sequence, widths: tuple[int, ...], budget: int) -> tuple[int, ...]:
-        # No deeper than the tokens still wanted (a step emits depth + 1) or the context allows.
-        depth = min(len(widths), seq.remaining_tokens - 1, self.config.max_model_len - seq.num_tokens)
-        widths = widths[: max(depth, 0)]
-        while widths and 1 + sum(widths) > budget:
-            widths = widths[:-1]
-        return widths
-
-    def _preempt_last(self, plan: StepPlan, exclude: Sequence) -> bool:
+    def _preempt_victim(self, plan: StepPlan, exclude: Sequence) -> bool:
         planned = {id(d) for d, _ in plan.decodes}
         victims = [s for s in self.running if s is not exclude and id(s) not in planned]
         if not victims:
             return False
-        self._preempt(plan, victims[-1])
+        now = self.clock()
+        self._preempt(plan, max(victims, key=lambda s: self.urgency(s, now)))
         return True
 
     def _preempt(self, plan: StepPlan, seq: Sequence) -> None:
@@ -125,5 +170,6 @@ class Scheduler:
         seq.table.release()
         seq.table, seq.num_cached, seq.status = None, 0, Status.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.append(seq)  # keeps its arrival time, so it returns ahead of later arrivals
         plan.preempted.append(seq)
+

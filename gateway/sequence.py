@@ -5,12 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+from gateway.budget import AcceptanceEMA
+from target.blocks import BlockTable
 
-from draft.params import SpeculationParams
-from target.kv_cache import BlockTable
-from verify.sampling import SamplingParams
+if TYPE_CHECKING:  # the scheduler imports this module and stays free of torch
+    from draft.params import SpeculationParams
+    from verify.sampling import SamplingParams
 
 
 class Status(enum.Enum):
@@ -43,8 +45,9 @@ class Sequence:
     prompt_ids: list[int]
     sampling: SamplingParams
     speculation: SpeculationParams
-    generator: torch.Generator
+    generator: Any  # torch.Generator, the request's own randomness
     drafter: str | None  # the drafter's name; None = plain decoding
+    priority: int = 0  # lower runs first; aging lifts waiting requests so none starves
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_cached: int = 0  # target tokens whose K/V are in the cache
@@ -54,6 +57,8 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    acceptance: AcceptanceEMA = field(default_factory=AcceptanceEMA)  # live per-depth acceptance
+    steps_without_draft: int = 0  # decode steps since the last drafted tree (adaptive fallback)
 
     @property
     def token_ids(self) -> list[int]:

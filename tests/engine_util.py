@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from gateway.budget import BudgetConfig
 from gateway.engine import Engine, EngineConfig
 from gateway.scheduler import SchedulerConfig
 from draft.model_drafter import ModelDrafter
@@ -53,7 +54,8 @@ def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0
         "draft": ModelDrafter("draft", Transformer.from_weights(cfg, noisy(w, draft_noise)), num_blocks, page_size),
     }
     ecfg = EngineConfig(num_blocks=num_blocks, page_size=page_size,
-                        scheduler=SchedulerConfig(max_running=max_running, max_step_tokens=256, max_model_len=512),
+                        scheduler=SchedulerConfig(max_running=max_running, max_step_tokens=256, max_model_len=512,
+                                                  budget=BudgetConfig(max_verify_tokens=1024)),
                         default_drafter="draft", default_tree=tree)
     return Engine(target, drafters, ecfg)
 

@@ -152,3 +152,29 @@ def test_bad_sampling_params_name_the_field() -> None:
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=-3)
+
+
+def test_sequence_larger_than_the_pool_ends_with_length() -> None:
+    eng = tiny_engine(num_blocks=6, page_size=4)  # 24 slots in all
+    got = run_all(eng, [("big", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                         SpeculationParams(drafter="draft"))])
+    assert 15 <= len(got["big"]) < 24
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+
+
+def test_adaptive_budget_turns_speculation_off_for_a_bad_draft() -> None:
+    """No tree in the request: the budget adapts. A draft that never agrees ends in plain decoding
+    (bar the periodic probes); one that always agrees keeps the full template."""
+    eng = tiny_engine(draft_noise=50.0)  # a draft of pure noise
+    eng.add("bad", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+            SpeculationParams(drafter="draft"))
+    eng.add("good", [1, 2, 3], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+            SpeculationParams(drafter="exact"))
+    stats = {}
+    while eng.has_work():
+        for o in eng.step():
+            stats[o.request_id] = o.stats
+    bad, good = stats["bad"], stats["good"]
+    assert bad.drafted_tokens < bad.steps  # far fewer than the template's 5 nodes a step
+    assert good.drafted_tokens >= 4 * good.steps  # the (2, 2, 1) template, 5 nodes, kept nearly every step
+    assert good.mean_accepted_length > 3.5

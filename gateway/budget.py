@@ -1,0 +1,80 @@
+"""Adaptive speculation: how many tree nodes each sequence gets this step. Plain Python, no torch.
+
+Model: the draft's token at depth ``d`` is accepted, given its parent was, with probability ``alpha``
+(the chain model of Leviathan et al. and the depth-wise acceptance of Sequoia). Depth ``d`` then adds
+``alpha ** d`` expected tokens. A sequence keeps the template's depths whose expected gain is at least
+``min_gain``; when even depth 1 falls short it decodes plainly, probing one draft token every
+``probe_every`` steps so it returns to speculation when the draft starts agreeing again.
+
+The global cap keeps the verified tokens of a step (roots + draft nodes) at the INT4 matmul's knee:
+past it the target's step cost grows with every node (bench/results/int4_matmul.json on the H200: 92 us
+per layer at M=16, 116 at 32, 192 at 64), so the marginal node costs more than it can return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class AcceptanceEMA:
+    """Exponentially weighted successes / trials of the per-depth acceptance; prior alpha = 0.5."""
+
+    successes: float = 1.0
+    trials: float = 2.0
+    decay: float = 0.8
+
+    def update(self, accepted: int, depth: int) -> None:
+        """A step that drafted ``depth`` levels and kept ``accepted`` of them: ``accepted`` successes,
+        plus one failure when the path stopped short of the tree's depth."""
+        if depth <= 0:
+            return
+        self.successes = self.decay * self.successes + accepted
+        self.trials = self.decay * self.trials + accepted + (1 if accepted < depth else 0)
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / self.trials if self.trials > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetConfig:
+    max_verify_tokens: int = 64  # roots + draft nodes verified per step, over the whole batch
+    min_gain: float = 0.2  # keep depth d while alpha ** d >= min_gain
+    probe_every: int = 8  # plain-decode steps between one-token probes
+
+    def __post_init__(self) -> None:
+        if self.max_verify_tokens < 1:
+            raise ValueError(f"max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
+        if not 0 <= self.min_gain <= 1:
+            raise ValueError(f"min_gain must be in [0, 1], got {self.min_gain}")
+
+
+def adaptive_widths(template: tuple[int, ...], alpha: float, steps_without_draft: int,
+                    cfg: BudgetConfig) -> tuple[int, ...]:
+    """The template cut to the depths that pay at this acceptance (or a one-token probe)."""
+    depth = 0
+    while depth < len(template) and alpha ** (depth + 1) >= cfg.min_gain:
+        depth += 1
+    if depth == 0 and template and steps_without_draft + 1 >= cfg.probe_every:
+        return (1,)
+    return template[:depth]
+
+
+def cap_total(widths: list[tuple[int, ...]], alphas: list[float], cap: int) -> list[tuple[int, ...]]:
+    """Trim trees until ``sum(1 + nodes) <= cap``: the deepest level of the least promising tree first
+    (lowest ``alpha ** depth``, the expected gain of that level). Roots are never cut."""
+    out = [list(w) for w in widths]
+    total = sum(1 + sum(w) for w in out)
+    while total > cap:
+        live = [i for i, w in enumerate(out) if w]
+        if not live:
+            break
+        i = min(live, key=lambda i: alphas[i] ** len(out[i]))
+        excess = total - cap
+        if out[i][-1] > excess:  # narrowing the last level is enough
+            out[i][-1] -= excess
+            total -= excess
+        else:
+            total -= out[i].pop()
+    return [tuple(w) for w in out]
