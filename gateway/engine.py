@@ -140,6 +140,7 @@ class Engine:
         logits = self.target.forward(batch, self.cache)  # [R, V] float32
         for seq, n in plan.prefills:
             seq.num_cached += n
+            seq.table.register_prefix(seq.token_ids, seq.num_cached)
         outputs = []
         first = len(plan.prefills)
         moves: list[tuple[int, int]] = []

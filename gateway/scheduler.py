@@ -143,6 +143,8 @@ class Scheduler:
             avail -= need
             self.waiting.remove(seq)
             seq.status, seq.table = Status.RUNNING, BlockTable(self.pool)
+            # prefix cache: reuse full blocks of an identical prefix; the root itself stays uncached
+            seq.num_cached = seq.table.adopt_prefix(seq.token_ids, seq.num_tokens - 1)
             self.running.append(seq)
             candidates.append(seq)
         for seq in candidates:

@@ -178,3 +178,16 @@ def test_adaptive_budget_turns_speculation_off_for_a_bad_draft() -> None:
     assert bad.drafted_tokens < bad.steps  # far fewer than the template's 5 nodes a step
     assert good.drafted_tokens >= 4 * good.steps  # the (2, 2, 1) template, 5 nodes, kept nearly every step
     assert good.mean_accepted_length > 3.5
+
+
+def test_prefix_cache_reuses_blocks_and_keeps_output() -> None:
+    shared = list(range(1, 30))  # 7 full blocks of 4
+    ps = [shared + [40 + i] for i in range(4)]
+    want = reference(ps)
+    eng = tiny_engine()
+    first = run_all(eng, [("0", ps[0], GREEDY, SpeculationParams(drafter="draft"))])
+    hits_before = eng.cache.pool.prefix_hit_blocks
+    rest = run_all(eng, [(str(i), ps[i], GREEDY, SpeculationParams(drafter="draft")) for i in range(1, 4)])
+    assert [first["0"]] + [rest[str(i)] for i in range(1, 4)] == want
+    assert eng.cache.pool.prefix_hit_blocks - hits_before >= 3 * 7
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks  # parked blocks count as free

@@ -41,6 +41,7 @@ def simulate_step(sched: Scheduler, accept_draw) -> list[Sequence]:
     for seq, n in plan.prefills:
         seq.table.ensure(seq.num_cached + n)
         seq.num_cached += n
+        seq.table.register_prefix(seq.token_ids, seq.num_cached)  # identical prompts share blocks
     for seq, widths in plan.decodes:
         seq.table.ensure(seq.num_cached + 1 + sum(widths))
         a = 1 + min(accept_draw(), len(widths))
@@ -63,7 +64,8 @@ def finish(sched: Scheduler, seq: Sequence) -> None:
 
 
 def held_blocks(sched: Scheduler) -> int:
-    return sum(len(s.table.blocks) for s in sched.running if s.table is not None)
+    """Distinct blocks in use: prefix-cached blocks may sit in several tables at once."""
+    return len({b for s in sched.running if s.table is not None for b in s.table.blocks})
 
 
 ops = st.lists(st.one_of(
