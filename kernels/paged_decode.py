@@ -52,6 +52,18 @@ def paged_decode_attention_ref(
 
 
 @triton.jit
+def _softmax_step(acc, l_i, m_i, s, v):
+    """One online-softmax update (FlashAttention): fold log2-domain scores s [G, N] and values v [N, D]
+    into the running max m_i [G], normaliser l_i [G] and accumulator acc [G, D]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len, qk_scale,
                  stride_kb, stride_kp, offs_n, offs_d,
                  PAGE: tl.constexpr, IS_TAIL: tl.constexpr):
@@ -73,12 +85,7 @@ def _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32, log2 domain
     if IS_TAIL:
         s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, l_i, m_new
+    return _softmax_step(acc, l_i, m_i, s, v)
 
 
 @triton.jit

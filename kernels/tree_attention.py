@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_decode import LOG2E, merge_splits, paged_decode_attention, pick_num_splits, use_triton_for
+from kernels.paged_decode import LOG2E, _softmax_step, merge_splits, paged_decode_attention, pick_num_splits, use_triton_for
 
 # Programs of the default configs resident per SM at D=128: 180 to 213 registers and 74 to 99 KB of
 # shared memory each (ptxas -v, sm_90a); 128-row tiles (8 warps) fit only one, which measured the same.
@@ -99,12 +99,7 @@ def _tree_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, ctx, 
             from_bits = ((bits[:, None] >> shift[None, :]) & 1) != 0
             sees_new = tl.where(bits[:, None] == 0, sees_new, from_bits)
         s = tl.where((j[None, :] < 0) | (valid[None, :] & sees_new), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, l_i, m_new
+    return _softmax_step(acc, l_i, m_i, s, v)
 
 
 @triton.jit
