@@ -32,7 +32,7 @@ from gateway.engine import Engine, QueueFull
 from gateway.generation import Generation
 from gateway.metrics import CONTENT_TYPE, Metrics, spec_label
 from gateway.protocol import ApiError, GenerateRequest, Shape, error_body, parse_request
-from gateway.runner import EngineRunner, ShuttingDown
+from gateway.runner import EngineRunner, ShuttingDown, Submission
 from verify.sampling import SamplingParams
 
 log = logging.getLogger("specgate.app")
@@ -104,9 +104,11 @@ class Gateway:
     # --- routes -----------------------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        if self.is_ready:
+        is_healthy = getattr(self.engine, "healthy", True)  # False once the target lost a rank: restart it
+        if self.is_ready and is_healthy:
             return json_response({"status": "ready", "model": self.config.model_name, "device": self.config.device})
         status = f"warm-up failed: {self.warmup_error}" if self.warmup_error else "warming up"
+        status = status if is_healthy else "engine failed: restart the server"
         return json_response({"status": status}, 503, {"Retry-After": str(self.config.retry_after_s)})
 
     async def metrics_route(self, request: Request) -> Response:
@@ -148,6 +150,8 @@ class Gateway:
         if req.stream:
             return _event_source(gen, headers)
         body = await self._collect_watching(request, gen)
+        if body is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
         if isinstance(body, ApiError):
             return error_response(body)
         return json_response(body, headers=headers)
@@ -165,7 +169,7 @@ class Gateway:
         return Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route)
 
     async def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                      req: GenerateRequest):
+                      req: GenerateRequest) -> Submission:
         retry = {"Retry-After": str(self.config.retry_after_s)}
         try:
             return await self.runner.submit(request_id, prompt_ids, sampling, req.speculation)

@@ -135,6 +135,8 @@ def _sampling(body: dict) -> dict[str, Any]:
         "repetition_penalty": _get(body, "repetition_penalty", float, 1.0),
         "ignore_eos": _get(body, "ignore_eos", bool, False),
     }
+    if out["seed"] is not None and not -(2**63) <= out["seed"] < 2**64:  # what torch.Generator accepts
+        raise ApiError(400, f"seed must fit in 64 bits, got {out['seed']}", param="seed")
     if out["temperature"] > 2:
         raise ApiError(400, f"temperature must be in [0, 2], got {out['temperature']}", param="temperature")
     ids = _get(body, "stop_token_ids", list, [])

@@ -190,6 +190,7 @@ class EngineRunner:
         return outputs
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self._publish_load()  # before the events: a client that saw its last token sees its blocks freed
         now = time.monotonic()
         batch: list[tuple[asyncio.Queue, Event]] = []
         for out in outputs:

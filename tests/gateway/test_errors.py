@@ -66,6 +66,7 @@ def test_wrong_types_name_the_field(tokenizer, field, value, param) -> None:
     ("temperature", -1, "temperature"),
     ("top_p", 1.5, "top_p"),
     ("presence_penalty", 3, "presence_penalty"),
+    ("seed", 2**70, "seed"),
     ("speculation", {"max_nodes": 999}, "speculation.max_nodes"),
     ("speculation", {"tree": [2, 0]}, "speculation.tree"),
     ("speculation", {"drafter": "nope"}, "speculation.drafter"),

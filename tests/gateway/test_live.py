@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -46,7 +49,8 @@ def test_openai_sdk_chat_stream_and_non_stream(live) -> None:
 def test_openai_sdk_completions_models_and_errors(live) -> None:
     with client(live) as c:
         full = c.completions.create(model=MODEL, prompt="Hello", **greedy())
-        stream = c.completions.create(model=MODEL, prompt="Hello", stream=True, **greedy(speculation={"drafter": "ngram"}))
+        ngram = greedy(speculation={"drafter": "ngram"})
+        stream = c.completions.create(model=MODEL, prompt="Hello", stream=True, **ngram)
         streamed = "".join(ch.choices[0].text for ch in stream if ch.choices)
         assert [m.id for m in c.models.list()] == [MODEL]
         with pytest.raises(openai.BadRequestError, match="n must be 1"):
@@ -72,14 +76,22 @@ def test_curl_streams_a_chat_completion(live) -> None:
     assert usage["completion_tokens"] == 12 and "speculation" in usage
 
 
-def test_client_dropping_mid_stream_aborts_and_frees_kv(tokenizer) -> None:
+def slow_engine(tokenizer):
+    """~500 tokens take seconds: plenty of time to drop the connection mid-request."""
     engine = tiny_engine(vocab=len(tokenizer), num_blocks=128)
     step = engine.step
-    engine.step = lambda: (time.sleep(0.005), step())[1]  # ~500 tokens would take seconds: plenty to drop
+    engine.step = lambda: (time.sleep(0.005), step())[1]
+    return engine
+
+
+LONG = {"model": MODEL, "messages": MESSAGES, "max_tokens": 480, "ignore_eos": True}
+
+
+def test_client_dropping_mid_stream_aborts_and_frees_kv(tokenizer) -> None:
+    engine = slow_engine(tokenizer)
     with LiveServer(make_app(tokenizer, engine=engine)) as live:
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 480, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=30) as http:
-            with http.stream("POST", live.url + "/v1/chat/completions", json=body) as r:
+            with http.stream("POST", live.url + "/v1/chat/completions", json=LONG | {"stream": True}) as r:
                 lines = r.iter_lines()
                 got = [next(lines) for _ in range(6)]  # role chunk + a few tokens
                 assert not pool_is_full(engine)
@@ -89,3 +101,34 @@ def test_client_dropping_mid_stream_aborts_and_frees_kv(tokenizer) -> None:
     assert any('"content"' in line for line in got)
     assert 'specgate_request_finish_total{reason="abort",speculation="on"} 1.0' in metrics
     assert 'route="/v1/chat/completions",speculation="on",status="499"} 1.0' in metrics
+
+
+def test_client_leaving_a_non_stream_request_aborts_it(tokenizer) -> None:
+    engine = slow_engine(tokenizer)
+    with LiveServer(make_app(tokenizer, engine=engine)) as live:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(live.url + "/v1/chat/completions", json=LONG, timeout=0.5)
+        wait_until(lambda: pool_is_full(engine) and not engine.has_work())
+        metrics = httpx.get(live.url + "/metrics").text
+    assert 'specgate_request_finish_total{reason="abort",speculation="on"} 1.0' in metrics
+
+
+def test_load_bench_reports_every_arm(tokenizer, tmp_path) -> None:
+    """bench/load.py end to end against a live server: both arms, per-token ITL, percentiles, JSON."""
+    root = Path(__file__).resolve().parents[2]
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Hello {i}"]}) + "\n" for i in range(4)))
+    out = tmp_path / "load"
+    with LiveServer(make_app(tokenizer)) as live:
+        subprocess.run([sys.executable, str(root / "bench" / "load.py"), "--url", live.url, "--prompts-file",
+                        str(prompts), "--concurrency", "1,2", "--requests", "4", "--max-tokens", "8", "--rate", "50",
+                        "--out", str(out)], check=True, capture_output=True, text=True, timeout=60)
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 2] and report["device"] == "cpu"
+    for level in report["levels"]:
+        for arm in ("on", "off"):
+            s = level["arms"][arm]
+            assert s["requests"] == 2 and s["errors"] == 0 and s["tokens"] <= 16
+            assert s["request_tokens_per_s"]["p50"] > 0
+            assert s["itl_s"]["n"] > 0 and s["ttft_s"]["p50"] <= s["e2e_s"]["p99"]
+    assert level["arms"]["off"]["mean_accepted_length"] == 1.0

@@ -3,7 +3,6 @@ stopped by SIGINT while a stream is open."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket

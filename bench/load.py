@@ -1,0 +1,278 @@
+"""HTTP load generator for A/B latency runs against one `python -m gateway serve`.
+
+    python bench/load.py [--url http://127.0.0.1:8000] [--prompts-file PATH] [--concurrency 1,4]
+        [--requests 16] [--rate inf] [--max-tokens 64] [--arm NAME=JSON ...] [--out bench/results/load]
+
+Each concurrency level sends ``--requests`` streaming chat completions whose arrivals are a Poisson
+process of ``--rate`` requests/s (inf = all at once), with at most ``concurrency`` in flight. The arms
+(``--arm off='{"enabled": false}'``: the request's ``speculation`` field) are mixed in one run: every
+prompt goes once to every arm, in shuffled order, so the arms share the server's batches.
+
+Per arm and level: TTFT, inter-token latency per token (a speculative chunk carries several tokens,
+counted from ``stream_options.continuous_usage_stats``, so the gap is divided among them), TPOT,
+end-to-end latency (p50 / p90 / p99), throughput, and the server's mean accepted length.
+Writes ``OUT.json`` and ``OUT.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
+DEFAULT_ARMS = ['off={"enabled": false}', 'on={"enabled": true}']
+METRICS = ("ttft_s", "itl_s", "tpot_s", "e2e_s")
+
+
+@dataclass(slots=True)
+class Result:
+    arm: str
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # one entry per token after the first chunk
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    tokens: int = 0
+    mean_accepted_length: float | None = None
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, arm: str, spec: dict, max_tokens: int,
+                      model: str) -> Result:
+    """One streaming chat completion; timestamps every chunk on arrival."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "speculation": spec,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    res, t0 = Result(arm), time.perf_counter()
+    seen, t_first, t_prev, first_tokens = 0, None, None, 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+            return res
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now, chunk = time.perf_counter(), json.loads(line[len("data: "):])
+            if "error" in chunk:
+                res.error = chunk["error"]["message"]
+                return res
+            usage = chunk.get("usage") or {}
+            new = usage.get("completion_tokens", seen) - seen
+            if new > 0:
+                if t_first is None:
+                    t_first, first_tokens, res.ttft_s = now, new, now - t0
+                else:
+                    res.itl_s += [(now - t_prev) / new] * new
+                t_prev, seen = now, seen + new
+            if not chunk["choices"]:  # the final usage chunk
+                res.mean_accepted_length = usage.get("speculation", {}).get("mean_accepted_length")
+    res.e2e_s, res.tokens, res.ok = time.perf_counter() - t0, seen, True
+    if seen > first_tokens:
+        res.tpot_s = (t_prev - t_first) / (seen - first_tokens)
+    return res
+
+
+async def run_level(url: str, headers: dict, jobs: list[tuple[str, str, dict]], concurrency: int, rate: float,
+                    max_tokens: int, model: str, seed: int) -> tuple[list[Result], float]:
+    """All jobs (prompt, arm, spec) with Poisson arrivals and at most ``concurrency`` in flight."""
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=None, limits=limits) as client:
+
+        async def job(delay: float, prompt: str, arm: str, spec: dict) -> Result:
+            await asyncio.sleep(delay)
+            async with gate:
+                try:
+                    return await one_request(client, prompt, arm, spec, max_tokens, model)
+                except httpx.HTTPError as exc:
+                    return Result(arm, error=f"{type(exc).__name__}: {exc}")
+
+        delays, t = [], 0.0
+        for _ in jobs:
+            delays.append(t)
+            t += rng.expovariate(rate) if rate != float("inf") else 0.0
+        start = time.perf_counter()
+        results = await asyncio.gather(*(job(d, *j) for d, j in zip(delays, jobs)))
+        return list(results), time.perf_counter() - start
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
+    v = sorted(values)
+
+    def pick(q: float) -> float:  # nearest rank, no interpolation: honest for small samples
+        return round(v[max(0, math.ceil(q * len(v) - 1e-9) - 1)], 5)
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": round(sum(v) / len(v), 5), "n": len(v)}
+
+
+def summarize(results: list[Result], arm: str, wall_s: float) -> dict:
+    """One arm of one level. Arms share the server's batches, so throughput is given per request (tokens over
+    its end-to-end time) and as the arm's share of the level's tokens/s."""
+    mine = [r for r in results if r.arm == arm]
+    ok = [r for r in mine if r.ok]
+    tokens = sum(r.tokens for r in ok)
+    lengths = [r.mean_accepted_length for r in ok if r.mean_accepted_length is not None]
+    return {
+        "requests": len(mine), "errors": len(mine) - len(ok),
+        "first_error": next((r.error for r in mine if r.error), None),
+        "tokens": tokens, "share_tokens_per_s": round(tokens / wall_s, 3),  # this arm's part of the level's
+        "request_tokens_per_s": percentiles([r.tokens / r.e2e_s for r in ok]),  # what one client sees
+        "mean_accepted_length": round(sum(lengths) / len(lengths), 4) if lengths else None,
+        "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": percentiles([x for r in ok for x in r.itl_s]),
+        "tpot_s": percentiles([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "e2e_s": percentiles([r.e2e_s for r in ok]),
+    }
+
+
+def load_prompts(path: str, n: int, seed: int) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        prompts = [json.loads(line)["turns"][0] for line in f if line.strip()]
+    random.Random(seed).shuffle(prompts)
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+def parse_arms(specs: list[str]) -> dict[str, dict]:
+    arms = {}
+    for spec in specs:
+        name, _, body = spec.partition("=")
+        if not name or not body:
+            raise SystemExit(f"--arm must be NAME=JSON, like on='{{\"enabled\": true}}'; got {spec!r}")
+        arms[name] = json.loads(body)
+    return arms
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+async def bench(args: argparse.Namespace) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    arms = parse_arms(args.arm or DEFAULT_ARMS)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=30) as c:
+        health = (await c.get("/health")).json()
+        if health.get("status") != "ready":
+            raise SystemExit(f"server not ready: {health}")
+    per_arm = max(1, args.requests // len(arms))
+    prompts = load_prompts(args.prompts_file, per_arm * len(args.concurrency) + 1, args.seed)
+    warm = [(prompts[-1], name, spec) for name, spec in arms.items()]  # not measured
+    await run_level(args.url, headers, warm, len(warm), float("inf"), 8, health["model"], args.seed)
+    levels, load_before = [], os.getloadavg()[0]
+    for k, conc in enumerate(args.concurrency):
+        chunk = prompts[k * per_arm : (k + 1) * per_arm]
+        jobs = [(p, name, spec) for p in chunk for name, spec in arms.items()]
+        random.Random(args.seed + k).shuffle(jobs)
+        results, wall = await run_level(args.url, headers, jobs, conc, args.rate, args.max_tokens, health["model"],
+                                        args.seed + k)
+        row = {"concurrency": conc, "wall_s": round(wall, 3),
+               "host_load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # host 1-min load before/after, this server included
+               "tokens_per_s": round(sum(r.tokens for r in results if r.ok) / wall, 3),
+               "arms": {name: summarize(results, name, wall) for name in arms}}
+        levels.append(row)
+        load_before = os.getloadavg()[0]
+        print(f"concurrency {conc}: {len(results)} requests in {wall:.1f}s, {row['tokens_per_s']} tok/s")
+    return {"date": datetime.date.today().isoformat(), "device": health.get("device"), "model": health["model"],
+            "client": f"{platform.machine()}, {os.cpu_count()} cpus", "commit": git_commit(), "url": args.url,
+            "requests_per_level": per_arm * len(arms),
+            "rate_per_s": args.rate if args.rate != float("inf") else "inf", "max_tokens": args.max_tokens,
+            "temperature": 0, "arms": arms, "levels": levels}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--prompts-file", default=str(MT_BENCH), help="MT-bench style JSONL (first turns are used)")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    ap.add_argument("--requests", type=int, default=16, help="per concurrency level, split evenly over the arms")
+    ap.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrival rate, requests/s")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--arm", action="append", help='NAME=JSON speculation field, e.g. on=\'{"max_nodes": 4}\'')
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(HERE / "results" / "load"), help="writes OUT.json and OUT.png")
+    args = ap.parse_args()
+    report = asyncio.run(bench(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    plot(report, out.with_suffix(".png"))
+
+
+def print_table(report: dict) -> None:
+    print(f"{'conc':>4} {'arm':>8} {'req':>4} {'req tok/s':>9} {'acc.len':>7}  "
+          + "  ".join(f"{m[:-2] + ' p50/p90/p99':>24}" for m in METRICS))
+    for level in report["levels"]:
+        for name, s in level["arms"].items():
+            cells = ["/".join("-" if s[m][q] is None else f"{s[m][q]:.3f}" for q in ("p50", "p90", "p99"))
+                     for m in METRICS]
+            acc = "-" if s["mean_accepted_length"] is None else f"{s['mean_accepted_length']:.2f}"
+            rate = s["request_tokens_per_s"]["p50"] or 0.0
+            print(f"{level['concurrency']:>4} {name:>8} {s['requests']:>4} {rate:>9.2f} {acc:>7}  "
+                  + "  ".join(f"{c:>24}" for c in cells))
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return
+    conc = [lv["concurrency"] for lv in report["levels"]]
+    arms = list(report["arms"])
+    fig, axes = plt.subplots(2, 3, figsize=(14, 8))
+    titles = {"ttft_s": "TTFT (s)", "itl_s": "inter-token latency per token (s)", "tpot_s": "TPOT (s)",
+              "e2e_s": "end-to-end latency (s)"}
+    for ax, metric in zip(axes.flat, METRICS):
+        for i, arm in enumerate(arms):
+            for q, style in (("p50", "-"), ("p90", "--")):  # p99 is in the JSON; at small n it is the max
+                ys = [lv["arms"][arm][metric][q] for lv in report["levels"]]
+                ax.plot(conc, ys, style, color=f"C{i}", marker="o", label=f"{arm} {q}")
+        ax.set_title(titles[metric])
+    for i, arm in enumerate(arms):
+        rates = [lv["arms"][arm]["request_tokens_per_s"]["p50"] for lv in report["levels"]]
+        axes.flat[4].plot(conc, rates, "-", color=f"C{i}", marker="o", label=arm)
+        lengths = [lv["arms"][arm]["mean_accepted_length"] for lv in report["levels"]]
+        axes.flat[5].plot(conc, lengths, "-", color=f"C{i}", marker="o", label=arm)
+    axes.flat[4].plot(conc, [lv["tokens_per_s"] for lv in report["levels"]], "-", color="k", marker="s",
+                      label="server total")
+    axes.flat[4].set_title("tokens/s: per request p50, and server total")
+    axes.flat[5].set_title("mean accepted length (tokens/step)")
+    for ax in axes.flat:
+        ax.set_xlabel("concurrency")
+        ax.set_xticks(conc)
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    axes.flat[4].legend(fontsize=8)
+    fig.suptitle(f"bench/load.py: {report['model']} on {report['device']}, max_tokens {report['max_tokens']}, "
+                 f"rate {report['rate_per_s']}/s, commit {report['commit']} ({report['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
