@@ -1,8 +1,13 @@
 """Mean accepted length and tokens/s of each drafter on the embedded model, MT-bench first turns.
 
     python bench/drafters.py [--prompts 8] [--max-tokens 64] [--batch 1] [--out bench/results/drafters.json]
+    python bench/drafters.py --sweep [--arms draft,self,ngram] [--temperatures 0,0.7] [--trees 1,1,1,1/2,2,2,1]
 
-Every arm runs in this one process on the same prompts; tokens/s ratios are taken within the run.
+Every arm runs in this one process on the same prompts; tokens/s ratios are taken within the run. Arm
+"draft" is the distilled draft shipped for the embedded model (``LoadConfig.draft="auto"``). ``--sweep``
+writes bench/results/drafts.json: mean accepted length per drafter x tree x temperature with fixed trees
+(the adaptive depth budget off), and each model drafter's forward cost relative to the target's.
+MT-bench is evaluation only: the draft was distilled on draft/data/distill_prompts.txt.
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ from pathlib import Path
 import torch
 
 from draft.params import SpeculationParams
+from gateway.budget import BudgetConfig
+from gateway.engine import EngineConfig
 from gateway.llm import LLM, LoadConfig
+from gateway.scheduler import SchedulerConfig
+from target.batch import Segment, build_batch
+from target.model import Transformer
 from verify.sampling import SamplingParams
 
 HERE = Path(__file__).resolve().parent
@@ -36,7 +46,12 @@ def main() -> None:
     ap.add_argument("--arms", default="off,self,ngram")
     ap.add_argument("--tree", default="2,2,2,1")
     ap.add_argument("--out", default=str(HERE / "results" / "drafters.json"))
+    ap.add_argument("--sweep", action="store_true", help="drafter x tree x temperature table -> drafts.json")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--trees", default="1,1,1,1/2,2,2,1")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep(args, [json.loads(l)["turns"][0] for l in open(args.prompts_file)][: args.prompts])
     tree = tuple(int(x) for x in args.tree.split(","))
     qs = [json.loads(l)["turns"][0] for l in open(args.prompts_file)][: args.prompts]
     llm = LLM.load(LoadConfig(model=args.model, quantize=args.quantize), log=lambda m: None)
@@ -68,6 +83,54 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "device": dev, "commit": commit, "quantize": args.quantize,
         "prompts": len(qs), "max_tokens": args.max_tokens, "batch": args.batch, "temperature": 0,
         "self_draft_layers": llm.engine.drafters["self"].model.num_layers, "rows": rows}, indent=2))
+
+
+def forward_seconds(model: Transformer, context: int = 128, batch: int = 1, reps: int = 20) -> float:
+    """Median seconds of one decode forward (one new token per sequence after ``context`` cached tokens)."""
+    cache = model.new_cache(batch * (context // 16 + 2), 16)
+    tables = [cache.new_table() for _ in range(batch)]
+    prompt = list(range(1000, 1000 + context))
+    model.forward(build_batch([Segment(t, 0, prompt) for t in tables], cache, model.device), cache)
+    times = []
+    for _ in range(reps):
+        segs = [Segment(t, context, [42]) for t in tables]
+        batch_ = build_batch(segs, cache, model.device)
+        t0 = time.perf_counter()
+        model.forward(batch_, cache)
+        times.append(time.perf_counter() - t0)
+        for t in tables:
+            t.truncate(context)
+    return sorted(times)[len(times) // 2]
+
+
+def sweep(args: argparse.Namespace, qs: list[str]) -> None:
+    """Mean accepted length per drafter x tree x temperature, plus draft/target forward cost -> drafts.json."""
+    fixed = EngineConfig(scheduler=SchedulerConfig(budget=BudgetConfig(min_gain=0.0)))  # keep every depth
+    llm = LLM.load(LoadConfig(model=args.model, quantize=args.quantize), fixed, log=lambda m: None)
+    target_s = forward_seconds(llm.engine.target)
+    rows = []
+    for arm in args.arms.split(","):
+        drafter = llm.engine.drafters[arm]
+        cost = round(forward_seconds(drafter.model) / target_s, 4) if hasattr(drafter, "model") else None
+        for tree_s in args.trees.split("/"):
+            tree = tuple(int(x) for x in tree_s.split(","))
+            for temp in (float(t) for t in args.temperatures.split(",")):
+                sampling = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
+                spec = SpeculationParams(drafter=arm, tree=tree)
+                gens = [g for i in range(0, len(qs), args.batch) for g in llm.generate(qs[i : i + args.batch], sampling, spec)]
+                steps, acc = sum(g.stats.steps for g in gens), sum(g.stats.accepted_tokens for g in gens)
+                rows.append({"drafter": {"draft": "distilled"}.get(arm, arm), "tree": list(tree), "temperature": temp,
+                             "mean_accepted_length": round((acc + steps) / steps, 4), "draft_cost_ratio": cost})
+                print(rows[-1], flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    Path(args.out).write_text(json.dumps({
+        "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", "date": datetime.date.today().isoformat(),
+        "commit": commit, "quantize": args.quantize, "prompts": len(qs), "max_tokens": args.max_tokens,
+        "batch": args.batch, "target_forward_ms": round(target_s * 1e3, 2),
+        "self_draft_layers": llm.engine.drafters["self"].model.num_layers,
+        "notes": "draft_cost_ratio: median decode forward (1 token, 128 cached) of the drafter / of the target; "
+                 "null for ngram (no model forward). Fixed trees (adaptive depth budget off). Seed 0 at T>0.",
+        "rows": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """The Starlette app: OpenAI-compatible routes over one ``EngineRunner``.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream and non-stream), GET /v1/models,
-GET /health (503 until warm-up has generated tokens), GET /metrics (Prometheus text).
+GET /health (503 until warm-up has generated tokens, and while draining), GET /metrics (Prometheus text),
+GET /openapi.json. With an API key, every route but /health needs it (gateway/guard.py).
+Admission: more than ``max_in_flight`` generation requests at once are refused with 429 before their
+body is read, so a burst costs bounded memory; the engine's own queue bound is the second line.
 How streams, disconnects and shutdown cancel one another: see ARCHITECTURE.md, "The server".
 """
 
@@ -9,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 import uuid
@@ -23,6 +25,7 @@ from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -30,7 +33,9 @@ from starlette.routing import Route
 from draft.params import SpeculationParams
 from gateway.engine import Engine, QueueFull
 from gateway.generation import Generation
+from gateway.guard import ApiKeyMiddleware, read_body
 from gateway.metrics import CONTENT_TYPE, Metrics, spec_label
+from gateway.openapi import openapi_schema
 from gateway.protocol import ApiError, GenerateRequest, Shape, error_body, parse_request
 from gateway.runner import EngineRunner, ShuttingDown, Submission
 from verify.sampling import SamplingParams
@@ -47,6 +52,9 @@ class ServerConfig:
     warmup_tokens: int = 4  # generated with speculation on and off before /health says ready
     retry_after_s: int = 1  # Retry-After on 429 / 503
     device: str = "cpu"  # reported by /health, for benchmark records
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    max_in_flight: int | None = None  # generation requests at once; None = the engine's max_running + max_waiting
+    log_prompts: bool = False  # put prompt text in the request log line (off: prompts may be private)
 
 
 def json_response(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -66,7 +74,11 @@ class Gateway:
         self.runner = EngineRunner(engine, self.metrics)
         self.max_model_len = engine.max_model_len  # a constant: safe to read off the engine thread
         self.is_ready = False
+        self.is_draining = False  # set on SIGTERM: new generation requests get 503
         self.warmup_error: str | None = None
+        sched = engine.config.scheduler
+        self.max_in_flight = config.max_in_flight or sched.max_running + sched.max_waiting
+        self.in_flight = 0  # event loop only: generation requests between arrival and response end
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -81,6 +93,10 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await warm
             await asyncio.to_thread(self.runner.shutdown)  # the join waits out the current step
+
+    def drain(self) -> None:
+        """Refuse new generation requests (503) while open ones finish; safe from a signal handler."""
+        self.is_draining = True
 
     async def warm_up(self) -> None:
         """Generate a few tokens with speculation on and off so first requests hit a warm engine."""
@@ -105,6 +121,8 @@ class Gateway:
 
     async def health(self, request: Request) -> Response:
         is_healthy = getattr(self.engine, "healthy", True)  # False once the target lost a rank: restart it
+        if self.is_draining:
+            return json_response({"status": "draining"}, 503)
         if self.is_ready and is_healthy:
             return json_response({"status": "ready", "model": self.config.model_name, "device": self.config.device})
         status = f"warm-up failed: {self.warmup_error}" if self.warmup_error else "warming up"
@@ -114,11 +132,10 @@ class Gateway:
     async def metrics_route(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def openapi(self, request: Request) -> Response:
+        return json_response(openapi_schema(self.config.model_name, self.max_model_len, self.config.max_body_bytes))
+
     async def models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except ApiError as exc:
-            return error_response(exc)
         cfg = self.engine.config
         card = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specgate",
                 "max_model_len": self.max_model_len,
@@ -138,14 +155,21 @@ class Gateway:
         arrival = time.monotonic()
         route = request.url.path
         label = "unknown"
+        gen = None
+        self.in_flight += 1
         try:
-            self._authorize(request)
-            req = parse_request(await request.body(), is_chat, request.headers.get("x-speculation"))
+            self._admit()
+            raw = await read_body(request.headers.get("content-length"), request.stream(), self.config.max_body_bytes)
+            req = parse_request(raw, is_chat, request.headers.get("x-speculation"))
             label = spec_label(req.speculation.enabled)
             gen = await self._start(req, route, arrival)
         except ApiError as exc:
             self.metrics.requests.labels(route, str(exc.status), label).inc()
             return error_response(exc)
+        finally:
+            if gen is None:  # refused or cancelled before a Generation took over the slot
+                self.in_flight -= 1
+        gen.on_close = self._release
         headers = {"X-Request-Id": gen.sub.request_id}
         if req.stream:
             return _event_source(gen, headers)
@@ -156,7 +180,21 @@ class Gateway:
             return error_response(body)
         return json_response(body, headers=headers)
 
+    def _admit(self) -> None:
+        retry = {"Retry-After": str(self.config.retry_after_s)}
+        if self.is_draining:
+            raise ApiError(503, "the server is shutting down", type="server_error", headers=retry)
+        if self.in_flight > self.max_in_flight:
+            raise ApiError(429, f"the server is at capacity ({self.max_in_flight} requests in flight); retry later",
+                           code="queue_full", type="rate_limit_error", headers=retry)
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+
     async def _start(self, req: GenerateRequest, route: str, arrival: float) -> Generation:
+        if req.max_tokens is not None and req.max_tokens > self.max_model_len:
+            raise ApiError(400, f"max_tokens must be <= {self.max_model_len} (the context), got {req.max_tokens}",
+                           param="max_tokens")
         if req.model is not None and req.model != self.config.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist: this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
@@ -164,6 +202,7 @@ class Gateway:
         sampling = req.sampling_params(self.max_model_len - len(prompt_ids))
         prefix = "chatcmpl-" if req.is_chat else "cmpl-"
         request_id = prefix + uuid.uuid4().hex
+        self._log_request(request_id, req, prompt_ids)
         sub = await self._submit(request_id, prompt_ids, sampling, req)
         shape = Shape(req.is_chat, request_id, int(time.time()), self.config.model_name)
         return Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route)
@@ -219,14 +258,15 @@ class Gateway:
             raise ApiError(400, f"messages do not fit the chat template: {exc}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _authorize(self, request: Request) -> None:
-        key = self.config.api_key
-        if key is None:
+    def _log_request(self, request_id: str, req: GenerateRequest, prompt_ids: list[int]) -> None:
+        """One line per admitted request; prompt text only with ``log_prompts`` (prompts may be private)."""
+        if not log.isEnabledFor(logging.INFO):
             return
-        given = request.headers.get("authorization", "")
-        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode())):
-            raise ApiError(401, "missing or incorrect API key: send Authorization: Bearer KEY",
-                           code="invalid_api_key")
+        text = ""
+        if self.config.log_prompts:
+            text = f" prompt={orjson.dumps(req.messages if req.is_chat else req.prompt).decode()}"
+        log.info("%s: %d prompt tokens, max_tokens=%s, stream=%s, speculation=%s%s", request_id, len(prompt_ids),
+                 req.max_tokens, req.stream, spec_label(req.speculation.enabled), text)
 
 
 def _event_source(gen: Generation, headers: dict[str, str]) -> EventSourceResponse:
@@ -280,8 +320,10 @@ def create_app(engine: Engine, tokenizer: Any, chat_template: str | None, config
         Route("/v1/models", gw.models, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/metrics", gw.metrics_route, methods=["GET"]),
+        Route("/openapi.json", gw.openapi, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=gw.lifespan,
+    middleware = [] if config.api_key is None else [Middleware(ApiKeyMiddleware, api_key=config.api_key)]
+    app = Starlette(routes=routes, lifespan=gw.lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.gateway = gw
     return app

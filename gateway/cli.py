@@ -27,7 +27,9 @@ def tree_arg(spec: str) -> tuple[int, ...]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default="self", help="default drafter: self, ngram, none, or a draft model dir/.gguf")
+    p.add_argument("--draft", default="auto",
+                   help="default drafter: auto (the shipped draft for the embedded model, else self), self, ngram, none, "
+                        "or a draft model dir/.gguf")
     p.add_argument("--self-draft-layers", type=int, default=None, help="layers of the layer-skip self-draft")
     p.add_argument("--quantize", choices=["int4", "gptq", "none"], default="int4",
                    help="target weights: int4 (W4A16 RTN, default), gptq (calibrated once, cached) or none")
@@ -35,6 +37,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--cache-dir", default=None, help="where the embedded model is converted and kept")
+    p.add_argument("--tensor-parallel", type=int, default=1,
+                   help="shard the target over N ranks (N GPUs on CUDA, N processes on CPU); drafts run on rank 0")
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per cache")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-running", type=int, default=32, help="sequences decoding at once")
@@ -49,7 +53,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def load(args: argparse.Namespace) -> LLM:
     cfg = LoadConfig(model=args.model, draft=args.draft, self_draft_layers=args.self_draft_layers,
                      quantize=args.quantize, group_size=args.group_size, dtype=args.dtype, device=args.device,
-                     cache_dir=args.cache_dir)
+                     cache_dir=args.cache_dir, tensor_parallel=args.tensor_parallel)
     ecfg = EngineConfig(num_blocks=args.num_blocks, page_size=args.page_size,
                         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                                   max_model_len=args.max_model_len, policy=args.policy,

@@ -21,7 +21,6 @@ from draft.params import SpeculationParams
 from draft.tree import TokenTree
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import Sequence, SpecStats, Status
-from kernels.compact_kv import compact_kv
 from target.batch import Segment, build_batch
 from target.kv_cache import KVCache
 from target.model import Transformer
@@ -109,6 +108,12 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def healthy(self) -> bool:
+        """False once the target can run no more steps (a tensor-parallel rank died): every later step fails
+        its requests at once, so /health should say so and the server be restarted."""
+        return getattr(self.target, "healthy", True)  # a one-process Transformer cannot lose a rank
+
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -152,7 +157,7 @@ class Engine:
         if moves:
             src, dst = zip(*moves)
             dev = self.cache.k.device
-            compact_kv(self.cache.k, self.cache.v, torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+            self.cache.compact(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         for seq, _ in plan.decodes:
             if seq.table is not None:  # blocks past the next root's slot go back only after compaction read them
                 seq.table.truncate(seq.num_cached + 1)

@@ -7,7 +7,8 @@ every exit (finished, stop string, engine failure, client gone, cancellation) an
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gateway.detok import Decoder, TextAssembler
@@ -15,6 +16,8 @@ from gateway.metrics import Metrics, spec_label
 from gateway.protocol import SSE_DONE, ApiError, GenerateRequest, Shape, error_body, speculation_report, sse, usage
 from gateway.runner import EngineRunner, Event, Submission
 from gateway.sequence import SpecStats
+
+log = logging.getLogger("specgate.generation")
 
 
 class EngineFailure(Exception):
@@ -41,6 +44,7 @@ class Generation:
         self.is_done = False  # the engine holds nothing for this request any more
         self.is_closed = False
         self.interrupted: str | None = None  # why the server aborted it (shutdown)
+        self.on_close: Callable[[], None] | None = None  # the app's admission slot, given back once
 
     # --- events -> text ---------------------------------------------------------------------------
 
@@ -127,6 +131,11 @@ class Generation:
             status = str(exc.status)
             yield sse(error_body(f"generation failed: {exc}", "server_error"))
             yield SSE_DONE
+        except Exception:  # noqa: BLE001 -- headers are sent: end the stream cleanly, keep the details in the log
+            log.exception("stream of %s failed", self.sub.request_id)
+            status = "500"
+            yield sse(error_body("internal server error", "server_error"))
+            yield SSE_DONE
         finally:
             self.close(status)
 
@@ -143,6 +152,8 @@ class Generation:
         self.is_closed = True
         if not self.is_done:
             self.runner.abort(self.sub.request_id)
+        if self.on_close is not None:
+            self.on_close()
         m, label = self.metrics, self.label
         m.requests.labels(self.route, status, label).inc()
         m.finished.labels(self.finish_reason or ("abort" if status == "499" else "error"), label).inc()

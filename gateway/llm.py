@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -18,11 +19,15 @@ from draft.base import Drafter
 from draft.model_drafter import ModelDrafter
 from draft.ngram import NgramDrafter
 from draft.params import DEFAULT_TREE, SpeculationParams
+from draft.shipped import embedded_draft
 from gateway.engine import Engine, EngineConfig, RequestOutput
 from gateway.scheduler import SchedulerConfig
 from gateway.sequence import SpecStats
-from target.loader import LoadedCheckpoint, load_checkpoint
+from target.embedded import default_cache_dir
+from target.gptq import cached_gptq
+from target.loader import LoadedCheckpoint, attach_shared_embeddings, load_checkpoint
 from target.model import Transformer
+from target.tp_worker import TPConfig, start_tensor_parallel
 from verify.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -33,17 +38,22 @@ class LoadConfig:
     """Where models come from and how they are prepared; one per server / CLI run."""
 
     model: str | None = None  # HF directory or .gguf; None = the embedded SmolLM2-135M-Instruct
-    draft: str = "self"  # default drafter: "self", "ngram", "none", or a draft model's directory / .gguf
+    # Default drafter: "auto" (the shipped distilled draft for the embedded model, else "self"), "self", "ngram",
+    # "none", or a draft model's directory / .gguf.
+    draft: str = "auto"
     self_draft_layers: int | None = None  # None = two thirds of the target's layers
-    quantize: str = "int4"  # "int4" (W4A16 RTN) or "none"
+    quantize: str = "int4"  # "int4" (RTN), "gptq" (calibrated once, then cached) or "none"; INT4 checkpoints load as is
     group_size: int = 128
     dtype: str | None = None  # None = bfloat16 on CUDA, float32 on CPU
     device: str | None = None  # None = cuda when available
     cache_dir: str | None = None  # where the embedded model is converted and kept
+    tensor_parallel: int = 1  # ranks the target is sharded over (GPUs on CUDA); workers are spawned processes
 
     def __post_init__(self) -> None:
-        if self.quantize not in ("int4", "none"):
-            raise ValueError(f"quantize must be 'int4' or 'none', got {self.quantize!r}")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        if self.quantize not in ("int4", "gptq", "none"):
+            raise ValueError(f"quantize must be 'int4', 'gptq' or 'none', got {self.quantize!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.group_size not in (32, 64, 128):
@@ -65,35 +75,92 @@ def resolve_model_path(cfg: LoadConfig) -> Path:
     return default_model_dir(Path(cfg.cache_dir) if cfg.cache_dir else None)
 
 
+def resolve_draft(cfg: LoadConfig) -> str:
+    """``cfg.draft`` with "auto" resolved: the shipped draft only fits the embedded target it was distilled for.
+
+    Under tensor parallelism there is no self-draft: it runs the target's own first layers, which are sharded,
+    and running them sharded costs two collectives per layer per draft level. "auto" falls back to n-grams.
+    """
+    if cfg.tensor_parallel > 1 and cfg.draft == "self":
+        raise ValueError("the self-draft runs the target's sharded layers and is off under tensor parallelism: "
+                         "use --draft ngram, none or a draft model")
+    if cfg.draft != "auto":
+        return cfg.draft
+    shipped = embedded_draft() if cfg.model is None else None
+    return str(shipped) if shipped is not None else ("self" if cfg.tensor_parallel == 1 else "ngram")
+
+
 def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=print) -> Loaded:
     """Load, quantize and wire the target and its drafters. Errors name the bad path or option."""
-    if cfg.draft not in ("self", "ngram", "none") and not Path(cfg.draft).expanduser().exists():
-        raise ValueError(f"unknown drafter {cfg.draft!r}: use self, ngram, none, or a draft model directory / .gguf")
+    draft = resolve_draft(cfg)
+    if draft not in ("self", "ngram", "none") and not Path(draft).expanduser().exists():
+        raise ValueError(f"unknown drafter {draft!r}: use auto, self, ngram, none, or a draft model directory / .gguf")
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     path = resolve_model_path(cfg)
     t0 = time.perf_counter()
     ckpt = load_checkpoint(path, dtype)
-    target = Transformer.from_weights(ckpt.config, ckpt.weights, dtype, device)
     log(f"loaded {path.name}: {ckpt.config.num_layers} layers, vocab {ckpt.config.vocab_size} "
         f"({time.perf_counter() - t0:.1f}s)")
-    if cfg.quantize == "int4":
-        t0 = time.perf_counter()
-        target = target.quantize(cfg.group_size)
-        log(f"quantized to INT4 W4A16, group {cfg.group_size} ({time.perf_counter() - t0:.1f}s)")
+    tp = cfg.tensor_parallel
+    # Under tensor parallelism the full target is only a source of shards: keep it off the GPU.
+    target = load_target(cfg, ckpt, dtype, "cpu" if tp > 1 else device, log)
     engine_cfg = engine_cfg or EngineConfig()
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
-    # Untrained early exits predict poorly: on SmolLM2 a quarter of the layers accepts ~1.05 tokens per step,
-    # two thirds ~1.3 (bench/results/drafters.json). A distilled draft replaces this default.
-    layers = cfg.self_draft_layers or max(1, (2 * target.num_layers) // 3)
-    drafters["self"] = ModelDrafter("self", target.truncated(layers), engine_cfg.num_blocks, engine_cfg.page_size)
-    default = cfg.draft
-    if cfg.draft not in ("self", "ngram", "none"):
-        drafters["draft"] = _load_draft_model(cfg.draft, ckpt, dtype, device, engine_cfg)
+    if tp == 1:
+        # Untrained early exits predict poorly: on SmolLM2 a quarter of the layers accepts ~1.05 tokens per step,
+        # two thirds ~1.3 (bench/results/drafters.json). A distilled draft replaces this default.
+        layers = cfg.self_draft_layers or max(1, (2 * target.num_layers) // 3)
+        drafters["self"] = ModelDrafter("self", target.truncated(layers), engine_cfg.num_blocks, engine_cfg.page_size)
+    default = draft
+    if draft not in ("self", "ngram", "none"):
+        drafters["draft"] = _load_draft_model(draft, ckpt, dtype, device, engine_cfg)
+        log(f"draft model {Path(draft).name}: {drafters['draft'].model.num_layers} layers")
         default = "draft"
     engine_cfg = EngineConfig(engine_cfg.num_blocks, engine_cfg.page_size, engine_cfg.scheduler,
                               None if default == "none" else default, engine_cfg.default_tree)
-    return Loaded(Engine(target, drafters, engine_cfg), ckpt, path.name)
+    if tp == 1:
+        return Loaded(Engine(target, drafters, engine_cfg), ckpt, path.name)
+    return Loaded(_tensor_parallel_engine(cfg, dtype, device, target, drafters, engine_cfg, log), ckpt, path.name)
+
+
+def _tensor_parallel_engine(cfg: LoadConfig, dtype: torch.dtype, device: torch.device, full: Transformer,
+                            drafters: dict[str, Drafter], engine_cfg: EngineConfig, log) -> Engine:
+    """Spawn the workers last, once everything that can fail on rank 0 alone has loaded."""
+    t0 = time.perf_counter()
+    tp_cfg = TPConfig(cfg.tensor_parallel, device.type)
+    target = start_tensor_parallel(partial(tp_worker_target, cfg, dtype), tp_cfg, full=full)
+    log(f"tensor parallel over {tp_cfg.world_size} ranks ({tp_cfg.backend}): workers ready "
+        f"({time.perf_counter() - t0:.1f}s)")
+    try:
+        return Engine(target, drafters, engine_cfg)
+    except BaseException:
+        target.close()
+        raise
+
+
+def load_target(cfg: LoadConfig, ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device | str,
+                log=print) -> Transformer:
+    """The full target on ``device``, quantized as ``cfg`` asks (INT4 checkpoints as they are)."""
+    target = Transformer.from_weights(ckpt.config, ckpt.weights, dtype, device, ckpt.quantized)
+    name = resolve_model_path(cfg).name
+    t0 = time.perf_counter()
+    if ckpt.quantized:
+        log(f"{name} is an INT4 checkpoint: used as is (--quantize ignored)")
+    elif cfg.quantize == "int4":
+        target = target.quantize(cfg.group_size)
+        log(f"quantized to INT4 W4A16, group {cfg.group_size} ({time.perf_counter() - t0:.1f}s)")
+    elif cfg.quantize == "gptq":
+        cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
+        target = cached_gptq(target, ckpt, cache / "quantized", cfg.group_size, log=log)
+        log(f"GPTQ INT4 W4A16, group {cfg.group_size} ({time.perf_counter() - t0:.1f}s)")
+    return target
+
+
+def tp_worker_target(cfg: LoadConfig, dtype: torch.dtype) -> Transformer:
+    """What each tensor-parallel worker process builds before keeping its shard: the full target, on the CPU.
+    Rank 0 has already run GPTQ by then, so the workers read its cached result."""
+    return load_target(cfg, load_checkpoint(resolve_model_path(cfg), dtype), dtype, "cpu", log=lambda _: None)
 
 
 def _load_draft_model(path: str, target_ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
@@ -101,7 +168,8 @@ def _load_draft_model(path: str, target_ckpt: LoadedCheckpoint, dtype: torch.dty
     ck = load_checkpoint(path, dtype)
     if ck.config.vocab_size != target_ckpt.config.vocab_size or ck.tokenizer.get_vocab() != target_ckpt.tokenizer.get_vocab():
         raise ValueError(f"draft model {path} does not share the target's tokenizer")
-    model = Transformer.from_weights(ck.config, ck.weights, dtype, device)
+    attach_shared_embeddings(ck, target_ckpt)  # a distilled draft stores only its own layers
+    model = Transformer.from_weights(ck.config, ck.weights, dtype, device, ck.quantized)
     return ModelDrafter("draft", model, engine_cfg.num_blocks, engine_cfg.page_size)
 
 

@@ -6,6 +6,7 @@ answer in OpenAI's error shape before anything reaches the engine.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,17 @@ from draft.params import SpeculationParams, check_widths, parse_tree
 from gateway.sequence import SpecStats
 from verify.sampling import SamplingParams
 
-MAX_STOP_STRINGS = 4
+# Limits that bound the work one request can ask for; gateway/openapi.py publishes them.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string: the matcher holds back up to this much text
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 256
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy: logits / 1e-30 overflow float32 to inf, then NaN
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # outside it, dividing logits overflows or zeroes them
+# A file path in an exception's text: anything ending in a file name with an extension, or under a system
+# root. URL paths such as /v1/completions match neither.
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-]+)*[\\/][\w\-]+\.[A-Za-z]\w*"
+                   r"|/(?:home|usr|opt|tmp|var|root|work|mnt|srv|etc|proc|private|Users)(?:/[\w.\-]+)+")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields we know and refuse rather than silently ignore: their absence would change what the user gets.
 UNSUPPORTED = {"echo": "echo", "suffix": "suffix", "tools": "tool calling", "functions": "function calling",
@@ -36,7 +47,15 @@ class ApiError(Exception):
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {"error": {"message": scrub(message), "type": type, "param": param, "code": code}}
+
+
+def scrub(message: str, limit: int = 500) -> str:
+    """An error message fit for a client: its first line, file paths cut out (engine exceptions can quote
+    source locations), bounded in length (some quote the offending value back)."""
+    lines = message.strip().splitlines()
+    first = _PATH.sub("<path>", lines[0] if lines else "")
+    return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +158,18 @@ def _sampling(body: dict) -> dict[str, Any]:
         raise ApiError(400, f"seed must fit in 64 bits, got {out['seed']}", param="seed")
     if out["temperature"] > 2:
         raise ApiError(400, f"temperature must be in [0, 2], got {out['temperature']}", param="temperature")
+    if 0 <= out["temperature"] < GREEDY_BELOW:
+        out["temperature"] = 0.0
+    low, high = REPETITION_PENALTY_RANGE
+    if not low <= out["repetition_penalty"] <= high:
+        raise ApiError(400, f"repetition_penalty must be in [{low}, {high}], got {out['repetition_penalty']}",
+                       param="repetition_penalty")
     ids = _get(body, "stop_token_ids", list, [])
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ApiError(400, "stop_token_ids must be an array of integers", param="stop_token_ids")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
+                       param="stop_token_ids")
     out["stop_token_ids"] = tuple(ids)
     return out
 
@@ -155,6 +183,8 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise ApiError(400, "stop must be a string or an array of strings", param="stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise ApiError(400, f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"each stop string holds at most {MAX_STOP_CHARS} characters", param="stop")
     return tuple(s for s in stops if s)
 
 
@@ -162,6 +192,8 @@ def _messages(body: dict) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty array of {role, content} objects", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(400, f"messages holds at most {MAX_MESSAGES} turns, got {len(messages)}", param="messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"

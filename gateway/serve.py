@@ -7,12 +7,15 @@ Options come from, lowest precedence first: built-in defaults, a JSON or TOML co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, Callable
 
 import uvicorn
 
@@ -22,9 +25,13 @@ GRACEFUL_SHUTDOWN_S = 5  # open streams are cancelled on SIGTERM; this bounds an
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 exposes the server beyond this machine")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/*")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-in-flight", type=int, default=None,
+                   help="generation requests at once before 429 (default: max-running + max-waiting)")
+    p.add_argument("--log-prompts", action="store_true", help="put prompt text in the request log lines")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     p.add_argument("--warmup-tokens", type=int, default=4, help="tokens generated before /health says ready")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -55,6 +62,31 @@ def apply_config(args: argparse.Namespace, options: argparse.ArgumentParser, arg
     return merged
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn that tells the app it is draining the moment SIGINT/SIGTERM arrives, so a request that
+    still slips in gets 503 instead of starting a generation that shutdown would cut."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.on_exit()  # a flag write: safe inside a signal handler
+        super().handle_exit(sig, frame)
+
+
+def run_app(app: Any, host: str, port: int, log_level: str = "info") -> None:
+    """Serve ``app`` (from ``create_app``) until SIGINT/SIGTERM, then drain: open streams end with an error
+    event within the app's grace period, uvicorn waits ``GRACEFUL_SHUTDOWN_S`` at most, the engine stops."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    # uvicorn re-raises the signal into the handler it found once it has drained: a drained SIGTERM is a
+    # clean exit (status 0), not a kill, and SIGINT's KeyboardInterrupt is caught as uvicorn.run does.
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    with contextlib.suppress(KeyboardInterrupt):
+        DrainingServer(config, app.state.gateway.drain).run()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.cli import load  # the CLI owns model flags -> LoadConfig / EngineConfig
 
@@ -63,10 +95,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loaded = llm.loaded
     device = str(loaded.engine.target.device)
     config = ServerConfig(model_name=args.served_model_name or loaded.model_name, api_key=args.api_key,
-                          warmup_tokens=args.warmup_tokens, device=device)
+                          warmup_tokens=args.warmup_tokens, device=device, max_body_bytes=args.max_body_bytes,
+                          max_in_flight=args.max_in_flight, log_prompts=args.log_prompts)
     app = create_app(loaded.engine, loaded.checkpoint.tokenizer, loaded.checkpoint.chat_template, config)
     print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1 ({device}); "
           "/health says ready after warm-up", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    run_app(app, args.host, args.port, args.log_level)
     return 0

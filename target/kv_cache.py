@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.compact_kv import compact_kv
 from target.blocks import BlockPool, BlockTable, NoFreeBlocks
 
 __all__ = ["BlockPool", "BlockTable", "KVCache", "NoFreeBlocks"]
@@ -35,10 +36,18 @@ class KVCache:
         for i in table.shared_blocks_in(start, end):
             fresh = self.pool.allocate()
             old = table.blocks[i]
-            self.k[:, fresh] = self.k[:, old]
-            self.v[:, fresh] = self.v[:, old]
+            self.copy_block(old, fresh)
             self.pool.decref(old)
             table.blocks[i] = fresh
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``src``'s K/V into block ``dst``, every layer."""
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Move accepted tree nodes' K/V: ``[M]`` int64 flat slots on the cache's device (see kernels/compact_kv.py)."""
+        compact_kv(self.k, self.v, src_slots, dst_slots)
 
     @staticmethod
     def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -19,18 +19,32 @@ from transformers import PreTrainedTokenizerFast
 
 from target.config import ModelConfig
 
+if TYPE_CHECKING:  # the model module pulls in the kernels; loading a dense checkpoint does not need them
+    from target.model import Linear
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SHARED_EMBEDDINGS_KEY = "specgate_shared_embeddings"
+SHARED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 @dataclass(slots=True)
 class LoadedCheckpoint:
-    """What a checkpoint holds. ``weights`` use HF names; ``lm_head.weight`` is absent when embeddings are tied."""
+    """What a checkpoint holds. ``weights`` use HF names; ``lm_head.weight`` is absent when embeddings are tied.
+
+    A quantized checkpoint (ours, GPTQ or AWQ; see ``target/quant_formats.py``) fills ``quantized``: fused
+    projection name (``model.layers.{i}.self_attn.qkv_proj``, ``.o_proj``, ``mlp.gate_up_proj``,
+    ``mlp.down_proj``) -> INT4 ``Linear`` on the CPU, no bias; ``weights`` then lack those projections.
+    """
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerFast
     chat_template: str | None
     source: str
+    quantized: dict[str, Linear] = field(default_factory=dict)
+    # config.json key "specgate_shared_embeddings": a distilled draft that stores only its own layers and norm;
+    # whoever builds it attaches the target's embedding (and untied head) -- see attach_shared_embeddings.
+    shared_embeddings: bool = False
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
@@ -77,10 +91,11 @@ def expected_weights(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def select_weights(found: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> dict[str, torch.Tensor]:
+def select_weights(found: dict[str, torch.Tensor], config: ModelConfig, source: Path,
+                   wanted: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
     """Keep exactly the expected tensors, checking each is present with the shape the config implies."""
     weights: dict[str, torch.Tensor] = {}
-    for name, shape in expected_weights(config).items():
+    for name, shape in (wanted or expected_weights(config)).items():
         tensor = found.get(name)
         if tensor is None:
             raise ValueError(f"{source}: checkpoint has no tensor {name!r}")
@@ -102,10 +117,18 @@ def _load_hf_dir(root: Path, dtype: torch.dtype) -> LoadedCheckpoint:
     config_path = root / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{root} has no config.json: not a Hugging Face model directory")
-    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    raw_config = json.loads(config_path.read_text())
+    config = ModelConfig.from_hf(raw_config)
     files = _tensor_files(root)
+    if raw_config.get("quantization_config"):
+        from target.quant_formats import read_quantized
+
+        weights, quantized = read_quantized(root, files, config, raw_config["quantization_config"], dtype)
+        tokenizer, chat_template = _load_hf_tokenizer(root)
+        return LoadedCheckpoint(config, weights, tokenizer, chat_template, str(root), quantized)
     check_no_extra_tensors(files, config, root)
-    wanted = expected_weights(config)
+    shared = bool(raw_config.get(SHARED_EMBEDDINGS_KEY))
+    wanted = {n: s for n, s in expected_weights(config).items() if not (shared and n in SHARED_NAMES)}
     for name in wanted:
         if name not in files:
             raise ValueError(f"{root}: checkpoint has no tensor {name!r}")
@@ -117,7 +140,20 @@ def _load_hf_dir(root: Path, dtype: torch.dtype) -> LoadedCheckpoint:
                 if name in wanted and files[name] == file:
                     found[name] = f.get_tensor(name).to(dtype)
     tokenizer, chat_template = _load_hf_tokenizer(root)
-    return LoadedCheckpoint(config, select_weights(found, config, root), tokenizer, chat_template, str(root))
+    return LoadedCheckpoint(config, select_weights(found, config, root, wanted), tokenizer, chat_template, str(root),
+                            shared_embeddings=shared)
+
+
+def attach_shared_embeddings(draft: LoadedCheckpoint, target: LoadedCheckpoint) -> None:
+    """Give a shared-embeddings draft the target's embedding and untied head (same tensors, no copy)."""
+    if not draft.shared_embeddings:
+        return
+    tc, dc = target.config, draft.config
+    if (tc.vocab_size, tc.hidden_size, tc.tie_word_embeddings) != (dc.vocab_size, dc.hidden_size, dc.tie_word_embeddings):
+        raise ValueError(f"draft {draft.source} shares embeddings but its vocab / hidden size / tying differ from the target's")
+    for name in SHARED_NAMES:
+        if name in target.weights:
+            draft.weights[name] = target.weights[name]
 
 
 def _tensor_files(root: Path) -> dict[str, Path]:
@@ -175,6 +211,8 @@ def _as_template(value: Any) -> str | None:
 
 def save_hf_dir(ckpt: LoadedCheckpoint, out_dir: str | Path) -> Path:
     """Write ``ckpt`` as a HF directory (config, one safetensors file, tokenizer, template) that loads back equal."""
+    if ckpt.quantized:
+        raise ValueError("save_hf_dir writes dense weights only: use target.quant_formats.save_quantized")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(ckpt.config.to_hf(), indent=2) + "\n")
@@ -182,11 +220,16 @@ def save_hf_dir(ckpt: LoadedCheckpoint, out_dir: str | Path) -> Path:
     if ckpt.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # safetensors refuses shared storage, and the loader re-ties anyway
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    ckpt.tokenizer.save_pretrained(str(out))
-    _tidy_tokenizer_config(out / "tokenizer_config.json")
-    if ckpt.chat_template is not None:
-        (out / "chat_template.jinja").write_text(ckpt.chat_template)
+    save_tokenizer(ckpt.tokenizer, ckpt.chat_template, out)
     return out
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, chat_template: str | None, out: Path) -> None:
+    """Tokenizer files and chat template into ``out``, in the form ``load_checkpoint`` reads back."""
+    tokenizer.save_pretrained(str(out))
+    _tidy_tokenizer_config(out / "tokenizer_config.json")
+    if chat_template is not None:
+        (out / "chat_template.jinja").write_text(chat_template)
 
 
 def _tidy_tokenizer_config(path: Path) -> None:

@@ -40,15 +40,25 @@ def noisy(weights: dict[str, torch.Tensor], amount: float, seed: int = 1) -> dic
     return {k: v + amount * v.std() * torch.randn(v.shape, generator=g) for k, v in weights.items()}
 
 
+def tiny_target(group_size: int | None = None, **model_kw) -> Transformer:
+    """tiny_engine's target alone, INT4 (RTN) with ``group_size`` when given. Module-level, so a
+    ``functools.partial`` of it pickles into tensor-parallel worker processes."""
+    cfg = tiny_config(**model_kw)
+    target = Transformer.from_weights(cfg, random_weights(cfg))
+    return target.quantize(group_size) if group_size else target
+
+
 def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0.3, self_layers: int = 2,
-                max_running: int = 8, tree: tuple[int, ...] = (2, 2, 1), **model_kw) -> Engine:
+                max_running: int = 8, tree: tuple[int, ...] = (2, 2, 1), group_size: int | None = None,
+                target=None, **model_kw) -> Engine:
     """Target + drafters 'self' (first layers), 'ngram', 'exact' (the target itself: always accepted) and
-    'draft' (a noisy copy: sometimes accepted)."""
+    'draft' (a noisy copy: sometimes accepted). ``target`` replaces the target (a tensor-parallel one);
+    the drafters are still built from the full weights."""
     cfg = tiny_config(**model_kw)
     w = random_weights(cfg)
-    target = Transformer.from_weights(cfg, w)
+    full = tiny_target(group_size, **model_kw)
     drafters = {
-        "self": ModelDrafter("self", target.truncated(self_layers), num_blocks, page_size),
+        "self": ModelDrafter("self", full.truncated(self_layers), num_blocks, page_size),
         "ngram": NgramDrafter(),
         "exact": ModelDrafter("exact", Transformer.from_weights(cfg, w), num_blocks, page_size),
         "draft": ModelDrafter("draft", Transformer.from_weights(cfg, noisy(w, draft_noise)), num_blocks, page_size),
@@ -57,7 +67,7 @@ def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0
                         scheduler=SchedulerConfig(max_running=max_running, max_step_tokens=256, max_model_len=512,
                                                   budget=BudgetConfig(max_verify_tokens=1024)),
                         default_drafter="draft", default_tree=tree)
-    return Engine(target, drafters, ecfg)
+    return Engine(full if target is None else target, drafters, ecfg)
 
 
 def run_all(engine: Engine, requests: list[tuple[str, list[int], object, object]]) -> dict[str, list[int]]:

@@ -123,3 +123,31 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+class FaultyForward:
+    """Wraps ``engine.target.forward``: ``arm(n)`` makes the next ``n`` calls raise, as a device fault would.
+    Installed on the instance, so the engine and its tests stay unchanged."""
+
+    MESSAGE = "injected fault at /opt/build/kernels/attention.cu:42"  # a path, which must not reach clients
+
+    def __init__(self, engine: Engine) -> None:
+        self.forward = engine.target.forward
+        self.armed = 0
+        self.fired = 0
+        self._lock = threading.Lock()  # armed from the loop or a driver thread, fired on the engine thread
+        engine.target.forward = self
+
+    def arm(self, n: int = 1) -> None:
+        with self._lock:
+            self.armed += n
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        with self._lock:
+            fire = self.armed > 0
+            if fire:
+                self.armed -= 1
+                self.fired += 1
+        if fire:
+            raise RuntimeError(self.MESSAGE)
+        return self.forward(*args, **kwargs)

@@ -71,7 +71,11 @@ def test_wrong_types_name_the_field(tokenizer, field, value, param) -> None:
     ("speculation", {"tree": [2, 0]}, "speculation.tree"),
     ("speculation", {"drafter": "nope"}, "speculation.drafter"),
     ("speculation", {"depth": 3}, "speculation.depth"),
-    ("stop", ["a", "b", "c", "d", "e"], "stop"),
+    ("stop", [str(i) for i in range(17)], "stop"),
+    ("stop", ["x" * 257], "stop"),
+    ("stop_token_ids", list(range(65)), "stop_token_ids"),
+    ("repetition_penalty", 1e-300, "repetition_penalty"),
+    ("max_tokens", 10**6, "max_tokens"),
 ])
 def test_out_of_range_values_name_the_field(tokenizer, field, value, param) -> None:
     check(post(tokenizer, CHAT | {field: value}), 400, param)

@@ -1,5 +1,5 @@
 """`python -m gateway serve`: config files under flags, and the real command on a tiny model directory,
-stopped by SIGINT while a stream is open."""
+stopped by SIGINT or SIGTERM while a stream is open: the stream ends in protocol, new requests are refused."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_command_answers_then_stops_on_sigint_with_a_stream_open(model_dir: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_command_drains_on_signal_with_a_stream_open(model_dir: Path, sig: signal.Signals) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = os.environ | {"PYTHONPATH": str(ROOT)}
@@ -76,10 +77,11 @@ def test_serve_command_answers_then_stops_on_sigint_with_a_stream_open(model_dir
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         with httpx.stream("POST", url + "/v1/chat/completions", timeout=30,
-                          json=body | {"max_tokens": 100000, "stream": True}) as stream:
+                          json=body | {"max_tokens": 500, "stream": True}) as stream:
             lines = stream.iter_lines()
             next(lines)
-            proc.send_signal(signal.SIGINT)  # shutdown must end the open stream, not wait for it
+            proc.send_signal(sig)  # shutdown must end the open stream, not wait for it
+            late = late_request(url + "/v1/chat/completions", body)
             rest = [line for line in lines if line]
         _, err = proc.communicate(timeout=20)
     finally:
@@ -90,6 +92,16 @@ def test_serve_command_answers_then_stops_on_sigint_with_a_stream_open(model_dir
     assert "Traceback" not in err
     # the open stream was ended by the server, in protocol: an error event, then [DONE]
     assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2], rest[-2:]
+    assert late in ("refused", 503), late  # never served by a server that is going away
+
+
+def late_request(url: str, body: dict) -> int | str:
+    """A request sent after the signal: 503 while uvicorn still holds its socket, refused once it closed it."""
+    time.sleep(0.2)  # let the signal land
+    try:
+        return httpx.post(url, json=body, timeout=10).status_code
+    except httpx.TransportError:
+        return "refused"
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:

@@ -1,0 +1,172 @@
+"""Dense against RTN and GPTQ INT4 on the embedded SmolLM2: perplexity on held-out text, greedy agreement
+with the dense model, and mean accepted length with one fixed drafter (ngram, tree 2,2,2,1, temperature 0).
+
+    python bench/quant.py [--model DIR] [--arms dense_fp32,rtn_g128,gptq_g128] [--out bench/results/quant.json]
+
+Calibration is data-free: sequences sampled from the dense model (``target.gptq.sample_calibration``), so
+the held-out text (bench/data/ppl_text.txt) never feeds GPTQ. MT-bench first turns are the chat prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from draft.base import Drafter
+from draft.model_drafter import ModelDrafter
+from draft.ngram import NgramDrafter
+from draft.params import SpeculationParams
+from gateway.engine import Engine, EngineConfig
+from gateway.llm import LLM, Loaded, LoadConfig, resolve_model_path
+from quality import greedy, logits_over
+from target.gptq import quantize_gptq, sample_calibration
+from target.loader import LoadedCheckpoint, load_checkpoint
+from target.quant_formats import save_quantized
+from target.model import Transformer
+from verify.sampling import SamplingParams
+
+HERE = Path(__file__).resolve().parent
+MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
+TREE = (2, 2, 2, 1)
+
+
+def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
+              cache: Path | None) -> tuple[Transformer, float | None]:
+    """``dense_fp32``, ``dense_bf16``, ``rtn_g{G}`` or ``gptq_g{G}[_act][_intzero]`` (act-order; the integer zero
+    points a GPTQ-format file would hold, where our format defaults to fractional ones), and the seconds
+    quantizing took (None when ``cache`` already held the arm)."""
+    if name == "dense_fp32":
+        return dense, 0.0
+    if name == "dense_bf16":
+        return Transformer.from_weights(ck.config, ck.weights, torch.bfloat16), 0.0
+    if cache is not None and (cache / name / "config.json").is_file():
+        q = load_checkpoint(cache / name)
+        return Transformer.from_weights(q.config, q.weights, quantized=q.quantized), None
+    method, group, *flags = name.split("_")
+    G = int(group.removeprefix("g"))
+    t0 = time.perf_counter()
+    model = dense.quantize(G) if method == "rtn" else \
+        quantize_gptq(dense, calib, G, desc_act="act" in flags, round_zero="intzero" in flags)
+    secs = time.perf_counter() - t0
+    if cache is not None:
+        save_quantized(model, cache / name, ck.tokenizer, ck.chat_template, {"method": name})
+    return model, secs
+
+
+def chat_ids(ck: LoadedCheckpoint, prompts: list[str]) -> list[list[int]]:
+    tok = ck.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                               add_generation_prompt=True), add_special_tokens=False) for p in prompts]
+
+
+def accepted_length(model: Transformer, ck: LoadedCheckpoint, prompts: list[list[int]], max_tokens: int,
+                    drafter: Drafter) -> float:
+    """Mean tokens per target step: (accepted + steps) / steps over all prompts, batch 1, temperature 0."""
+    engine = Engine(model, {"d": drafter}, EngineConfig(default_drafter="d", default_tree=TREE))
+    llm = LLM(Loaded(engine, ck, "bench"))
+    greedy_params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    gens = [llm.generate([p], greedy_params, SpeculationParams(drafter="d", tree=TREE))[0] for p in prompts]
+    steps = sum(g.stats.steps for g in gens)
+    return (sum(g.stats.accepted_tokens for g in gens) + steps) / steps
+
+
+def draft(dense: Transformer, num_layers: int) -> Drafter:
+    return ModelDrafter("self", dense.truncated(num_layers), 512, 16)
+
+
+def evaluate(model: Transformer, ref: dict, text: list[int], prompts: list[list[int]], max_tokens: int) -> dict:
+    """Perplexity and KL to dense on ``text``; greedy agreement on dense's continuations; accepted length."""
+    lg = logits_over(model, text).float()[:-1]  # [T-1, V]
+    nll = F.cross_entropy(lg, torch.tensor(text[1:]))
+    kl = F.kl_div(lg.log_softmax(-1), ref["text_logits"].log_softmax(-1), log_target=True, reduction="batchmean")
+    # teacher-forced: does this model's argmax match dense's greedy token at each of the 64 positions?
+    agree = [logits_over(model, p + g).argmax(-1)[len(p) - 1:-1] == torch.tensor(g)
+             for p, g in zip(prompts, ref["greedy"])]
+    free = [greedy(model, p, max_tokens) for p in prompts]
+    prefix = [next((i for i, (a, b) in enumerate(zip(f, g)) if a != b), len(g)) for f, g in zip(free, ref["greedy"])]
+    return {"perplexity": round(math.exp(float(nll)), 4), "kl_to_dense": round(float(kl), 5),
+            "greedy_agreement": round(float(torch.cat(agree).float().mean()), 4),
+            "greedy_common_prefix_mean": round(sum(prefix) / len(prefix), 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--arms", default="dense_fp32,dense_bf16,rtn_g128,gptq_g128,gptq_g128_act_intzero,gptq_g128_act,"
+                                      "rtn_g32,gptq_g32_act")
+    ap.add_argument("--calib-seqs", type=int, default=128)
+    ap.add_argument("--calib-len", type=int, default=256)
+    ap.add_argument("--calib-cache", default=None, help="json file to keep the sampled calibration ids in")
+    ap.add_argument("--arm-cache", default=None, help="directory to keep quantized arms in (our format)")
+    ap.add_argument("--draft-layers", type=int, default=20, help="layers of the fixed dense self-draft")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", default=str(HERE / "results" / "quant.json"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    ck = load_checkpoint(resolve_model_path(LoadConfig(model=args.model)), torch.float32)
+    dense = Transformer.from_weights(ck.config, ck.weights, torch.float32)
+    text = ck.tokenizer.encode((HERE / "data" / "ppl_text.txt").read_text())
+    prompts = chat_ids(ck, [json.loads(l)["turns"][0] for l in MT_BENCH.open()][: args.prompts])
+    t0 = time.perf_counter()
+    calib = load_calibration(args, dense, ck)
+    print(f"calibration: {len(calib)} x {args.calib_len} tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
+    ref_greedy = [greedy(dense, p, args.max_tokens) for p in prompts]
+    ref = {"text_logits": logits_over(dense, text).float()[:-1], "greedy": ref_greedy}
+    # one fixed model draft for every arm: the dense model's first layers (the ngram draft ignores the target's
+    # quality, but its acceptance follows how repetitive the target's text is)
+    cache = Path(args.arm_cache) if args.arm_cache else None
+    rows = []
+    for arm in args.arms.split(","):
+        model, build_s = build_arm(arm, dense, ck, calib, cache)
+        row = {"method": arm, **evaluate(model, ref, text, prompts, args.max_tokens),
+               "mean_accepted_length": round(accepted_length(model, ck, prompts, args.max_tokens, NgramDrafter()), 4),
+               "mean_accepted_length_model_draft": round(
+                   accepted_length(model, ck, prompts, args.max_tokens, draft(dense, args.draft_layers)), 4),
+               "quantize_seconds": None if build_s is None else round(build_s, 1)}
+        rows.append(row)
+        print(row, flush=True)
+    write(args, ck, rows, len(text))
+
+
+def load_calibration(args: argparse.Namespace, dense: Transformer, ck: LoadedCheckpoint) -> list[list[int]]:
+    cache = Path(args.calib_cache) if args.calib_cache else None
+    if cache is not None and cache.is_file():
+        return json.loads(cache.read_text())
+    specials = set(ck.tokenizer.all_special_ids)
+    first = [i for i in range(ck.config.vocab_size) if i not in specials]
+    calib = sample_calibration(dense, args.calib_seqs, args.calib_len, first, seed=0)
+    if cache is not None:
+        cache.write_text(json.dumps(calib))
+    return calib
+
+
+def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text_tokens: int) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    out = {"date": datetime.date.today().isoformat(), "commit": commit, "model": Path(ck.source).name,
+           "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+           "perplexity_text": f"bench/data/ppl_text.txt ({text_tokens} tokens)",
+           "greedy_agreement": f"teacher-forced top-1 agreement with dense fp32's greedy {args.max_tokens}-token "
+                               f"continuations of {args.prompts} MT-bench first turns",
+           "mean_accepted_length": f"ngram drafter, tree {','.join(map(str, TREE))}, temperature 0, "
+                                   f"{args.max_tokens} tokens, batch 1",
+           "mean_accepted_length_model_draft": f"the same, drafted by the dense fp32 model's first "
+                                               f"{args.draft_layers} layers (one fixed draft for every arm)",
+           "calibration": f"{args.calib_seqs} x {args.calib_len} tokens sampled from the dense model (seed 0)",
+           "note": "the embedded GGUF is itself Q4_1 (group 32): 'dense' is its dequantized float weights. "
+                   "g128 falls back to g64 on the K=576 projections (576 is not a multiple of 128).",
+           "rows": rows}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

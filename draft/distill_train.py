@@ -1,0 +1,129 @@
+"""Distillation maths: the teacher's top-k next-token distribution per position, a KL loss to it, the
+training loop, and writing the draft checkpoint. No sampling here: ``draft/distill.py`` feeds text in.
+
+Forward KL to the target's own samples is the on-policy recipe of DistillSpec (Zhou et al., 2023): a
+draft is judged only by how often the target accepts its tokens, and acceptance is highest where the
+draft matches the target's distribution on the target's own continuations.
+
+Approximation: the teacher distribution is kept as its top-k log-probabilities per position (k=64 holds
+nearly all the mass of a 135M chat model at T=1), renormalised over those k tokens. The loss
+``sum_k p_k (log p_k - log q_k)`` uses the student's full-vocabulary ``log q``, so it is >= 0 and is the
+exact KL when the teacher's tail mass is zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from draft.dense_lm import DenseLM
+from target.loader import SHARED_EMBEDDINGS_KEY, save_tokenizer
+
+MAX_SHARD_BYTES = 15 * 2**20  # the device returns files of at most 16 MiB
+
+
+@dataclass(slots=True)
+class TeacherTargets:
+    """One training sequence with the teacher's top-k next-token distribution at every position."""
+
+    tokens: torch.Tensor  # [T] int64
+    logp: torch.Tensor  # [T, k] float16, renormalised over the k tokens
+    index: torch.Tensor  # [T, k] int32 vocabulary ids
+
+
+def pad(seqs: list[torch.Tensor], value: int | float = 0) -> torch.Tensor:
+    """Right-pad 1-D or 2-D tensors along dim 0 into ``[B, T_max, ...]``."""
+    return torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=value)
+
+
+@torch.no_grad()
+def teacher_targets(teacher: DenseLM, seqs: list[list[int]], k: int, batch_size: int = 8) -> list[TeacherTargets]:
+    """Run the teacher once over every sequence and keep its top-k log-probabilities per position."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths share a batch: less padding
+    out: list[TeacherTargets | None] = [None] * len(seqs)
+    for lo in tqdm(range(0, len(order), batch_size), desc="teacher top-k", unit="batch"):
+        idx = order[lo : lo + batch_size]
+        toks = [torch.tensor(seqs[i], dtype=torch.long) for i in idx]
+        logp = teacher(pad(toks)).log_softmax(-1)  # [B, T, V]
+        top, top_i = logp.topk(k, dim=-1)  # [B, T, k]
+        top = top - top.logsumexp(-1, keepdim=True)  # renormalise over the kept k
+        for b, i in enumerate(idx):
+            n = len(seqs[i])
+            out[i] = TeacherTargets(toks[b], top[b, :n].half(), top_i[b, :n].int())
+    return out  # type: ignore[return-value]
+
+
+def kl_loss(student: DenseLM, batch: list[TeacherTargets]) -> torch.Tensor:
+    """Mean over real (unpadded) positions of KL(teacher top-k || student); scalar, differentiable."""
+    tokens = pad([b.tokens for b in batch])  # [B, T]
+    p_log = pad([b.logp.float() for b in batch], -math.inf)  # [B, T, k]
+    index = pad([b.index.long() for b in batch])  # [B, T, k]
+    mask = pad([torch.ones(len(b.tokens)) for b in batch])  # [B, T]
+    q_log = student(tokens).log_softmax(-1).gather(-1, index)  # [B, T, k]
+    p = p_log.exp()  # padded rows are all zero
+    kl = (p * (p_log.nan_to_num(neginf=0.0) - q_log)).sum(-1)  # [B, T]
+    return (kl * mask).sum() / mask.sum()
+
+
+def train(student: DenseLM, data: list[TeacherTargets], steps: int, lr: float, batch_size: int, seed: int,
+          warmup: int = 10) -> list[float]:
+    """AdamW with linear warmup and cosine decay over random length-bucketed batches; returns step losses."""
+    gen = torch.Generator().manual_seed(seed)
+    order = sorted(range(len(data)), key=lambda i: len(data[i].tokens))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    opt = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup)
+                                              * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    losses: list[float] = []
+    student.train()
+    bar = tqdm(range(steps), desc="distill", unit="step")
+    for _ in bar:
+        pick = batches[int(torch.randint(len(batches), (1,), generator=gen))]
+        loss = kl_loss(student, [data[i] for i in pick])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.set_postfix(kl=f"{losses[-1]:.3f}")
+    student.eval()
+    return losses
+
+
+def save_draft(student: DenseLM, tokenizer: Any, chat_template: str | None, out: Path,
+               meta: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write config.json (flagged as sharing the target's embedding / head), safetensors shards of at most
+    ``MAX_SHARD_BYTES`` with an index when there is more than one, tokenizer files and ``meta``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = student.config.to_hf() | {SHARED_EMBEDDINGS_KEY: True, "torch_dtype": str(dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in student.hf_weights().items():
+        t = t.to(dtype).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    for old in list(out.glob("model*.safetensors")) + list(out.glob("model.safetensors.index.json")):
+        old.unlink()
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        weight_map = {t: n for n, s in zip(names, shards) for t in s}
+        (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=2) + "\n")
+    save_tokenizer(tokenizer, chat_template, out)
+    (out / "distill.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out

@@ -1,0 +1,127 @@
+"""The OpenAPI 3.1 document the gateway publishes at GET /openapi.json.
+
+Written by hand from ``gateway/protocol.py``'s rules and built from its constants, so a limit changes in
+one place. ``tests/gateway/test_fuzz.py`` checks it stays truthful: values the schema allows are served,
+values at its bounds' far side are refused with 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.protocol import (
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    REPETITION_PENALTY_RANGE,
+    ROLES,
+)
+
+INT64 = {"minimum": -(2**63), "maximum": 2**64 - 1}  # what torch.Generator accepts as a seed
+
+
+def _num(low: float | None = None, high: float | None = None, kind: str = "number", **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": [kind, "null"], **extra}
+    if low is not None:
+        out["minimum"] = low
+    if high is not None:
+        out["maximum"] = high
+    return out
+
+
+def _common(max_model_len: int) -> dict[str, Any]:
+    """Fields both generation routes share. ``null`` always means "absent"."""
+    stop_string = {"type": "string", "maxLength": MAX_STOP_CHARS}
+    return {
+        "model": {"type": ["string", "null"], "description": "must name the served model when given"},
+        "max_tokens": _num(1, max_model_len, "integer"),
+        "temperature": _num(0, 2, description="below 1e-5 means greedy"),
+        "top_p": _num(None, 1, exclusiveMinimum=0),
+        "top_k": _num(-1, None, "integer", description="0 or -1 = off"),
+        "seed": {"type": ["integer", "null"], **INT64},
+        "presence_penalty": _num(-2, 2),
+        "frequency_penalty": _num(-2, 2),
+        "repetition_penalty": _num(*REPETITION_PENALTY_RANGE),
+        "ignore_eos": {"type": ["boolean", "null"]},
+        "stop": {"oneOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOP_STRINGS},
+                           {"type": "null"}]},
+        "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0},
+                           "maxItems": MAX_STOP_TOKEN_IDS},
+        "stream": {"type": ["boolean", "null"]},
+        "stream_options": {"type": ["object", "null"], "properties": {
+            "include_usage": {"type": ["boolean", "null"]}, "continuous_usage_stats": {"type": ["boolean", "null"]}}},
+        "n": {"type": ["integer", "null"], "enum": [1, None]},
+        "best_of": {"type": ["integer", "null"], "enum": [1, None]},
+        "logprobs": {"enum": [False, None], "description": "not supported"},
+        "logit_bias": {"type": ["object", "null"], "maxProperties": 0, "description": "not supported"},
+        "speculation": {"$ref": "#/components/schemas/Speculation"},
+    }
+
+
+def _speculation() -> dict[str, Any]:
+    return {"type": ["object", "null"], "additionalProperties": False, "properties": {
+        "enabled": {"type": ["boolean", "null"]},
+        "drafter": {"type": ["string", "null"], "description": "a name from GET /v1/models"},
+        "max_nodes": {"type": ["integer", "null"], "minimum": 0},
+        "tree": {"oneOf": [{"type": "array", "items": {"type": "integer", "minimum": 1}},
+                           {"type": "string", "pattern": r"^\s*\d+(\s*,\s*\d+)*\s*$"}, {"type": "null"}],
+                 "description": "draft tree widths per depth"}}}
+
+
+def _bodies(max_model_len: int) -> dict[str, Any]:
+    common = _common(max_model_len)
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": list(ROLES)},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]}}}
+    prompt = {"oneOf": [{"type": "string", "minLength": 1},
+                        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
+                         "maxItems": max_model_len - 1}],
+              "description": f"with the generation, at most {max_model_len} tokens"}
+    chat = {"type": "object", "required": ["messages"], "properties": common | {
+        "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": MAX_MESSAGES},
+        "max_completion_tokens": common["max_tokens"],
+        "response_format": {"oneOf": [{"type": "object", "properties": {"type": {"const": "text"}},
+                                       "additionalProperties": False}, {"type": "null"}]}}}
+    completion = {"type": "object", "required": ["prompt"], "properties": common | {"prompt": prompt}}
+    return {"ChatCompletionRequest": chat, "CompletionRequest": completion}
+
+
+def _post(body: str, summary: str) -> dict[str, Any]:
+    errors = {str(code): {"$ref": "#/components/responses/Error"} for code in (400, 401, 404, 413, 429, 503)}
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}},
+        "responses": {"200": {"description": "a completion (JSON), or SSE chunks ending in [DONE] when stream",
+                              "content": {"application/json": {}, "text/event-stream": {}}}} | errors}}
+
+
+def _get(summary: str, media: str = "application/json") -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": {media: {}}},
+                                                       "401": {"$ref": "#/components/responses/Error"}}}}
+
+
+def openapi_schema(model_name: str, max_model_len: int, max_body_bytes: int) -> dict[str, Any]:
+    error = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+    health = {"get": {"summary": "readiness (no API key)", "security": [],
+                      "responses": {"200": {"description": "ready"}, "503": {"description": "warming up or draining"}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "specgate", "version": "0.1.0",
+                 "description": f"OpenAI-compatible speculative decoding for {model_name}. Bodies are limited to "
+                                f"{max_body_bytes} bytes (413 above)."},
+        "paths": {"/v1/completions": _post("CompletionRequest", "text completion"),
+                  "/v1/chat/completions": _post("ChatCompletionRequest", "chat completion"),
+                  "/v1/models": _get("the served model"), "/health": health,
+                  "/metrics": _get("Prometheus metrics", "text/plain"), "/openapi.json": _get("this document")},
+        "components": {
+            "schemas": _bodies(max_model_len) | {"Speculation": _speculation(), "Error": error},
+            "responses": {"Error": {"description": "OpenAI error shape", "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+    }

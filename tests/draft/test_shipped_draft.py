@@ -1,0 +1,47 @@
+"""The distilled draft shipped for the embedded SmolLM2-135M-Instruct: small, the default, and lossless
+under greedy speculation. Needs the converted embedded model in the cache (skipped otherwise)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draft.params import SpeculationParams
+from draft.shipped import EMBEDDED_DRAFT, embedded_draft
+from gateway.llm import LLM, LoadConfig, resolve_draft
+from target.embedded import MODEL_DIR_NAME, default_cache_dir
+from target.loader import load_checkpoint
+from verify.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def test_shipped_draft_is_small_and_recorded() -> None:
+    assert embedded_draft() == EMBEDDED_DRAFT
+    files = [p for p in EMBEDDED_DRAFT.iterdir() if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 25 * 10**6
+    assert all(p.stat().st_size <= 16 * 2**20 for p in files)
+    meta = json.loads((EMBEDDED_DRAFT / "distill.json").read_text())
+    assert meta["command"].startswith("python -m draft.distill --target embedded") and "seed" in meta
+    ck = load_checkpoint(EMBEDDED_DRAFT)
+    assert ck.shared_embeddings and "model.embed_tokens.weight" not in ck.weights
+
+
+def test_auto_picks_the_shipped_draft_only_for_the_embedded_model() -> None:
+    assert resolve_draft(LoadConfig()) == str(EMBEDDED_DRAFT)
+    assert resolve_draft(LoadConfig(model="elsewhere")) == "self"
+    assert resolve_draft(LoadConfig(draft="ngram")) == "ngram"
+
+
+@pytest.mark.skipif(not (default_cache_dir() / MODEL_DIR_NAME / "config.json").is_file(),
+                    reason="the embedded model is not converted in the cache")
+def test_greedy_speculation_with_the_shipped_draft_matches_the_target() -> None:
+    llm = LLM.load(LoadConfig(), log=lambda m: None)
+    assert llm.engine.config.default_drafter == "draft"
+    prompts = ["What is the capital of France?", "Write a short poem about rivers.", "List three prime numbers."]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    off = llm.generate(prompts, greedy, SpeculationParams(enabled=False))
+    on = llm.generate(prompts, greedy, SpeculationParams(tree=(2, 2, 2, 1)))
+    assert [g.token_ids for g in on] == [g.token_ids for g in off]
+    assert sum(g.stats.accepted_tokens for g in on) > 0
