@@ -68,6 +68,16 @@ async def asgi_client(app) -> AsyncIterator[httpx.AsyncClient]:
             yield client
 
 
+def run_app(tokenizer: Any, fn, **app_kw: Any) -> Any:
+    """Build an app on a tiny engine and run ``await fn(client, app)`` over httpx's ASGI transport."""
+    async def main():
+        app = make_app(tokenizer, **app_kw)
+        async with asgi_client(app) as client:
+            return await fn(client, app)
+
+    return asyncio.run(main())
+
+
 async def wait_ready(client: httpx.AsyncClient, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while (await client.get("/health")).status_code != 200:

@@ -8,7 +8,7 @@ import asyncio
 import orjson
 import pytest
 
-from gateway_util import MODEL, asgi_client, make_app, pool_is_full, wait_until
+from gateway_util import MODEL, make_app, pool_is_full, run_app as run, wait_until
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "temperature": 0, "max_tokens": 24,
         "ignore_eos": True}
@@ -23,15 +23,6 @@ def events(body: str) -> list[dict | str]:
         data = block[len("data: ") :]
         out.append(data if data == "[DONE]" else orjson.loads(data))
     return out
-
-
-def run(tokenizer, fn, **app_kw):
-    async def main():
-        app = make_app(tokenizer, **app_kw)
-        async with asgi_client(app) as client:
-            return await fn(client, app)
-
-    return asyncio.run(main())
 
 
 def test_chat_non_stream_shape(tokenizer) -> None:

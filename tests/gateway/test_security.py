@@ -3,28 +3,18 @@ no stack traces or file paths in answers, a loopback default bind, no prompt tex
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
 
 from gateway import guard
 from gateway.cli import serve_options
-from gateway_util import API_KEY, MODEL, FaultyForward, asgi_client, make_app
+from gateway_util import API_KEY, MODEL, FaultyForward, run_app as run
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 ROUTES = [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/v1/nothing"),
           ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")]
-
-
-def run(tokenizer, fn, **app_kw):
-    async def main():
-        app = make_app(tokenizer, **app_kw)
-        async with asgi_client(app) as client:
-            return await fn(client, app)
-
-    return asyncio.run(main())
 
 
 def test_api_key_guards_every_route_but_health(tokenizer, monkeypatch) -> None:
