@@ -2,7 +2,14 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream and non-stream), GET /v1/models,
 GET /health (503 until warm-up has generated tokens, and while draining), GET /metrics (Prometheus text),
-GET /openapi.json. With an API key, every route but /health needs it (gateway/guard.py).
+GET /openapi.json, and the live A/B view: GET /v1/stats (a JSON snapshot of ``gateway/stats.py`` and the
+audit), GET /v1/stats/stream (the same snapshot as SSE every ``stats_interval_s``), POST /v1/stats/reset
+(a new experiment), GET /dashboard (one self-contained page, gateway/static/dashboard.html).
+
+With an API key, every route needs it except /health and the three read-only stats GETs (/dashboard,
+/v1/stats, /v1/stats/stream): they serve aggregate figures only, never prompt or output text, and a
+browser's EventSource cannot send an Authorization header. POST /v1/stats/reset always needs the key when
+one is configured; without a key every route, reset included, is open (gateway/guard.py).
 Admission: more than ``max_in_flight`` generation requests at once are refused with 429 before their
 body is read, so a burst costs bounded memory; the engine's own queue bound is the second line.
 How streams, disconnects and shutdown cancel one another: see ARCHITECTURE.md, "The server".
@@ -17,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 import anyio
@@ -31,6 +39,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from draft.params import SpeculationParams
+from gateway.audit import AuditConfig, Auditor
 from gateway.engine import Engine, QueueFull
 from gateway.generation import Generation
 from gateway.guard import ApiKeyMiddleware, read_body
@@ -38,11 +47,15 @@ from gateway.metrics import CONTENT_TYPE, Metrics, spec_label
 from gateway.openapi import openapi_schema
 from gateway.protocol import ApiError, GenerateRequest, Shape, error_body, parse_request
 from gateway.runner import EngineRunner, ShuttingDown, Submission
+from gateway.stats import StatsStore
 from verify.sampling import SamplingParams
 
 log = logging.getLogger("specgate.app")
 PING_S = 15  # SSE comment pings keep idle proxies from closing a slow stream
 SHUTDOWN_GRACE_S = 2.0  # for open streams to send their last event; below uvicorn's graceful timeout
+# The dashboard loads nothing from elsewhere; the policy makes the browser enforce it.
+DASHBOARD_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+                 "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +68,8 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_in_flight: int | None = None  # generation requests at once; None = the engine's max_running + max_waiting
     log_prompts: bool = False  # put prompt text in the request log line (off: prompts may be private)
+    audit: AuditConfig = AuditConfig()  # the online losslessness audit (off by default)
+    stats_interval_s: float = 1.0  # how often /v1/stats/stream pushes a snapshot
 
 
 def json_response(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -66,12 +81,15 @@ def error_response(exc: ApiError) -> Response:
 
 
 class Gateway:
-    """The routes' state: one runner, one tokenizer, one metrics registry."""
+    """The routes' state: one runner, one tokenizer, one metrics registry, one stats store, one auditor."""
 
     def __init__(self, engine: Engine, tokenizer: Any, chat_template: str | None, config: ServerConfig) -> None:
         self.engine, self.tokenizer, self.chat_template, self.config = engine, tokenizer, chat_template, config
         self.metrics = Metrics()
-        self.runner = EngineRunner(engine, self.metrics)
+        self.stats = StatsStore()
+        self.auditor = Auditor(config.audit, decode=tokenizer.decode if tokenizer is not None else None,
+                               metrics=self.metrics)
+        self.runner = EngineRunner(engine, self.metrics, self.stats, self.auditor)
         self.max_model_len = engine.max_model_len  # a constant: safe to read off the engine thread
         self.is_ready = False
         self.is_draining = False  # set on SIGTERM: new generation requests get 503
@@ -105,7 +123,7 @@ class Gateway:
             sampling = SamplingParams(temperature=0, max_tokens=self.config.warmup_tokens, ignore_eos=True)
             for enabled in (True, False):
                 sub = await self.runner.submit(f"warmup-{uuid.uuid4().hex}", ids, sampling,
-                                               SpeculationParams(enabled=enabled))
+                                               SpeculationParams(enabled=enabled), record=False)
                 while not (event := await sub.events.get()).finished:
                     pass
                 if event.error:
@@ -131,6 +149,32 @@ class Gateway:
 
     async def metrics_route(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    # --- the live A/B view ---------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.stats.snapshot() | {"model": self.config.model_name, "audit": self.auditor.snapshot()}
+
+    async def stats_route(self, request: Request) -> Response:
+        return json_response(self.snapshot())
+
+    async def stats_stream(self, request: Request) -> Response:
+        async def snapshots() -> AsyncIterator[dict[str, str]]:
+            while True:
+                yield {"data": orjson.dumps(self.snapshot()).decode()}
+                await asyncio.sleep(self.config.stats_interval_s)
+
+        return EventSourceResponse(snapshots(), ping=PING_S, sep="\n")
+
+    async def stats_reset(self, request: Request) -> Response:
+        self.stats.reset()
+        self.auditor.reset()
+        log.info("stats reset: a new experiment starts")
+        return json_response({"status": "reset"})
+
+    async def dashboard(self, request: Request) -> Response:
+        return Response(DASHBOARD_HTML, media_type="text/html; charset=utf-8",
+                        headers={"Content-Security-Policy": DASHBOARD_CSP, "Cache-Control": "no-cache"})
 
     async def openapi(self, request: Request) -> Response:
         return json_response(openapi_schema(self.config.model_name, self.max_model_len, self.config.max_body_bytes))
@@ -311,6 +355,9 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return json_response(error_body("internal server error", "server_error"), 500)
 
 
+DASHBOARD_HTML = resources.files("gateway").joinpath("static/dashboard.html").read_bytes()
+
+
 def create_app(engine: Engine, tokenizer: Any, chat_template: str | None, config: ServerConfig) -> Starlette:
     """The ASGI app. The engine must not be stepped by anyone else once the app's lifespan starts."""
     gw = Gateway(engine, tokenizer, chat_template, config)
@@ -321,6 +368,10 @@ def create_app(engine: Engine, tokenizer: Any, chat_template: str | None, config
         Route("/health", gw.health, methods=["GET"]),
         Route("/metrics", gw.metrics_route, methods=["GET"]),
         Route("/openapi.json", gw.openapi, methods=["GET"]),
+        Route("/v1/stats", gw.stats_route, methods=["GET"]),
+        Route("/v1/stats/stream", gw.stats_stream, methods=["GET"]),
+        Route("/v1/stats/reset", gw.stats_reset, methods=["POST"]),
+        Route("/dashboard", gw.dashboard, methods=["GET"]),
     ]
     middleware = [] if config.api_key is None else [Middleware(ApiKeyMiddleware, api_key=config.api_key)]
     app = Starlette(routes=routes, lifespan=gw.lifespan, middleware=middleware,

@@ -212,14 +212,8 @@ class Engine:
         depth = int(tree.depths.max()) if tree.num_nodes > 1 else 0
         seq.acceptance.update(len(nodes) - 1, depth)
         seq.steps_without_draft = 0 if depth else seq.steps_without_draft + 1
-        st = seq.stats
-        st.steps += 1
-        st.drafted_tokens += tree.num_nodes - 1
-        st.accepted_tokens += len(nodes) - 1
-        for depth in range(1, len(nodes)):
-            if len(st.accepted_by_depth) < depth:
-                st.accepted_by_depth.append(0)
-            st.accepted_by_depth[depth - 1] += 1
+        parents = tree.parents.tolist() if len(nodes) > 1 else []  # a host tree: the drafters build it there
+        seq.stats.record(tree.num_nodes, parents, nodes)  # ranks among siblings need the parents
         return moves
 
     def _emit(self, seq: Sequence, tree: TokenTree, result: AcceptResult) -> RequestOutput:

@@ -1,6 +1,7 @@
 """One request on the event loop: engine events -> text pieces -> an OpenAI body or SSE chunks.
 
-Owns the request's timing (TTFT, per-token latency, decode rate), its request-level metrics, and
+Owns the request's timing (TTFT, per-token latency, decode rate), its request-level metrics and stats
+(``runner.stats``, under the request's arm), and
 the guarantee that a request nobody reads any more is aborted in the engine: ``close`` runs from
 every exit (finished, stop string, engine failure, client gone, cancellation) and is idempotent.
 """
@@ -69,13 +70,18 @@ class Generation:
     def _observe(self, event: Event) -> None:
         n = len(event.token_ids)
         if n:
+            store = self.runner.stats
             if self.first_time is None:
                 self.first_time, self.first_tokens = event.time, n
                 self.metrics.ttft.labels(self.label).observe(event.time - self.arrival)
+                if store is not None:
+                    store.observe_first_token(self.sub.arm, event.time - self.arrival, event.time)
             else:
                 per_token = (event.time - self.last_time) / n  # a speculative event carries several tokens
                 for _ in range(n):
                     self.metrics.per_token.labels(self.label).observe(per_token)
+                if store is not None:
+                    store.observe_token_gaps(self.sub.arm, per_token, n, event.time)
             self.last_time = event.time
         self.completion_tokens = event.completion_tokens
         self.stats = event.stats
@@ -88,7 +94,7 @@ class Generation:
         decoded = self.completion_tokens - self.first_tokens
         if self.first_time is not None and self.last_time > self.first_time and decoded > 0:
             rate = decoded / (self.last_time - self.first_time)
-        report = speculation_report(self.sub.is_speculative, self.stats, ttft, rate)
+        report = speculation_report(self.sub.is_speculative, self.stats, ttft, rate, self.sub.arm)
         if not final:  # live figures on every chunk: the counters only
             report = {k: report[k] for k in ("drafted_tokens", "accepted_tokens", "mean_accepted_length", "steps")}
         return usage(self.sub.prompt_tokens, self.completion_tokens, report)
@@ -161,3 +167,5 @@ class Generation:
         m.generation_tokens.labels(label).inc(self.completion_tokens)
         if self.last_time is not None:
             m.e2e.labels(label).observe(self.last_time - self.arrival)
+        if self.runner.stats is not None:
+            self.runner.stats.observe_request(self.sub.arm, status == "200")

@@ -19,10 +19,13 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 OPEN_PATHS = frozenset({"/health"})  # load balancers probe it without credentials
+# Read-only aggregates (never prompt or output text), open to GET so a browser's EventSource, which cannot
+# send headers, can feed the dashboard. Writes to them (POST /v1/stats/reset) still need the key.
+OPEN_READS = frozenset({"/dashboard", "/v1/stats", "/v1/stats/stream"})
 
 
 class ApiKeyMiddleware:
-    """Require ``Authorization: Bearer KEY`` on every HTTP path except ``OPEN_PATHS``.
+    """Require ``Authorization: Bearer KEY`` on every HTTP path except ``OPEN_PATHS`` and GETs of ``OPEN_READS``.
 
     The whole header is compared with ``hmac.compare_digest`` so the time taken does not tell how much of
     a guess was right. A pure ASGI middleware (no ``BaseHTTPMiddleware``), so streams and disconnects
@@ -34,7 +37,7 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._is_authorized(scope):
+        if scope["type"] != "http" or _is_open(scope) or self._is_authorized(scope):
             await self.app(scope, receive, send)
             return
         body = orjson.dumps(error_body("missing or incorrect API key: send Authorization: Bearer KEY",
@@ -47,6 +50,11 @@ class ApiKeyMiddleware:
     def _is_authorized(self, scope: Scope) -> bool:
         given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
         return hmac.compare_digest(given, self.expected)
+
+
+def _is_open(scope: Scope) -> bool:
+    path = scope["path"]
+    return path in OPEN_PATHS or (path in OPEN_READS and scope["method"] in ("GET", "HEAD"))
 
 
 async def read_body(declared: str | None, chunks: AsyncIterator[bytes], limit: int) -> bytes:

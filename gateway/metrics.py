@@ -1,9 +1,12 @@
 """Prometheus metrics for one server: request outcomes and latencies, engine load, speculation figures.
 
 Every request-level series carries a ``speculation`` label ("on" / "off"), so an A/B run inside one
-server reads apart. Step-level figures (drafted / accepted tokens, accepted length, acceptance by depth)
-are observed on the engine thread, request-level ones on the event loop; prometheus-client metrics are
-thread-safe. Each ``Metrics`` owns its registry, so several servers (tests) can live in one process.
+server reads apart. The tree-aware step series (accepted depth, sibling rank, verified and wasted nodes)
+carry the whole arm: ``speculation``, ``drafter`` and ``tree`` (bounded by ``stats.ArmLabeller``).
+Step-level figures are observed on the engine thread, request-level ones on the event loop;
+prometheus-client metrics are thread-safe. Audit replays and warm-up requests are never observed here as
+traffic; the audit has its own series. Each ``Metrics`` owns its registry, so several servers (tests) can
+live in one process.
 """
 
 from __future__ import annotations
@@ -19,10 +22,16 @@ from prometheus_client import (
 )
 
 from gateway.sequence import SpecStats
+from gateway.stats import Arm
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
 LENGTH_BUCKETS = tuple(float(n) for n in range(1, 17))  # tokens emitted per target step: 1 = nothing accepted
+DEPTH_BUCKETS = tuple(float(n) for n in range(0, 16))  # drafts accepted per step: 0 = nothing accepted
+RANK_BUCKETS = (0.0, 1.0, 2.0, 3.0, 5.0, 7.0, 15.0)  # sibling index of an accepted draft: 0 = the drafter's first
+WASTE_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 63.0)  # verified nodes thrown away per step
+UTILISATION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+ARM = ["speculation", "drafter", "tree"]
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -61,28 +70,77 @@ class Metrics:
         self.accepted_by_depth = Counter("specgate_accepted_by_depth", "Accepted draft tokens at each tree depth; "
                                          "divide by specgate_target_steps_total{speculation=\"on\"} for the "
                                          "acceptance rate at that depth", ["depth"], registry=r)
+        self._add_tree_series(r)
+        self._add_audit_series(r)
+
+    def _add_tree_series(self, r: CollectorRegistry) -> None:
+        self.accepted_depth = Histogram("specgate_accepted_depth", "Draft tokens accepted per target step, by arm",
+                                        ARM, buckets=DEPTH_BUCKETS, registry=r)
+        self.accepted_rank = Histogram("specgate_accepted_rank", "For each accepted draft token, its index among "
+                                       "its parent's children in the tree (0 = the drafter's first choice)", ARM,
+                                       buckets=RANK_BUCKETS, registry=r)
+        self.verified_nodes = Counter("specgate_verified_nodes", "Tree nodes the target scored in decode steps "
+                                      "(roots included)", ARM, registry=r)
+        self.kept_nodes = Counter("specgate_kept_nodes", "Verified nodes that emitted a token (roots and accepted "
+                                  "drafts); divide by specgate_verified_nodes_total for the utilisation", ARM,
+                                  registry=r)
+        self.utilisation = Histogram("specgate_verify_utilisation", "Kept / verified nodes per target step", ARM,
+                                     buckets=UTILISATION_BUCKETS, registry=r)
+        self.wasted = Histogram("specgate_wasted_verify_tokens", "Verified nodes thrown away per target step "
+                                "(verified - kept)", ARM, buckets=WASTE_BUCKETS, registry=r)
+
+    def _add_audit_series(self, r: CollectorRegistry) -> None:
+        self.audit_checked = Counter("specgate_audit_checked", "Speculative greedy requests replayed without "
+                                     "speculation and compared", registry=r)
+        self.audit_mismatches = Counter("specgate_audit_mismatches", "Replays whose tokens differed", registry=r)
+        self.audit_identity = Gauge("specgate_audit_identity_rate", "Identical / checked replays since start "
+                                    "or the last stats reset (NaN while none was checked)", registry=r)
+        self.audit_identity.set(float("nan"))
+        self.audit_dropped = Counter("specgate_audit_dropped", "Replays dropped from the full pending queue",
+                                     registry=r)
+        self.audit_interrupted = Counter("specgate_audit_interrupted", "Replays aborted because real requests "
+                                         "arrived (retried later)", registry=r)
+        self.audit_pending = Gauge("specgate_audit_pending", "Replays waiting for idle capacity", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def observe_step(self, is_speculative: bool, before: SpecStats, after: SpecStats) -> None:
-        """One request's figures moved from ``before`` to ``after`` (engine thread)."""
-        label = spec_label(is_speculative)
-        steps = after.steps - before.steps
+    def observe_step(self, arm: Arm, delta: SpecStats) -> None:
+        """One request's figures moved by ``delta`` (engine thread); a delivery holds at most one step."""
+        steps = delta.steps
         if steps <= 0:
             return
-        accepted = after.accepted_tokens - before.accepted_tokens
+        label = arm.speculation
         self.steps.labels(label).inc(steps)
-        self.drafted.labels(label).inc(after.drafted_tokens - before.drafted_tokens)
-        self.accepted.labels(label).inc(accepted)
-        self.accepted_length.labels(label).observe((accepted + steps) / steps)
-        for depth, count in enumerate(after.accepted_by_depth, start=1):
-            prev = before.accepted_by_depth[depth - 1] if depth <= len(before.accepted_by_depth) else 0
-            if count > prev:
-                self.accepted_by_depth.labels(str(depth)).inc(count - prev)
+        self.drafted.labels(label).inc(delta.drafted_tokens)
+        self.accepted.labels(label).inc(delta.accepted_tokens)
+        self.accepted_length.labels(label).observe((delta.accepted_tokens + steps) / steps)
+        for depth, count in enumerate(delta.accepted_by_depth, start=1):
+            if count > 0:
+                self.accepted_by_depth.labels(str(depth)).inc(count)
+        labels = (arm.speculation, arm.drafter, arm.tree)
+        self.accepted_depth.labels(*labels).observe(delta.accepted_tokens / steps)
+        for rank, count in enumerate(delta.accepted_by_rank):
+            for _ in range(count):
+                self.accepted_rank.labels(*labels).observe(rank)
+        self.verified_nodes.labels(*labels).inc(delta.verified_nodes)
+        self.kept_nodes.labels(*labels).inc(delta.kept_nodes)
+        self.utilisation.labels(*labels).observe(delta.utilisation)
+        self.wasted.labels(*labels).observe(delta.wasted_nodes / steps)
 
     def observe_engine(self, waiting: int, running: int, kv_used: int, kv_free: int) -> None:
         self.queue_depth.set(waiting)
         self.running.set(running)
         self.kv_used.set(kv_used)
         self.kv_free.set(kv_free)
+
+    def observe_audit(self, checked: int = 0, mismatches: int = 0, dropped: int = 0, interrupted: int = 0,
+                      pending: int | None = None, identity_rate: float | None = None) -> None:
+        self.audit_checked.inc(checked)
+        self.audit_mismatches.inc(mismatches)
+        self.audit_dropped.inc(dropped)
+        self.audit_interrupted.inc(interrupted)
+        if pending is not None:
+            self.audit_pending.set(pending)
+        if identity_rate is not None:
+            self.audit_identity.set(identity_rate)

@@ -102,6 +102,12 @@ def _get(summary: str, media: str = "application/json") -> dict[str, Any]:
                                                        "401": {"$ref": "#/components/responses/Error"}}}}
 
 
+def _open_get(summary: str, media: str = "application/json") -> dict[str, Any]:
+    """A read-only aggregate: open even when an API key is configured (gateway/guard.py OPEN_READS)."""
+    return {"get": {"summary": summary, "security": [],
+                    "responses": {"200": {"description": "OK", "content": {media: {}}}}}}
+
+
 def openapi_schema(model_name: str, max_model_len: int, max_body_bytes: int) -> dict[str, Any]:
     error = {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"], "properties": {
@@ -117,7 +123,16 @@ def openapi_schema(model_name: str, max_model_len: int, max_body_bytes: int) -> 
         "paths": {"/v1/completions": _post("CompletionRequest", "text completion"),
                   "/v1/chat/completions": _post("ChatCompletionRequest", "chat completion"),
                   "/v1/models": _get("the served model"), "/health": health,
-                  "/metrics": _get("Prometheus metrics", "text/plain"), "/openapi.json": _get("this document")},
+                  "/metrics": _get("Prometheus metrics", "text/plain"), "/openapi.json": _get("this document"),
+                  "/v1/stats": _open_get("live A/B figures per arm, load and audit (no API key)"),
+                  "/v1/stats/stream": _open_get("the /v1/stats snapshot as SSE, about every second (no API key)",
+                                                "text/event-stream"),
+                  "/v1/stats/reset": {"post": {"summary": "start a new experiment: clear the stats and audit "
+                                               "counters (needs the API key when one is configured)",
+                                               "responses": {"200": {"description": "reset"},
+                                                             "401": {"$ref": "#/components/responses/Error"}}}},
+                  "/dashboard": _open_get("the live A/B dashboard, one self-contained page (no API key)",
+                                          "text/html")},
         "components": {
             "schemas": _bodies(max_model_len) | {"Speculation": _speculation(), "Error": error},
             "responses": {"Error": {"description": "OpenAI error shape", "content": {

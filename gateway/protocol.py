@@ -14,6 +14,7 @@ import orjson
 
 from draft.params import SpeculationParams, check_widths, parse_tree
 from gateway.sequence import SpecStats
+from gateway.stats import Arm
 from verify.sampling import SamplingParams
 
 # Limits that bound the work one request can ask for; gateway/openapi.py publishes them.
@@ -269,11 +270,19 @@ def _tree(value: Any) -> tuple[int, ...] | None:
 
 
 def speculation_report(is_speculative: bool, stats: SpecStats, ttft_s: float | None,
-                       decode_tokens_per_s: float | None) -> dict[str, Any]:
+                       decode_tokens_per_s: float | None, arm: Arm | None = None) -> dict[str, Any]:
+    """The request's speculation figures. Tree-aware: ``accepted_by_rank[r]`` counts accepted drafts that were
+    their parent's r-th child (0 = the drafter's first choice); ``steps_by_accepted_depth[d]`` counts steps
+    that accepted exactly d drafts; utilisation = kept (roots + accepted drafts) / verified nodes."""
     return {"enabled": is_speculative, "drafted_tokens": stats.drafted_tokens,
             "accepted_tokens": stats.accepted_tokens,
             "mean_accepted_length": round(stats.mean_accepted_length, 4), "steps": stats.steps,
             "accepted_by_depth": list(stats.accepted_by_depth),
+            "accepted_by_rank": list(stats.accepted_by_rank),
+            "steps_by_accepted_depth": stats.steps_by_accepted_depth,
+            "verified_nodes": stats.verified_nodes, "wasted_verify_tokens": stats.wasted_nodes,
+            "verify_utilisation": round(stats.utilisation, 4),
+            "drafter": None if arm is None else arm.drafter, "tree": None if arm is None else arm.tree,
             "ttft_s": None if ttft_s is None else round(ttft_s, 6),
             "decode_tokens_per_s": None if decode_tokens_per_s is None else round(decode_tokens_per_s, 3)}
 

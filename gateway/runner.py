@@ -8,6 +8,12 @@
 
 Commands are applied between steps, so an abort reaches the engine within one step. The engine
 thread sleeps on a condition while it has neither commands nor work. Nothing here imports Starlette.
+
+Step figures go to the metrics and the stats store from here, per arm (``stats.Arm``), for user requests
+only: warm-up (``record=False``) and audit replays are not traffic. The audit (``gateway/audit.py``) runs
+in idle capacity: a replay starts only when no recorded or warm-up request is live, the inbox is empty
+and ``idle_s`` has passed since the last one; any ``add`` aborts it (its KV freed) and requeues it, so a
+real request waits at most for the one replay step already running.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draft.params import SpeculationParams
+from gateway.audit import REPLAY_PRIORITY, Auditor, Replay
 from gateway.engine import Engine, RequestOutput
 from gateway.metrics import Metrics
 from gateway.sequence import SpecStats
+from gateway.stats import Arm, ArmLabeller, StatsStore
 from verify.sampling import SamplingParams
 
 log = logging.getLogger("specgate.runner")
@@ -52,23 +60,30 @@ class Submission:
     events: asyncio.Queue[Event]
     is_speculative: bool  # the engine gave it a drafter
     prompt_tokens: int
+    arm: Arm  # its A/B arm, for the stats store and the tree-aware metrics
 
 
 @dataclass(slots=True)
 class _Live:
     events: asyncio.Queue[Event]
     is_speculative: bool
+    arm: Arm
+    record: bool  # user traffic: observed in metrics and stats, offered to the audit
     stats: SpecStats = field(default_factory=SpecStats)  # as last delivered, for metric deltas
-
-
-def _copy(stats: SpecStats) -> SpecStats:
-    return SpecStats(stats.steps, stats.drafted_tokens, stats.accepted_tokens, list(stats.accepted_by_depth))
+    audit: tuple[list[int], SamplingParams, list[int]] | None = None  # prompt, sampling, tokens so far
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, metrics: Metrics | None = None) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics | None = None, stats: StatsStore | None = None,
+                 auditor: Auditor | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.stats = stats
+        self.auditor = auditor if auditor is not None and auditor.is_enabled else None
+        self.labeller = ArmLabeller()
+        self._replay: Replay | None = None  # engine thread only: the audit replay in the engine
+        self._replay_tokens: list[int] = []
+        self._busy_at = time.monotonic()  # engine thread: when a live request was last seen
         self._cond = threading.Condition()
         self._inbox: deque[tuple[str, Any]] = deque()  # ("add", (future, args)) or ("abort", request_id)
         self._stopping = False
@@ -84,10 +99,11 @@ class EngineRunner:
         self._thread.start()
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     speculation: SpeculationParams) -> Submission:
-        """Queue a request. Raises what ``Engine.add`` raises (ValueError, QueueFull) or ShuttingDown."""
+                     speculation: SpeculationParams, record: bool = True) -> Submission:
+        """Queue a request. Raises what ``Engine.add`` raises (ValueError, QueueFull) or ShuttingDown.
+        ``record=False``: the server's own request (warm-up), kept out of metrics, stats and the audit."""
         future: asyncio.Future[Submission] = asyncio.get_running_loop().create_future()
-        self._post("add", (future, request_id, prompt_ids, sampling, speculation))
+        self._post("add", (future, request_id, prompt_ids, sampling, speculation, record))
         try:
             return await future
         except asyncio.CancelledError:
@@ -124,11 +140,17 @@ class EngineRunner:
     def _run(self) -> None:
         try:
             while (commands := self._take()) is not None:
+                if self._replay is not None and any(kind == "add" for kind, _ in commands):
+                    self._interrupt_replay()  # real traffic first: the replay runs again later
                 for kind, payload in commands:
                     if kind == "add":
                         self._add(*payload)
                     else:
                         self._abort(payload)
+                if self._live:
+                    self._busy_at = time.monotonic()
+                elif self._replay_wait() == 0:
+                    self._start_replay()
                 if self.engine.has_work():
                     self._step()
                 self._publish_load()
@@ -136,10 +158,13 @@ class EngineRunner:
             self._stop()
 
     def _take(self) -> list[tuple[str, Any]] | None:
-        """Every queued command; blocks while idle. None once shutdown was asked for."""
+        """Every queued command; blocks while idle (until a due replay, if any). None once shutdown was asked."""
         with self._cond:
             while not self._inbox and not self._stopping and not self.engine.has_work():
-                self._cond.wait()
+                wait = self._replay_wait()
+                if wait == 0:
+                    break
+                self._cond.wait(wait)
             if self._stopping:
                 return None
             commands = list(self._inbox)
@@ -147,16 +172,19 @@ class EngineRunner:
             return commands
 
     def _add(self, future: asyncio.Future, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-             speculation: SpeculationParams) -> None:
+             speculation: SpeculationParams, record: bool) -> None:
         try:
             seq = self.engine.add(request_id, prompt_ids, sampling, speculation)
         except Exception as exc:  # noqa: BLE001 -- ValueError / QueueFull go back to the caller as they are
             self._to_loop(_settle, future, None, exc)
             return
-        live = _Live(asyncio.Queue(), seq.drafter is not None)
+        arm = self.labeller.arm(seq.drafter, speculation.tree, speculation.max_nodes)
+        live = _Live(asyncio.Queue(), seq.drafter is not None, arm, record)
+        if record and self.auditor is not None and self.auditor.wants(live.is_speculative, sampling):
+            live.audit = (list(prompt_ids), sampling, [])
         self._live[request_id] = live
-        self._to_loop(_settle, future, Submission(request_id, live.events, live.is_speculative, len(prompt_ids)),
-                      None)
+        sub = Submission(request_id, live.events, live.is_speculative, len(prompt_ids), arm)
+        self._to_loop(_settle, future, sub, None)
 
     def _abort(self, request_id: str) -> None:
         try:
@@ -194,27 +222,86 @@ class EngineRunner:
         now = time.monotonic()
         batch: list[tuple[asyncio.Queue, Event]] = []
         for out in outputs:
-            live = self._live.get(out.request_id)
-            if live is None:  # warm-up leftovers or a request already failed
+            if self._replay is not None and out.request_id == self._replay.engine_id:
+                self._replay_output(out)
                 continue
-            stats = _copy(out.stats)
-            if self.metrics is not None:
-                self.metrics.observe_step(live.is_speculative, live.stats, stats)
+            live = self._live.get(out.request_id)
+            if live is None:  # a request already failed
+                continue
+            stats = out.stats.copy()
+            if live.record:
+                self._observe(live, stats.since(live.stats), out.new_token_ids, now)
             live.stats = stats
             batch.append((live.events, Event(list(out.new_token_ids), out.finished, out.finish_reason, stats,
                                              out.error, out.completion_tokens, now)))
             if out.finished:
                 del self._live[out.request_id]
+                self._busy_at = now
+                if live.audit is not None:
+                    prompt_ids, sampling, tokens = live.audit
+                    self.auditor.offer(out.request_id, prompt_ids, sampling, tokens, out.finish_reason)
         if batch:
             self._to_loop(_put_all, batch)
 
+    def _observe(self, live: _Live, delta: SpecStats, new_tokens: list[int], now: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_step(live.arm, delta)
+        if self.stats is not None and (delta.steps or new_tokens):
+            self.stats.observe_step(live.arm, delta, len(new_tokens), now)
+        if live.audit is not None:
+            live.audit[2].extend(new_tokens)
+
     def _publish_load(self) -> None:
-        if self.metrics is None:
-            return
         pool = self.engine.cache.pool
         sched = self.engine.scheduler
-        self.metrics.observe_engine(len(sched.waiting), len(sched.running), pool.num_blocks - pool.num_free,
-                                    pool.num_free)
+        waiting, running, used = len(sched.waiting), len(sched.running), pool.num_blocks - pool.num_free
+        if self.metrics is not None:
+            self.metrics.observe_engine(waiting, running, used, pool.num_free)
+        if self.stats is not None:
+            self.stats.observe_load(waiting, running, used, pool.num_blocks, time.monotonic())
+
+    # --- the audit's replays (engine thread) --------------------------------------------------------
+
+    def _replay_wait(self) -> float | None:
+        """Seconds until a replay may start (0: now); None when none can (nothing pending, or not idle)."""
+        if self.auditor is None or self._replay is not None or self._live or not self.auditor.has_pending():
+            return None
+        return max(0.0, self._busy_at + self.auditor.config.idle_s - time.monotonic())
+
+    def _start_replay(self) -> None:
+        with self._cond:
+            if self._inbox:  # a command came in meanwhile: it goes first
+                return
+        replay = self.auditor.next_replay()
+        if replay is None:
+            return
+        try:
+            self.engine.add(replay.engine_id, replay.prompt_ids, replay.sampling, SpeculationParams(enabled=False),
+                            priority=REPLAY_PRIORITY)
+        except Exception:  # noqa: BLE001 -- a replay that cannot run is no verdict; serving goes on
+            log.exception("audit replay of %s could not start", replay.request_id)
+            self.auditor.fail(replay)
+            return
+        self._replay, self._replay_tokens = replay, []
+
+    def _interrupt_replay(self) -> None:
+        replay, self._replay = self._replay, None
+        try:
+            self.engine.abort(replay.engine_id)  # frees its blocks before the real request's first step
+        except Exception:  # noqa: BLE001
+            log.exception("abort of audit replay %s failed", replay.engine_id)
+        self.auditor.requeue(replay)
+
+    def _replay_output(self, out: RequestOutput) -> None:
+        self._replay_tokens += out.new_token_ids
+        if not out.finished:
+            return
+        replay, self._replay = self._replay, None
+        if out.finish_reason in ("stop", "length"):
+            self.auditor.verdict(replay, self._replay_tokens)
+        else:
+            log.warning("audit replay of %s ended with %s: %s", replay.request_id, out.finish_reason, out.error)
+            self.auditor.fail(replay)
 
     def _stop(self) -> None:
         """Shutdown (or a crash of the loop itself): refuse queued adds, abort everything still running."""
@@ -225,6 +312,9 @@ class EngineRunner:
         for kind, payload in commands:
             if kind == "add":
                 self._to_loop(_settle, payload[0], None, ShuttingDown("the server is shutting down"))
+        if self._replay is not None:
+            self.engine.abort(self._replay.engine_id)
+            self._replay = None
         outputs = self._fail_all("the server is shutting down", reason="abort")
         self._deliver(outputs)
         self._publish_load()

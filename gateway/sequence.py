@@ -23,17 +23,91 @@ class Status(enum.Enum):
 
 @dataclass(slots=True)
 class SpecStats:
-    """Per-request speculation figures, reported with every response."""
+    """Per-request speculation figures, reported with every response. Mutated by the engine thread only
+    (``record``); the runner hands copies to the event loop."""
 
     steps: int = 0  # target steps that emitted tokens for this request
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # draft tokens the target kept (bonus tokens not counted)
     accepted_by_depth: list[int] = field(default_factory=list)  # accepted drafts at depth 1, 2, ...
+    verified_nodes: int = 0  # tree nodes the target scored in decode steps, roots included
+    accepted_by_rank: list[int] = field(default_factory=list)  # accepted drafts that were their parent's r-th child
+
+    def record(self, num_nodes: int, parents: list[int], nodes: list[int]) -> None:
+        """One decode step: a tree of ``num_nodes`` nodes (``parents`` as in ``TokenTree``; may be empty when
+        nothing was accepted) was verified and ``nodes`` (root first) is the accepted path."""
+        self.steps += 1
+        self.drafted_tokens += num_nodes - 1
+        self.accepted_tokens += len(nodes) - 1
+        self.verified_nodes += num_nodes
+        for depth in range(1, len(nodes)):
+            _bump(self.accepted_by_depth, depth - 1)
+            _bump(self.accepted_by_rank, sibling_rank(parents, nodes[depth]))
 
     @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per target step: accepted drafts plus the bonus token."""
         return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def kept_nodes(self) -> int:
+        """Verified nodes that emitted a token: each step's root and its accepted drafts."""
+        return self.accepted_tokens + self.steps
+
+    @property
+    def wasted_nodes(self) -> int:
+        """Verified nodes whose scores were thrown away: rejected drafts and their subtrees."""
+        return self.verified_nodes - self.kept_nodes
+
+    @property
+    def utilisation(self) -> float:
+        """Kept ÷ verified nodes: 1.0 when nothing verified was wasted (plain decoding, or every draft kept)."""
+        return self.kept_nodes / self.verified_nodes if self.verified_nodes else 0.0
+
+    @property
+    def steps_by_accepted_depth(self) -> list[int]:
+        """Steps that accepted exactly 0, 1, 2, ... drafts (a histogram of the accepted depth per step)."""
+        at_least = [self.steps, *self.accepted_by_depth]  # at_least[d]: steps that reached depth d
+        return [at_least[d] - (at_least[d + 1] if d + 1 < len(at_least) else 0) for d in range(len(at_least))]
+
+    def since(self, before: "SpecStats") -> "SpecStats":
+        """The figures added after ``before`` (an earlier copy of these)."""
+        return SpecStats(self.steps - before.steps, self.drafted_tokens - before.drafted_tokens,
+                         self.accepted_tokens - before.accepted_tokens,
+                         _minus(self.accepted_by_depth, before.accepted_by_depth),
+                         self.verified_nodes - before.verified_nodes,
+                         _minus(self.accepted_by_rank, before.accepted_by_rank))
+
+    def add(self, other: "SpecStats") -> None:
+        self.steps += other.steps
+        self.drafted_tokens += other.drafted_tokens
+        self.accepted_tokens += other.accepted_tokens
+        self.verified_nodes += other.verified_nodes
+        for mine, theirs in ((self.accepted_by_depth, other.accepted_by_depth),
+                             (self.accepted_by_rank, other.accepted_by_rank)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    def copy(self) -> "SpecStats":
+        return SpecStats(self.steps, self.drafted_tokens, self.accepted_tokens, list(self.accepted_by_depth),
+                         self.verified_nodes, list(self.accepted_by_rank))
+
+
+def sibling_rank(parents: list[int], node: int) -> int:
+    """The index of ``node`` among its parent's children, 0 = the first the drafter added. Children are in
+    the order the drafter added them because every node's parent is an earlier node."""
+    parent = parents[node]
+    return sum(1 for p in parents[1:node] if p == parent)
+
+
+def _minus(after: list[int], before: list[int]) -> list[int]:
+    return [n - (before[i] if i < len(before) else 0) for i, n in enumerate(after)]
+
+
+def _bump(counts: list[int], index: int) -> None:
+    counts.extend([0] * (index + 1 - len(counts)))
+    counts[index] += 1
 
 
 @dataclass(slots=True)

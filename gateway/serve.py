@@ -20,6 +20,7 @@ from typing import Any, Callable
 import uvicorn
 
 from gateway.app import ServerConfig, create_app
+from gateway.audit import AuditConfig
 
 GRACEFUL_SHUTDOWN_S = 5  # open streams are cancelled on SIGTERM; this bounds anything that lingers
 
@@ -27,11 +28,16 @@ GRACEFUL_SHUTDOWN_S = 5  # open streams are cancelled on SIGTERM; this bounds an
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 exposes the server beyond this machine")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health")
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health and the "
+                                                   "read-only stats GETs (/dashboard, /v1/stats[/stream])")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--max-in-flight", type=int, default=None,
                    help="generation requests at once before 429 (default: max-running + max-waiting)")
     p.add_argument("--log-prompts", action="store_true", help="put prompt text in the request log lines")
+    p.add_argument("--audit-fraction", type=float, default=0.0,
+                   help="replay this fraction of speculative greedy requests without speculation, in idle "
+                        "capacity, and compare the tokens (0 = off)")
+    p.add_argument("--audit-log-prompts", action="store_true", help="put prompt text in audit mismatch log lines")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     p.add_argument("--warmup-tokens", type=int, default=4, help="tokens generated before /health says ready")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -91,12 +97,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.cli import load  # the CLI owns model flags -> LoadConfig / EngineConfig
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    audit = AuditConfig(fraction=args.audit_fraction, log_prompts=args.audit_log_prompts)  # checked before loading
     llm = load(args)
     loaded = llm.loaded
     device = str(loaded.engine.target.device)
     config = ServerConfig(model_name=args.served_model_name or loaded.model_name, api_key=args.api_key,
                           warmup_tokens=args.warmup_tokens, device=device, max_body_bytes=args.max_body_bytes,
-                          max_in_flight=args.max_in_flight, log_prompts=args.log_prompts)
+                          max_in_flight=args.max_in_flight, log_prompts=args.log_prompts,
+                          audit=audit)
     app = create_app(loaded.engine, loaded.checkpoint.tokenizer, loaded.checkpoint.chat_template, config)
     print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1 ({device}); "
           "/health says ready after warm-up", file=sys.stderr)
