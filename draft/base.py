@@ -71,39 +71,30 @@ class TreeBuilder:
 
     def expand(self, depth: int, logits: torch.Tensor) -> None:
         """Add the nodes of ``depth + 1`` from ``logits`` [F, V], one row per frontier node at ``depth``."""
-        front = self.frontier(depth)
-        width = self.widths[depth]
-        logits = logits.float().cpu()  # [F, V]: choices are host-side Python, and the generator lives on CPU
-        if self.sampling.is_greedy:
-            self._expand_top(front, logits, width)
-        else:
-            self._expand_sampled(front, logits, width)
+        expand_all([self], depth, [logits])
 
-    def _expand_top(self, front: list[int], logits: torch.Tensor, width: int) -> None:
-        # Deterministic children (point masses to the verifier): the best `width` (parent, child)
-        # pairs by cumulative log-probability.
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [F, V]
-        top_lp, top_tok = logp.topk(min(width, logp.shape[-1]), dim=-1)  # [F, w]
-        cum = torch.tensor([self.cum_logp[f] for f in front])[:, None] + top_lp
-        order = cum.flatten().argsort(descending=True)[:width].tolist()
-        w = top_lp.shape[1]
-        for flat in sorted(order, key=lambda x: (x // w, x % w)):
-            f, j = divmod(flat, w)
-            self._add(front[f], int(top_tok[f, j]), float(cum[f, j]))
+    def _expand_top(self, front: list[int], top_lp: list[list[float]], top_tok: list[list[int]], width: int) -> None:
+        # Deterministic children (point masses to the verifier): the best `width` (parent, child) pairs by
+        # cumulative log-probability, added in (parent, rank) order.
+        cands = [(self.cum_logp[f] + lp, i, j) for i, f in enumerate(front) for j, lp in enumerate(top_lp[i][:width])]
+        best = sorted(cands, key=lambda c: (-c[0], c[1], c[2]))[:width]
+        for cum, i, j in sorted(best, key=lambda c: (c[1], c[2])):
+            self._add(front[i], top_tok[i][j], cum)
 
     def _expand_sampled(self, front: list[int], logits: torch.Tensor, width: int) -> None:
         # Children are the first k draws without replacement from the draft's processed distribution q,
         # k fixed before drawing (Sequoia's condition for lossless multi-candidate verification).
-        q = process_logits(logits.float(), self.sampling)  # [F, V]
+        q = process_logits(logits.float(), self.sampling)  # [F, V] on the draft's device
         counts = _allocate(width, [self.cum_logp[f] for f in front])
-        for f, k in zip(front, counts):
-            row = q[front.index(f)]
+        for i, (f, k) in enumerate(zip(front, counts)):
+            row = q[i]
             k = min(k, int((row > 0).sum()))
             if k == 0:
                 continue
             self.q_rows[f] = row
-            for tok in torch.multinomial(row, k, replacement=False, generator=self.generator).tolist():
-                self._add(f, tok, self.cum_logp[f] + float(row[tok].log()))
+            drawn = torch.multinomial(row, k, replacement=False, generator=self.generator)  # [k]
+            for tok, lp in zip(drawn.tolist(), row[drawn].log().tolist()):
+                self._add(f, tok, self.cum_logp[f] + lp)
 
     def _add(self, parent: int, token: int, cum: float) -> None:
         self.tokens.append(token)
@@ -111,15 +102,39 @@ class TreeBuilder:
         self.depths.append(self.depths[parent] + 1)
         self.cum_logp.append(cum)
 
-    def build(self, device: torch.device | str = "cpu") -> TokenTree:
+    def build(self) -> TokenTree:
+        """The tree on the host; sampled trees keep ``draft_probs`` where the draft computed them."""
         probs = None
         if self.q_rows:
-            V = next(iter(self.q_rows.values())).shape[-1]
-            probs = torch.zeros(len(self.tokens), V)
-            for node, row in self.q_rows.items():
-                probs[node] = row
-            probs = probs.to(device)
-        return TokenTree.from_lists(self.tokens, self.parents, device=device, draft_probs=probs)
+            row = next(iter(self.q_rows.values()))
+            probs = row.new_zeros(len(self.tokens), row.shape[-1])
+            for node, q in self.q_rows.items():
+                probs[node] = q
+        return TokenTree.from_lists(self.tokens, self.parents, draft_probs=probs)
+
+
+def expand_all(builders: list[TreeBuilder], depth: int, rows: list[torch.Tensor]) -> None:
+    """Grow each builder by one level from its frontier's logits ``rows[i]`` [F_i, V].
+
+    Greedy builders share one log-softmax and top-k on the draft's device and one host copy for all of
+    them; sampled builders draw from their own generator one by one.
+    """
+    greedy = [i for i, b in enumerate(builders) if b.sampling.is_greedy]
+    if greedy:
+        k = min(max(builders[i].widths[depth] for i in greedy), rows[greedy[0]].shape[-1])
+        logp = torch.cat([rows[i] for i in greedy]).float().log_softmax(dim=-1)  # [sum F, V]
+        top_lp, top_tok = logp.topk(k, dim=-1)  # [sum F, k]
+        # float64 holds every token id exactly: the ids ride along in the same host copy
+        lp, tok = torch.stack((top_lp.double(), top_tok.double())).tolist()
+        at = 0
+        for i in greedy:
+            b, n = builders[i], rows[i].shape[0]
+            b._expand_top(b.frontier(depth), lp[at : at + n], [[int(t) for t in r] for r in tok[at : at + n]],
+                          b.widths[depth])
+            at += n
+    for i, b in enumerate(builders):
+        if not b.sampling.is_greedy:
+            b._expand_sampled(b.frontier(depth), rows[i], b.widths[depth])
 
 
 def _allocate(width: int, cum_logp: list[float]) -> list[int]:

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from target.config import ModelConfig
-from target.model import apply_rope, rms_norm, rope_inv_freq
+from kernels.fused_norm_rope import apply_rope
+from kernels.fused_norm_rope import rms_norm_ref as rms_norm
+from target.model import rope_inv_freq
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -67,7 +69,7 @@ class DenseLM(nn.Module):
         c = self.config
         B, T = tokens.shape
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        freqs = torch.arange(T, dtype=torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        freqs = torch.arange(T, dtype=torch.float32, device=tokens.device)[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         cos, sin = emb.cos(), emb.sin()
         h = self.embed[tokens]  # [B, T, hidden]

@@ -12,19 +12,26 @@ from __future__ import annotations
 
 import torch
 
-from draft.base import DraftRequest, TreeBuilder
-from draft.tree import TokenTree, mask_to_bits
+from draft.base import DraftRequest, TreeBuilder, expand_all
+from draft.tree import MAX_TREE_NODES, TokenTree, mask_to_bits
 from kernels.compact_kv import compact_kv
 from target.batch import Segment, build_batch
+from target.graphs import CudaGraphRunner
 from target.kv_cache import BlockTable, KVCache, NoFreeBlocks
 from target.model import Transformer
 
 
 class ModelDrafter:
-    def __init__(self, name: str, model: Transformer, num_blocks: int, page_size: int) -> None:
+    def __init__(self, name: str, model: Transformer, num_blocks: int, page_size: int, graphs: bool = True,
+                 max_model_len: int = 8192) -> None:
         self.name = name
         self.model = model
         self.cache: KVCache = model.new_cache(num_blocks, page_size)
+        # On CUDA the catch-up and frontier steps (a few tokens per sequence) replay CUDA graphs.
+        self.graphs: CudaGraphRunner | None = None
+        if graphs and model.device.type == "cuda":
+            max_len = min(max_model_len, model.config.max_position_embeddings) + MAX_TREE_NODES
+            self.graphs = CudaGraphRunner(model, self.cache, -(-max_len // page_size))
         self._tables: dict[str, BlockTable] = {}
         self._cached: dict[str, int] = {}
 
@@ -35,7 +42,7 @@ class ModelDrafter:
             if r.widths:
                 live.append(i)
             else:
-                trees[i] = TokenTree.root_only(r.token_ids[-1], self.model.device)
+                trees[i] = TokenTree.root_only(r.token_ids[-1])
         if live:
             try:
                 built = self._grow([reqs[i] for i in live])
@@ -43,7 +50,7 @@ class ModelDrafter:
                 # The draft pool is full: decode these sequences plainly this step rather than fail them.
                 for i in live:
                     self.release(reqs[i].seq_id)
-                built = [TokenTree.root_only(reqs[i].token_ids[-1], self.model.device) for i in live]
+                built = [TokenTree.root_only(reqs[i].token_ids[-1]) for i in live]
             for i, t in zip(live, built):
                 trees[i] = t
         return trees  # type: ignore[return-value]
@@ -54,19 +61,18 @@ class ModelDrafter:
             table = self._tables.setdefault(r.seq_id, self.cache.new_table())
             start = self._cached.get(r.seq_id, 0)
             segs.append(Segment(table, start, r.token_ids[start:], logits="last"))
-        logits = self.model.forward(build_batch(segs, self.cache, self.model.device), self.cache)  # [B, V]
+        logits = self._forward(build_batch(segs, self.cache, self.model.device))  # [B, V]
         for r in reqs:
             self._cached[r.seq_id] = len(r.token_ids)
         builders = [TreeBuilder(r.token_ids[-1], r.widths, r.sampling, r.generator) for r in reqs]
         rows = [logits[i : i + 1] for i in range(len(reqs))]
         for depth in range(max(len(r.widths) for r in reqs)):
             active = [i for i, r in enumerate(reqs) if depth < len(r.widths)]
-            for i in active:
-                builders[i].expand(depth, rows[i])
+            expand_all([builders[i] for i in active], depth, [rows[i] for i in active])
             deeper = [i for i in active if depth + 1 < len(reqs[i].widths)]
             if deeper:
                 self._score_frontier([reqs[i] for i in deeper], [builders[i] for i in deeper], depth + 1, rows, deeper)
-        return [b.build(self.model.device) for b in builders]
+        return [b.build() for b in builders]
 
     def _score_frontier(self, reqs: list[DraftRequest], builders: list[TreeBuilder], depth: int,
                         rows: list[torch.Tensor], index: list[int]) -> None:
@@ -80,11 +86,14 @@ class ModelDrafter:
                 positions=[r.context_len + b.depths[n] for n in nodes],
                 mask_bits=mask_to_bits(anc).tolist(), logits="all"))
         batch = build_batch(segs, self.cache, self.model.device)
-        logits = self.model.forward(batch, self.cache)  # [sum nodes, V]
+        logits = self._forward(batch)  # [sum nodes, V]
         for k, (seg_i, b) in enumerate(zip(index, builders)):
             lo = batch.logits_start[k]
             front = b.frontier(depth)
             rows[seg_i] = logits[[lo + n - 1 for n in front]]
+
+    def _forward(self, batch) -> torch.Tensor:
+        return (self.graphs.forward if self.graphs is not None else self.model.forward)(batch, self.cache)
 
     def commit(self, seq_id: str, tree: TokenTree, accepted_nodes: list[int]) -> None:
         table = self._tables.get(seq_id)

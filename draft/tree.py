@@ -24,7 +24,9 @@ MAX_TREE_NODES = 64  # the ancestor mask is one int64 bit per node
 
 @dataclass(slots=True)
 class TokenTree:
-    """One sequence's draft tree. All tensors live on the same device; ``tokens`` etc. are int64."""
+    """One sequence's draft tree. ``tokens``, ``parents`` and ``depths`` are int64 host tensors (the engine
+    and the verifier walk them in Python, so keeping them on the host costs no device syncs);
+    ``draft_probs`` lives where the draft scored them."""
 
     tokens: torch.Tensor  # [N] token ids; tokens[0] is the root
     parents: torch.Tensor  # [N] parent node index; parents[0] == -1

@@ -48,6 +48,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-verify-tokens", type=int, default=64,
                    help="roots + draft nodes verified per step across the batch (the INT4 knee)")
     p.add_argument("--policy", choices=["fifo", "sef"], default="fifo", help="order within a priority class")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run every target step eagerly (graphs replay uniform decode / verify steps on CUDA)")
 
 
 def load(args: argparse.Namespace) -> LLM:
@@ -58,7 +60,7 @@ def load(args: argparse.Namespace) -> LLM:
                         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                                   max_model_len=args.max_model_len, policy=args.policy,
                                                   budget=BudgetConfig(max_verify_tokens=args.max_verify_tokens)),
-                        **({"default_tree": args.tree} if args.tree else {}))
+                        cuda_graphs=args.cuda_graphs, **({"default_tree": args.tree} if args.tree else {}))
     return LLM.load(cfg, ecfg, log=log_stderr)
 
 

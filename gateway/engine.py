@@ -1,7 +1,11 @@
 """The engine: one speculative step over every running sequence.
 
     plan = schedule(); trees = propose(plan); logits = target.forward(prefills + trees)
-    results = accept(tree, logits) per sequence; commit(results)
+    results = accept_batch(trees, logits); commit(results)
+
+On CUDA, uniform steps (every sequence decoding, or verifying one tree size) replay a captured CUDA
+graph (target/graphs.py). Greedy and plain-sampled sequences are verified with one host copy for the
+whole batch (verify/accept.py ``accept_batch``).
 
 Single-threaded by design: ``add``, ``abort`` and ``step`` are called from one thread (the engine
 thread in the server, the caller in ``LLM.generate``). ``gateway/runner.py`` adds the thread-safe
@@ -18,13 +22,14 @@ import torch
 
 from draft.base import DraftRequest, Drafter
 from draft.params import SpeculationParams
-from draft.tree import TokenTree
+from draft.tree import MAX_TREE_NODES, TokenTree
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import Sequence, SpecStats, Status
 from target.batch import Segment, build_batch
+from target.graphs import CudaGraphRunner
 from target.kv_cache import KVCache
 from target.model import Transformer
-from verify.accept import AcceptResult, accept
+from verify.accept import AcceptResult, accept_batch
 from verify.sampling import SamplingParams, make_generator
 
 
@@ -53,6 +58,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     default_drafter: str | None = None  # used when a request names none; None = plain decoding
     default_tree: tuple[int, ...] = (2, 2, 2, 1)
+    cuda_graphs: bool = True  # replay captured graphs for uniform decode / verify steps on CUDA
 
 
 class Engine:
@@ -67,6 +73,10 @@ class Engine:
         self.cache: KVCache = target.new_cache(config.num_blocks, config.page_size)
         self.max_model_len = min(config.scheduler.max_model_len, target.config.max_position_embeddings)
         self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), self.cache.pool)
+        self.graphs: CudaGraphRunner | None = None
+        if config.cuda_graphs and isinstance(target, Transformer) and target.device.type == "cuda":
+            max_blocks = -(-(self.max_model_len + MAX_TREE_NODES) // config.page_size)
+            self.graphs = CudaGraphRunner(target, self.cache, max_blocks)
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_preemptions = 0
@@ -94,7 +104,7 @@ class Engine:
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting")
         seq = Sequence(request_id, list(prompt_ids), sampling, speculation,
-                       make_generator(sampling, "cpu"), drafter, priority)
+                       make_generator(sampling, self.target.device), drafter, priority)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -142,16 +152,18 @@ class Engine:
                                     positions=(seq.num_cached + tree.depths).tolist(),
                                     mask_bits=tree.ancestor_bits().tolist(), logits="all"))
         batch = build_batch(segments, self.cache, self.target.device)
-        logits = self.target.forward(batch, self.cache)  # [R, V] float32
+        forward = self.graphs.forward if self.graphs is not None else self.target.forward
+        logits = forward(batch, self.cache)  # [R, V] float32, on the device
         for seq, n in plan.prefills:
             seq.num_cached += n
             seq.table.register_prefix(seq.token_ids, seq.num_cached)
         outputs = []
         first = len(plan.prefills)
         moves: list[tuple[int, int]] = []
-        for k, ((seq, _), tree) in enumerate(zip(plan.decodes, trees)):
-            rows = logits[batch.logits_start[first + k] : batch.logits_start[first + k + 1]]  # [N, V]
-            result = accept(tree, rows.cpu(), seq.sampling, seq.generator, *self._penalty_state(seq, tree))
+        decoding = [seq for seq, _ in plan.decodes]
+        results = accept_batch(trees, logits, batch.logits_start[first:], [s.sampling for s in decoding],
+                               [s.generator for s in decoding], [self._penalty_state(s, logits.device) for s in decoding])
+        for seq, tree, result in zip(decoding, trees, results):
             moves += self._commit(seq, tree, result)
             outputs.append(self._emit(seq, tree, result))
         if moves:
@@ -186,7 +198,7 @@ class Engine:
                 trees[i] = tree
         return trees  # type: ignore[return-value]
 
-    def _penalty_state(self, seq: Sequence, tree: TokenTree) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _penalty_state(self, seq: Sequence, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not seq.sampling.use_penalties:
             return None, None
         V = self.target.config.vocab_size
@@ -198,7 +210,7 @@ class Engine:
         counts = torch.bincount(torch.tensor(before_root, dtype=torch.int64), minlength=V)
         if not seq.output_ids:
             counts[seq.prompt_ids[-1]] -= 1
-        return prompt_mask, counts
+        return prompt_mask.to(device), counts.to(device)
 
     def _commit(self, seq: Sequence, tree: TokenTree, result: AcceptResult) -> list[tuple[int, int]]:
         """Advance the sequence past the accepted path; return the target's KV moves (src, dst)."""

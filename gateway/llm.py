@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -111,14 +111,14 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
         # Untrained early exits predict poorly: on SmolLM2 a quarter of the layers accepts ~1.05 tokens per step,
         # two thirds ~1.3 (bench/results/drafters.json). A distilled draft replaces this default.
         layers = cfg.self_draft_layers or max(1, (2 * target.num_layers) // 3)
-        drafters["self"] = ModelDrafter("self", target.truncated(layers), engine_cfg.num_blocks, engine_cfg.page_size)
+        drafters["self"] = ModelDrafter("self", target.truncated(layers), engine_cfg.num_blocks, engine_cfg.page_size,
+                                        engine_cfg.cuda_graphs, engine_cfg.scheduler.max_model_len)
     default = draft
     if draft not in ("self", "ngram", "none"):
         drafters["draft"] = _load_draft_model(draft, ckpt, dtype, device, engine_cfg)
         log(f"draft model {Path(draft).name}: {drafters['draft'].model.num_layers} layers")
         default = "draft"
-    engine_cfg = EngineConfig(engine_cfg.num_blocks, engine_cfg.page_size, engine_cfg.scheduler,
-                              None if default == "none" else default, engine_cfg.default_tree)
+    engine_cfg = replace(engine_cfg, default_drafter=None if default == "none" else default)
     if tp == 1:
         return Loaded(Engine(target, drafters, engine_cfg), ckpt, path.name)
     return Loaded(_tensor_parallel_engine(cfg, dtype, device, target, drafters, engine_cfg, log), ckpt, path.name)
@@ -170,7 +170,8 @@ def _load_draft_model(path: str, target_ckpt: LoadedCheckpoint, dtype: torch.dty
         raise ValueError(f"draft model {path} does not share the target's tokenizer")
     attach_shared_embeddings(ck, target_ckpt)  # a distilled draft stores only its own layers
     model = Transformer.from_weights(ck.config, ck.weights, dtype, device, ck.quantized)
-    return ModelDrafter("draft", model, engine_cfg.num_blocks, engine_cfg.page_size)
+    return ModelDrafter("draft", model, engine_cfg.num_blocks, engine_cfg.page_size, engine_cfg.cuda_graphs,
+                        engine_cfg.scheduler.max_model_len)
 
 
 @dataclass(slots=True)

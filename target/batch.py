@@ -39,6 +39,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [R] int64 rows of the hidden state that get logits
     logits_start: list[int]  # [B + 1] where each segment's logits rows begin
     is_decode: bool = False  # every segment has exactly one new token: the decode kernel applies
+    query_lens: tuple[int, ...] = ()  # host copy of each segment's new-token count
+    logits_rows: tuple[int, ...] = ()  # host copy of logits_indices
 
     @property
     def num_tokens(self) -> int:
@@ -90,4 +92,6 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
         logits_indices=as_t(logit_rows),
         logits_start=logits_start,
         is_decode=all(len(s.tokens) == 1 for s in segments),
+        query_lens=tuple(len(s.tokens) for s in segments),
+        logits_rows=tuple(logit_rows),
     )

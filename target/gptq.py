@@ -35,9 +35,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from kernels.int4_matmul import Int4Weight, pack_int4
+from kernels.fused_norm_rope import apply_rope
+from kernels.fused_norm_rope import rms_norm_ref as rms_norm
 from target.batch import Segment, build_batch
 from target.loader import LoadedCheckpoint, load_checkpoint
-from target.model import Layer, Linear, Transformer, apply_rope, int4_group_size, int4_linear, rms_norm
+from target.model import Layer, Linear, Transformer, int4_group_size, int4_linear
 from target.quant_formats import save_quantized
 
 BLOCK_SIZE = 128  # columns per lazy batch update (GPTQ's default)

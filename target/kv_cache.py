@@ -19,10 +19,12 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (num_layers, num_blocks, page_size, num_kv_heads, head_dim)
+        # One block past the pool's is never handed out: padded rows of a CUDA-graph batch write and read it.
+        shape = (num_layers, num_blocks + 1, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.pool = BlockPool(num_blocks, page_size)
+        self.scratch_block = num_blocks
 
     @property
     def page_size(self) -> int:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from kernels.fused_norm_rope import rms_norm as fused_rms_norm
+from kernels.fused_norm_rope import rope_and_cache
 from kernels.int4_matmul import Int4Weight, dequantize, int4_matmul, int4_matmul_silu_mul, quantize_rtn
 from kernels.tree_attention import tree_attention
 from target.batch import ForwardBatch
@@ -103,17 +105,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled).float()
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, 1, D]. HF's rotate-half convention."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Transformer:
     """Weights plus a forward over ``ForwardBatch``. Holds no per-sequence state: the cache does."""
 
@@ -201,23 +192,17 @@ class Transformer:
         c = self.config
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         T = batch.num_tokens
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         scale = 1.0 / math.sqrt(D)
         h = self.embed[batch.tokens]  # [T, hidden]
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            q, k, v = layer.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = apply_rope(q.view(T, H, D), cos, sin)  # [T, H, D]
-            k = apply_rope(k.view(T, Hkv, D), cos, sin)  # [T, Hkv, D]
+            x = fused_rms_norm(h, layer.input_norm, c.rms_norm_eps)
             k_layer, v_layer = cache.k[i], cache.v[i]  # [num_blocks, P, Hkv, D]
-            k_layer.view(-1, Hkv, D)[batch.slot_mapping] = k
-            v_layer.view(-1, Hkv, D)[batch.slot_mapping] = v.view(T, Hkv, D)
+            q = rope_and_cache(layer.qkv(x), batch.positions, self.inv_freq, k_layer, v_layer, batch.slot_mapping,
+                               H, Hkv)  # [T, H, D]; K/V written into the cache
             attn = tree_attention(q, k_layer, v_layer, batch.block_tables, batch.context_lens,
                                   batch.query_start, batch.mask_bits, scale, is_decode=batch.is_decode)  # [T, H, D]
             h = layer.o(attn.reshape(T, H * D), residual=h)
-            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            x = fused_rms_norm(h, layer.post_norm, c.rms_norm_eps)
             h = layer.down(layer.gate_up.silu_mul(x), residual=h)
-        h = rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)  # [R, hidden]
+        h = fused_rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)  # [R, hidden]
         return self.lm_head(h).float()  # [R, V]

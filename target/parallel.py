@@ -27,10 +27,12 @@ import torch.distributed as dist
 
 from kernels.int4_matmul import Int4Weight
 from kernels.tree_attention import tree_attention
+from kernels.fused_norm_rope import apply_rope
+from kernels.fused_norm_rope import rms_norm_ref as rms_norm
 from target.batch import ForwardBatch
 from target.config import ModelConfig
 from target.kv_cache import KVCache
-from target.model import Layer, Linear, Transformer, apply_rope, int4_linear, rms_norm
+from target.model import Layer, Linear, Transformer, int4_linear
 
 
 def check_shardable(config: ModelConfig, world_size: int) -> None:

@@ -63,14 +63,55 @@ def sample_first(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(sample(process_logits(logits, params)[0], generator))
 
 
+def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int], params: list[SamplingParams],
+                 generators: list[torch.Generator],
+                 penalties: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> list[AcceptResult]:
+    """Verify every sequence of one step. logits: [R, V] on the device; sequence k owns rows
+    ``starts[k]:starts[k + 1]``.
+
+    Greedy trees and one-node sampled trees without penalties -- plain decoding and the common greedy
+    speculation -- share one device pass and one host copy for the whole batch; the walk down each tree
+    is host Python over those ids. Anything else (penalties, stochastic trees) goes through ``accept``
+    one sequence at a time. The results are the ones ``accept`` gives, draw for draw.
+    """
+    picks: list[torch.Tensor] = []
+    fast: dict[int, int] = {}  # sequence -> offset of its ids in the host copy
+    greedy = [k for k, p in enumerate(params) if p.is_greedy and not p.use_penalties]
+    if greedy:
+        picks.append(logits.argmax(dim=-1))  # [R]: rows of non-greedy sequences are read and ignored
+        fast.update((k, starts[k]) for k in greedy)
+    offset = logits.shape[0] if greedy else 0
+    for k, (tree, p) in enumerate(zip(trees, params)):
+        if not p.is_greedy and not p.use_penalties and tree.num_nodes == 1:
+            row = logits[starts[k]]  # [V]
+            picks.append(sample(process_logits(row[None], p)[0], generators[k]).reshape(1))
+            fast[k] = offset
+            offset += 1
+    ids = torch.cat(picks).tolist() if picks else []  # the step's one host copy
+    results = []
+    for k, tree in enumerate(trees):
+        if k not in fast:
+            rows = logits[starts[k] : starts[k + 1]]
+            results.append(accept(tree, rows, params[k], generators[k], *penalties[k]))
+        elif tree.num_nodes == 1 or params[k].is_greedy:
+            at = fast[k]
+            results.append(_walk_greedy(tree, ids[at : at + tree.num_nodes]) if params[k].is_greedy
+                           else _result(tree.tokens.tolist(), [0], ids[at]))
+    return results
+
+
 def accept_greedy(tree: TokenTree, target_logits: torch.Tensor) -> AcceptResult:
     """Follow the target's argmax from the root; the bonus is the argmax at the last accepted node.
 
     target_logits: [N, V], already penalised by the caller (``accept`` does it): the argmax is taken as is.
     """
     _check_shapes(tree, target_logits)
+    return _walk_greedy(tree, target_logits.argmax(dim=-1).tolist())  # [N]: the one host copy
+
+
+def _walk_greedy(tree: TokenTree, best: list[int]) -> AcceptResult:
+    """The greedy walk over host ids: ``best[i]`` is the target's choice after node i."""
     tokens, children = _tree_lists(tree)
-    best = target_logits.argmax(dim=-1).tolist()  # [N]: the one host copy
     nodes = [0]
     while True:
         u = nodes[-1]
@@ -148,7 +189,7 @@ def _penalise(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.T
     """apply_penalties with each tree row also counting its path root..i. logits: [N, V]."""
     if not params.use_penalties:
         return logits
-    path_counts = None if tree is None else tree_path_counts(tree, logits.shape[-1])  # [N, V]
+    path_counts = None if tree is None else tree_path_counts(tree, logits.shape[-1]).to(logits.device)  # [N, V]
     return apply_penalties(logits, params, prompt_mask, output_counts, path_counts)
 
 

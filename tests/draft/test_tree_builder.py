@@ -1,0 +1,49 @@
+"""draft.base: trees grown level by level; greedy builders share one top-k and one host copy per level."""
+
+from __future__ import annotations
+
+import torch
+
+from draft.base import TreeBuilder, expand_all
+from verify.sampling import SamplingParams, make_generator
+
+V = 30
+GREEDY = SamplingParams(temperature=0)
+
+
+def test_greedy_picks_best_cumulative_pairs() -> None:
+    b = TreeBuilder(5, (2, 2), GREEDY, make_generator(GREEDY))
+    root = torch.full((1, V), -10.0)
+    root[0, [3, 4, 6]] = torch.tensor([2.0, 1.9, 0.0])
+    b.expand(0, root)
+    assert b.tokens == [5, 3, 4] and b.parents == [-1, 0, 0]
+    level = torch.full((2, V), -10.0)
+    level[0, [7, 8]] = torch.tensor([0.0, -0.1])  # children of token 3: near-even, so low cumulative
+    level[1, [9]] = 5.0  # token 4's child is almost certain: the best pair overall
+    b.expand(1, level)
+    assert b.tokens[3:] == [7, 9] and b.parents[3:] == [1, 2]  # (3->7) then (4->9), in parent order
+    assert b.build().depths.tolist() == [0, 1, 1, 2, 2]
+
+
+def test_expanding_together_equals_one_by_one() -> None:
+    g = torch.Generator().manual_seed(0)
+    table = {}
+
+    def logits_of(b: TreeBuilder, depth: int) -> torch.Tensor:
+        return table.setdefault((b.root, depth), torch.randn(len(b.frontier(depth)), V, generator=g) * 2)
+
+    widths = [(2, 2, 1), (3, 1), (1, 1, 1, 1), (4,)]
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    make = lambda: [TreeBuilder(r, w, GREEDY, make_generator(GREEDY)) for r, w in enumerate(widths)] + [  # noqa: E731
+        TreeBuilder(9, (2, 2), sampled, make_generator(sampled))]
+    alone, together = make(), make()
+    for depth in range(4):
+        live = [i for i, w in enumerate(widths + [(2, 2)]) if depth < len(w)]
+        rows = [logits_of(alone[i], depth) for i in live]
+        for i, r in zip(live, rows):
+            alone[i].expand(depth, r)
+        expand_all([together[i] for i in live], depth, rows)
+    for a, t in zip(alone, together):
+        assert (a.tokens, a.parents) == (t.tokens, t.parents)
+        assert torch.equal(a.build().depths, t.build().depths)
+    assert together[-1].build().draft_probs is not None and together[0].build().draft_probs is None

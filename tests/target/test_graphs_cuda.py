@@ -1,0 +1,105 @@
+"""target/graphs.py: replayed CUDA graphs give the eager forward's logits for decode and tree steps, padded
+batches included, and the engine's greedy output is the same with graphs on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft.params import SpeculationParams
+from draft.tree import TokenTree
+from engine_util import random_weights, run_all, tiny_config
+from gateway.engine import Engine, EngineConfig
+from gateway.scheduler import SchedulerConfig
+from target.batch import Segment, build_batch
+from target.graphs import CudaGraphRunner
+from target.model import Transformer
+from verify.sampling import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CFG = dict(vocab=512, layers=3, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, head_dim=64)
+
+
+def _model() -> Transformer:
+    cfg = tiny_config(**CFG)
+    return Transformer.from_weights(cfg, random_weights(cfg, scale=0.05), torch.float32, "cuda").quantize(64)
+
+
+@pytest.mark.parametrize("nodes", [1, 6])
+@pytest.mark.parametrize("batch", [1, 3, 5])
+def test_graph_matches_eager(nodes: int, batch: int) -> None:
+    model = _model()
+    cache = model.new_cache(64, 16)
+    runner = CudaGraphRunner(model, cache, max_blocks=8, buckets=(1, 4, 8))
+    g = torch.Generator().manual_seed(batch * 10 + nodes)
+    ids = lambda n: torch.randint(0, 512, (n,), generator=g).tolist()  # noqa: E731
+    tables = [cache.new_table() for _ in range(batch)]
+    for i, t in enumerate(tables):  # different context lengths, one across a block boundary
+        model.forward(build_batch([Segment(t, 0, ids(10 + 7 * i), logits="none")], cache, "cuda"), cache)
+    tree = TokenTree.from_lists(ids(nodes), [-1, 0, 0, 1, 1, 2][:nodes])
+    for step in range(2):  # the second step replays the graph captured by the first
+        segs = [Segment(t, 10 + 7 * i + step * nodes, tree.tokens.tolist(),
+                        positions=(10 + 7 * i + step * nodes + tree.depths).tolist(),
+                        mask_bits=tree.ancestor_bits().tolist() if nodes > 1 else None, logits="all")
+                for i, t in enumerate(tables)]
+        b = build_batch(segs, cache, "cuda")
+        k_before = cache.k.clone()
+        graphed = runner.forward(b, cache).clone()
+        k_graphed = cache.k.clone()
+        cache.k.copy_(k_before)
+        eager = model.forward(b, cache)
+        assert graphed.shape == eager.shape == (batch * nodes, 512)
+        # The graph runs the INT4 matmuls at the padded M (a different tile config, and Triton's tl.dot
+        # takes fp32 operands as TF32), so the fp32 logits agree to TF32 accuracy, not bit for bit.
+        torch.testing.assert_close(graphed, eager, rtol=2e-3, atol=2e-3)
+        assert (graphed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
+        # the real rows' K/V writes are the same; the padded rows touched only the scratch block
+        torch.testing.assert_close(k_graphed[:, : cache.scratch_block], cache.k[:, : cache.scratch_block])
+    assert runner.replays == 2 and runner.num_graphs == 1
+
+
+def test_ragged_step_pads_into_a_graph_and_long_segments_run_eagerly() -> None:
+    """Segments of 3 (causal, last logits), 1, and a 5-node tree (all logits) pad into one (4, 8) graph;
+    a 70-token prefill is past max_nodes and runs eagerly."""
+    model = _model()
+    cache = model.new_cache(64, 16)
+    runner = CudaGraphRunner(model, cache, max_blocks=8)
+    tables = [cache.new_table() for _ in range(3)]
+    for i, t in enumerate(tables):
+        model.forward(build_batch([Segment(t, 0, list(range(5 + 9 * i)), logits="none")], cache, "cuda"), cache)
+    tree = TokenTree.from_lists([4, 5, 6, 7, 8], [-1, 0, 0, 1, 2])
+    segs = [Segment(tables[0], 5, [1, 2, 3], logits="last"), Segment(tables[1], 14, [9], logits="all"),
+            Segment(tables[2], 23, tree.tokens.tolist(), positions=(23 + tree.depths).tolist(),
+                    mask_bits=tree.ancestor_bits().tolist(), logits="all")]
+    b = build_batch(segs, cache, "cuda")
+    k_before = cache.k.clone()
+    graphed = runner.forward(b, cache).clone()
+    cache.k.copy_(k_before)
+    eager = model.forward(b, cache)
+    assert graphed.shape == eager.shape == (7, 512) and runner.replays == 1 and runner.num_graphs == 1
+    torch.testing.assert_close(graphed, eager, rtol=2e-3, atol=2e-3)
+    long = build_batch([Segment(cache.new_table(), 0, list(range(70)), logits="last")], cache, "cuda")
+    assert runner.forward(long, cache).shape == (1, 512) and runner.eager == 1
+
+
+def test_engine_greedy_output_same_with_and_without_graphs() -> None:
+    cfg = tiny_config(**CFG)
+    target = Transformer.from_weights(cfg, random_weights(cfg, scale=0.3), torch.float32, "cuda").quantize(64)
+    from draft.model_drafter import ModelDrafter
+
+    def engine(graphs: bool) -> Engine:
+        drafters = {"self": ModelDrafter("self", target.truncated(2), 256, 16)}
+        return Engine(target, drafters, EngineConfig(256, 16, SchedulerConfig(max_model_len=512), "self", (2, 2, 1),
+                                                     cuda_graphs=graphs))
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (5 + i,), generator=g).tolist() for i in range(6)]
+    s = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    reqs = lambda spec: [(str(i), p, s, SpeculationParams(enabled=spec)) for i, p in enumerate(prompts)]  # noqa: E731
+    eager = run_all(engine(False), reqs(False))
+    for spec in (False, True):
+        eng = engine(True)
+        assert run_all(eng, reqs(spec)) == eager
+        assert eng.graphs is not None and eng.graphs.replays > 0
+        assert eng.cache.pool.num_free == eng.cache.pool.num_blocks

@@ -1,0 +1,71 @@
+"""verify.accept.accept_batch: a whole step's verification equals ``accept`` sequence by sequence, draw
+for draw, whichever path (one shared host copy or one by one) each sequence takes."""
+
+from __future__ import annotations
+
+import torch
+
+from draft.tree import TokenTree
+from verify.accept import accept, accept_batch
+from verify.sampling import SamplingParams, make_generator
+
+V = 40
+
+
+def _trees(g: torch.Generator) -> list[TokenTree]:
+    tok = lambda n: torch.randint(0, V, (n,), generator=g).tolist()  # noqa: E731
+    chain = TokenTree.from_lists(tok(4), [-1, 0, 1, 2])
+    wide = TokenTree.from_lists([7, 1, 2, 3, 4, 5], [-1, 0, 0, 0, 1, 2])
+    return [chain, wide, TokenTree.root_only(tok(1)[0]), TokenTree.root_only(3), wide, TokenTree.root_only(5)]
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0),  # greedy chain: shared copy
+        SamplingParams(temperature=0),  # greedy tree: shared copy
+        SamplingParams(temperature=0.8, top_k=10, seed=1),  # sampled decode: shared copy
+        SamplingParams(temperature=1.0, top_p=0.9, seed=2),  # sampled decode: shared copy
+        SamplingParams(temperature=0.7, seed=3),  # stochastic tree: one by one
+        SamplingParams(temperature=0.9, repetition_penalty=1.3, seed=4),  # penalties: one by one
+    ]
+
+
+def _penalties(trees: list[TokenTree]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    prompt = torch.zeros(V, dtype=torch.bool)
+    prompt[[1, 2, 3]] = True
+    counts = torch.bincount(torch.tensor([4, 4, 5]), minlength=V)
+    return [(None, None)] * (len(trees) - 1) + [(prompt, counts)]
+
+
+def test_batch_equals_one_by_one_for_every_path() -> None:
+    g = torch.Generator().manual_seed(0)
+    trees, params = _trees(g), _params()
+    starts = [0]
+    for t in trees:
+        starts.append(starts[-1] + t.num_nodes)
+    for trial in range(20):
+        logits = torch.randn(starts[-1], V, generator=g) * 3
+        # plant agreement so greedy walks go deep on some trials
+        if trial % 2:
+            logits[0, trees[0].tokens[1]] = 50.0
+            logits[1, trees[0].tokens[2]] = 50.0
+            logits[starts[1], 2] = 50.0
+        gens_a = [make_generator(SamplingParams(seed=trial * 10 + k)) for k in range(len(trees))]
+        gens_b = [make_generator(SamplingParams(seed=trial * 10 + k)) for k in range(len(trees))]
+        batch = accept_batch(trees, logits, starts, params, gens_a, _penalties(trees))
+        single = [accept(t, logits[starts[k] : starts[k + 1]], params[k], gens_b[k], *_penalties(trees)[k])
+                  for k, t in enumerate(trees)]
+        assert [r.accepted_nodes for r in batch] == [r.accepted_nodes for r in single]
+        assert [r.tokens for r in batch] == [r.tokens for r in single]
+        if trial % 2:
+            assert batch[0].accepted_nodes == [0, 1, 2] and batch[1].accepted_nodes[:2] == [0, 2]
+
+
+def test_batch_of_only_plain_decodes_and_of_nothing() -> None:
+    trees = [TokenTree.root_only(i) for i in range(3)]
+    logits = torch.zeros(3, V)
+    logits[torch.arange(3), torch.tensor([9, 8, 7])] = 1.0
+    out = accept_batch(trees, logits, [0, 1, 2, 3], [SamplingParams(temperature=0)] * 3,
+                       [make_generator(SamplingParams(seed=0))] * 3, [(None, None)] * 3)
+    assert [r.tokens for r in out] == [[9], [8], [7]] and all(r.accepted_nodes == [0] for r in out)
+    assert accept_batch([], torch.zeros(0, V), [0], [], [], []) == []
