@@ -28,6 +28,7 @@ from gateway.engine import EngineConfig
 from gateway.llm import LLM, LoadConfig
 from gateway.scheduler import SchedulerConfig
 from target.batch import Segment, build_batch
+from target.graphs import CudaGraphRunner
 from target.model import Transformer
 from verify.sampling import SamplingParams
 
@@ -49,6 +50,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="drafter x tree x temperature table -> drafts.json")
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--trees", default="1,1,1,1/2,2,2,1")
+    ap.add_argument("--draft", default="auto", help="draft model directory for arm 'draft' (auto = the shipped one)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     if args.sweep:
         return sweep(args, [json.loads(l)["turns"][0] for l in open(args.prompts_file)][: args.prompts])
@@ -85,33 +89,46 @@ def main() -> None:
         "self_draft_layers": llm.engine.drafters["self"].model.num_layers, "rows": rows}, indent=2))
 
 
-def forward_seconds(model: Transformer, context: int = 128, batch: int = 1, reps: int = 20) -> float:
-    """Median seconds of one decode forward (one new token per sequence after ``context`` cached tokens)."""
+def forward_seconds(model: Transformer, context: int = 128, batch: int = 1, reps: int = 20,
+                    graphs: bool = False) -> float:
+    """Median seconds of one decode forward (one new token per sequence after ``context`` cached tokens),
+    eager or replayed from a CUDA graph (``graphs``, CUDA only)."""
     cache = model.new_cache(batch * (context // 16 + 2), 16)
     tables = [cache.new_table() for _ in range(batch)]
     prompt = list(range(1000, 1000 + context))
     model.forward(build_batch([Segment(t, 0, prompt) for t in tables], cache, model.device), cache)
+    forward = CudaGraphRunner(model, cache, context // 16 + 2).forward if graphs else model.forward
+    cuda = model.device.type == "cuda"
     times = []
-    for _ in range(reps):
+    for _ in range(reps + 2):
         segs = [Segment(t, context, [42]) for t in tables]
         batch_ = build_batch(segs, cache, model.device)
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model.forward(batch_, cache)
+        forward(batch_, cache)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         for t in tables:
             t.truncate(context)
-    return sorted(times)[len(times) // 2]
+    return sorted(times[2:])[reps // 2]
 
 
 def sweep(args: argparse.Namespace, qs: list[str]) -> None:
     """Mean accepted length per drafter x tree x temperature, plus draft/target forward cost -> drafts.json."""
     fixed = EngineConfig(scheduler=SchedulerConfig(budget=BudgetConfig(min_gain=0.0)))  # keep every depth
-    llm = LLM.load(LoadConfig(model=args.model, quantize=args.quantize), fixed, log=lambda m: None)
+    llm = LLM.load(LoadConfig(model=args.model, quantize=args.quantize, draft=args.draft, device=args.device,
+                              dtype=args.dtype), fixed, log=lambda m: None)
+    cuda = llm.engine.target.device.type == "cuda"
     target_s = forward_seconds(llm.engine.target)
+    target_g = forward_seconds(llm.engine.target, graphs=True) if cuda else None
     rows = []
     for arm in args.arms.split(","):
         drafter = llm.engine.drafters[arm]
-        cost = round(forward_seconds(drafter.model) / target_s, 4) if hasattr(drafter, "model") else None
+        model = getattr(drafter, "model", None)
+        cost = None if model is None else round(forward_seconds(model) / target_s, 4)
+        cost_g = None if model is None or not cuda else round(forward_seconds(model, graphs=True) / target_g, 4)
         for tree_s in args.trees.split("/"):
             tree = tuple(int(x) for x in tree_s.split(","))
             for temp in (float(t) for t in args.temperatures.split(",")):
@@ -120,16 +137,20 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
                 gens = [g for i in range(0, len(qs), args.batch) for g in llm.generate(qs[i : i + args.batch], sampling, spec)]
                 steps, acc = sum(g.stats.steps for g in gens), sum(g.stats.accepted_tokens for g in gens)
                 rows.append({"drafter": {"draft": "distilled"}.get(arm, arm), "tree": list(tree), "temperature": temp,
-                             "mean_accepted_length": round((acc + steps) / steps, 4), "draft_cost_ratio": cost})
+                             "mean_accepted_length": round((acc + steps) / steps, 4), "draft_cost_ratio": cost,
+                             "draft_cost_ratio_graphs": cost_g})
                 print(rows[-1], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dev = "cuda " + torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
     Path(args.out).write_text(json.dumps({
-        "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", "date": datetime.date.today().isoformat(),
+        "device": dev, "date": datetime.date.today().isoformat(), "dtype": args.dtype, "draft": Path(args.draft).name,
         "commit": commit, "quantize": args.quantize, "prompts": len(qs), "max_tokens": args.max_tokens,
-        "batch": args.batch, "target_forward_ms": round(target_s * 1e3, 2),
+        "batch": args.batch, "target_forward_ms": round(target_s * 1e3, 3),
+        "target_forward_ms_graphs": None if target_g is None else round(target_g * 1e3, 3),
         "self_draft_layers": llm.engine.drafters["self"].model.num_layers,
-        "notes": "draft_cost_ratio: median decode forward (1 token, 128 cached) of the drafter / of the target; "
-                 "null for ngram (no model forward). Fixed trees (adaptive depth budget off). Seed 0 at T>0.",
+        "notes": "draft_cost_ratio: median decode forward (1 token, 128 cached) of the drafter / of the target, "
+                 "both eager; _graphs: both replayed from CUDA graphs; null for ngram (no model forward). Fixed "
+                 "trees (adaptive depth budget off). Seed 0 at T>0.",
         "rows": rows}, indent=2) + "\n")
 
 

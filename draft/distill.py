@@ -28,7 +28,9 @@ from tqdm import tqdm
 from draft.dense_lm import student_from_teacher, teacher_from_checkpoint
 from draft.distill_train import save_draft, teacher_targets, train
 from draft.params import SpeculationParams
+from gateway.engine import EngineConfig
 from gateway.llm import LLM, LoadConfig, resolve_model_path
+from gateway.scheduler import SchedulerConfig
 from target.config import ModelConfig
 from target.loader import LoadedCheckpoint, load_checkpoint
 from verify.sampling import SamplingParams
@@ -53,8 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=1, help="sampled continuations per prompt")
     ap.add_argument("--corpus", default=None, help="JSON of sampled token ids: reused when it exists, else written")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens sampled per continuation")
-    ap.add_argument("--temperature", type=float, default=0.9)
-    ap.add_argument("--device", default="cpu", help="where the target samples: cpu or cuda")
+    ap.add_argument("--temperature", default="0.9",
+                    help="sampling temperature; a comma list cycles over the --samples (0 = greedy)")
+    ap.add_argument("--device", default="cpu", help="where the target samples and the draft trains: cpu or cuda")
+    ap.add_argument("--sample-batch", type=int, default=32, help="sequences the engine decodes at once")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     return ap.parse_args(argv)
 
@@ -69,16 +73,21 @@ def draft_config(target: ModelConfig, layers: int, hidden: int | None, intermedi
     return replace(target, num_layers=layers, intermediate_size=inter)
 
 
-def sample_corpus(target: str, prompts: list[str], samples: int, max_tokens: int, temperature: float,
-                  seed: int, device: str) -> list[list[int]]:
-    """Prompt + sampled continuation token ids, ``samples`` per prompt, from the unquantized target."""
+def sample_corpus(target: str, prompts: list[str], samples: int, max_tokens: int, temperatures: list[float],
+                  seed: int, device: str, batch: int = 32) -> list[list[int]]:
+    """Prompt + sampled continuation token ids, ``samples`` per prompt, from the unquantized target.
+    Sample ``s`` uses ``temperatures[s % len(temperatures)]``."""
+    ids_max = 512 + max_tokens  # a prompt longer than this is cut (see below)
+    engine_cfg = EngineConfig(num_blocks=batch * -(-ids_max // 16) + 64, page_size=16,
+                              scheduler=SchedulerConfig(max_running=batch, max_waiting=max(256, batch)))
     llm = LLM.load(LoadConfig(model=target, draft="none", quantize="none", device=device, dtype="float32"),
-                   log=lambda m: print(m, file=sys.stderr))
-    ids = [llm.encode(p) for p in prompts]
-    chunk = llm.engine.config.scheduler.max_running  # one engine-full per call: the same batches, and progress
+                   engine_cfg, log=lambda m: print(m, file=sys.stderr))
+    ids = [llm.encode(p)[-512:] for p in prompts]
+    chunk = batch  # one engine-full per call: the same batches, and progress
     seqs: list[list[int]] = []
     for s in range(samples):
-        sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed * 1000 + s)
+        sampling = SamplingParams(temperature=temperatures[s % len(temperatures)], max_tokens=max_tokens,
+                                  seed=seed * 1000 + s)
         for lo in tqdm(range(0, len(ids), chunk), desc=f"sample {s + 1}/{samples}", unit="batch"):
             gens = llm.generate(ids[lo : lo + chunk], sampling, SpeculationParams(enabled=False))
             seqs += [p + g.token_ids for p, g in zip(ids[lo : lo + chunk], gens)]
@@ -103,13 +112,16 @@ def main(argv: list[str] | None = None) -> Path:
     if corpus is not None and corpus.is_file():
         seqs = json.loads(corpus.read_text())
     else:
-        seqs = sample_corpus(args.target, prompts, args.samples, args.max_tokens, args.temperature, args.seed, args.device)
+        temps = [float(t) for t in str(args.temperature).split(",")]
+        seqs = sample_corpus(args.target, prompts, args.samples, args.max_tokens, temps, args.seed, args.device,
+                             args.sample_batch)
         if corpus is not None:
             corpus.write_text(json.dumps(seqs))
     t_sample = time.perf_counter() - t0
-    teacher = teacher_from_checkpoint(ckpt.config, ckpt.weights)
+    device = torch.device(args.device)
+    teacher = teacher_from_checkpoint(ckpt.config, ckpt.weights).to(device)
     data = teacher_targets(teacher, seqs, args.top_k)
-    student = student_from_teacher(teacher, cfg)
+    student = student_from_teacher(teacher, cfg).to(device)
     del teacher
     t1 = time.perf_counter()
     losses = train(student, data, args.steps, args.lr, args.batch_size, args.seed)

@@ -13,6 +13,7 @@ exact KL when the teacher's tail mass is zero.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -45,13 +46,16 @@ def pad(seqs: list[torch.Tensor], value: int | float = 0) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_targets(teacher: DenseLM, seqs: list[list[int]], k: int, batch_size: int = 8) -> list[TeacherTargets]:
-    """Run the teacher once over every sequence and keep its top-k log-probabilities per position."""
+    """Run the teacher once over every sequence and keep its top-k log-probabilities per position (on the
+    teacher's device)."""
+    device = teacher.embed.device
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths share a batch: less padding
     out: list[TeacherTargets | None] = [None] * len(seqs)
     for lo in tqdm(range(0, len(order), batch_size), desc="teacher top-k", unit="batch"):
         idx = order[lo : lo + batch_size]
-        toks = [torch.tensor(seqs[i], dtype=torch.long) for i in idx]
-        logp = teacher(pad(toks)).log_softmax(-1)  # [B, T, V]
+        toks = [torch.tensor(seqs[i], dtype=torch.long, device=device) for i in idx]
+        with _autocast(device):
+            logp = teacher(pad(toks)).log_softmax(-1)  # [B, T, V]
         top, top_i = logp.topk(k, dim=-1)  # [B, T, k]
         top = top - top.logsumexp(-1, keepdim=True)  # renormalise over the kept k
         for b, i in enumerate(idx):
@@ -65,11 +69,18 @@ def kl_loss(student: DenseLM, batch: list[TeacherTargets]) -> torch.Tensor:
     tokens = pad([b.tokens for b in batch])  # [B, T]
     p_log = pad([b.logp.float() for b in batch], -math.inf)  # [B, T, k]
     index = pad([b.index.long() for b in batch])  # [B, T, k]
-    mask = pad([torch.ones(len(b.tokens)) for b in batch])  # [B, T]
-    q_log = student(tokens).log_softmax(-1).gather(-1, index)  # [B, T, k]
+    mask = pad([torch.ones(len(b.tokens), device=tokens.device) for b in batch])  # [B, T]
+    with _autocast(tokens.device):
+        logits = student(tokens)  # [B, T, V] float32
+    q_log = logits.log_softmax(-1).gather(-1, index)  # [B, T, k]
     p = p_log.exp()  # padded rows are all zero
     kl = (p * (p_log.nan_to_num(neginf=0.0) - q_log)).sum(-1)  # [B, T]
     return (kl * mask).sum() / mask.sum()
+
+
+def _autocast(device: torch.device):
+    """bf16 matmuls on CUDA (fp32 master weights, fp32 logits); exact fp32 on CPU, where tests run."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def train(student: DenseLM, data: list[TeacherTargets], steps: int, lr: float, batch_size: int, seed: int,
@@ -108,7 +119,7 @@ def save_draft(student: DenseLM, tokenizer: Any, chat_template: str | None, out:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in student.hf_weights().items():
-        t = t.to(dtype).contiguous()
+        t = t.to(dtype).contiguous().cpu()
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
             shards.append({})

@@ -18,7 +18,7 @@ ALLOWED = {
     "gateway": {"gateway", "draft", "target", "verify", "kernels"},
 }
 # Command modules that drive the whole engine: the distillation command samples through the gateway's LLM API.
-COMMAND_IMPORTS = {"draft/distill.py": {"gateway.llm"}}
+COMMAND_IMPORTS = {"draft/distill.py": {"gateway.llm", "gateway.engine", "gateway.scheduler"}}
 STARLETTE_FILES = {"gateway/app.py", "gateway/sse.py", "gateway/protocol.py"}
 
 
