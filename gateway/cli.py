@@ -49,7 +49,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="roots + draft nodes verified per step across the batch (the INT4 knee)")
     p.add_argument("--policy", choices=["fifo", "sef"], default="fifo", help="order within a priority class")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="run every target step eagerly (graphs replay uniform decode / verify steps on CUDA)")
+                   help="run every step eagerly (on CUDA, decode / verify / draft steps replay CUDA graphs)")
+    p.add_argument("--capture-graphs", dest="capture_at_start", action="store_true",
+                   help="capture every CUDA graph (and tune its kernels) at start instead of on first use")
 
 
 def load(args: argparse.Namespace) -> LLM:
@@ -60,7 +62,7 @@ def load(args: argparse.Namespace) -> LLM:
                         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                                   max_model_len=args.max_model_len, policy=args.policy,
                                                   budget=BudgetConfig(max_verify_tokens=args.max_verify_tokens)),
-                        cuda_graphs=args.cuda_graphs, **({"default_tree": args.tree} if args.tree else {}))
+                        cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start, **({"default_tree": args.tree} if args.tree else {}))
     return LLM.load(cfg, ecfg, log=log_stderr)
 
 

@@ -58,7 +58,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     default_drafter: str | None = None  # used when a request names none; None = plain decoding
     default_tree: tuple[int, ...] = (2, 2, 2, 1)
-    cuda_graphs: bool = True  # replay captured graphs for uniform decode / verify steps on CUDA
+    cuda_graphs: bool = True  # replay captured graphs for decode / verify / draft steps on CUDA
+    capture_at_start: bool = False  # capture (and tune) every graph when the engine is built, not on first use
 
 
 class Engine:
@@ -77,9 +78,24 @@ class Engine:
         if config.cuda_graphs and isinstance(target, Transformer) and target.device.type == "cuda":
             max_blocks = -(-(self.max_model_len + MAX_TREE_NODES) // config.page_size)
             self.graphs = CudaGraphRunner(target, self.cache, max_blocks)
+        if config.capture_at_start:
+            self.capture_graphs()
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+
+    def capture_graphs(self) -> int:
+        """Capture the target's and the model drafters' graphs for every batch bucket up to max_running
+        and every tree size up to the global verify cap. Returns how many graphs were captured."""
+        if self.graphs is None:
+            return 0
+        sched = self.config.scheduler
+        n = self.graphs.capture(sched.max_running, min(MAX_TREE_NODES, sched.budget.max_verify_tokens))
+        for drafter in self.drafters.values():
+            runner = getattr(drafter, "graphs", None)
+            if runner is not None:
+                n += runner.capture(sched.max_running, 16)  # catch-up and frontier steps are short
+        return n
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -81,6 +81,21 @@ class CudaGraphRunner:
             return g.out[: batch.num_tokens]
         return g.out.index_select(0, rows)  # [R, V]
 
+    def capture(self, max_batch: int, max_nodes: int | None = None) -> int:
+        """Capture now every (batch bucket, nodes) graph up to ``max_batch`` sequences and ``max_nodes``
+        tokens each (powers of two), so that no request pays for a capture -- or for the INT4 kernels'
+        first-use tuning, which the capture's warm-up runs -- on its first step. Returns the graphs held."""
+        top = min(max_nodes or self.max_nodes, self.max_nodes)
+        for B in self.buckets:
+            N = 1
+            while N <= top and B * N <= self.max_tokens:
+                if (B, N) not in self._graphs:
+                    self._graphs[B, N] = self._capture(B, N)
+                N *= 2
+            if B >= max_batch:
+                break
+        return len(self._graphs)
+
     def _key(self, batch: ForwardBatch, cache: KVCache) -> tuple[int, int] | None:
         lens = batch.query_lens
         if cache is not self.cache or not lens or batch.block_tables.shape[1] > self.max_blocks:

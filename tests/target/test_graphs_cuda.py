@@ -103,3 +103,20 @@ def test_engine_greedy_output_same_with_and_without_graphs() -> None:
         assert run_all(eng, reqs(spec)) == eager
         assert eng.graphs is not None and eng.graphs.replays > 0
         assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+
+
+def test_capture_at_start_covers_the_steps_that_follow() -> None:
+    cfg = tiny_config(**CFG)
+    target = Transformer.from_weights(cfg, random_weights(cfg, scale=0.3), torch.float32, "cuda").quantize(64)
+    from draft.model_drafter import ModelDrafter
+
+    drafters = {"self": ModelDrafter("self", target.truncated(2), 256, 16, max_model_len=512)}
+    sched = SchedulerConfig(max_model_len=512, max_running=4)
+    eng = Engine(target, drafters, EngineConfig(256, 16, sched, "self", (2, 2, 1), capture_at_start=True))
+    captured = eng.graphs.num_graphs
+    assert captured >= 3 * 7 and drafters["self"].graphs.num_graphs >= 3 * 5  # buckets 1, 2, 4 x N = 1..64 / 1..16
+    g = torch.Generator().manual_seed(2)
+    s = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    run_all(eng, [(str(i), torch.randint(0, 512, (6,), generator=g).tolist(), s, SpeculationParams())
+                  for i in range(3)])
+    assert eng.graphs.num_graphs == captured and eng.graphs.replays > 0  # nothing captured on the way
