@@ -124,6 +124,7 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
     llm = LLM.load(LoadConfig(model=args.model, quantize=args.quantize, draft=args.draft, device=args.device,
                               dtype=args.dtype), fixed, log=lambda m: None)
     cuda = llm.engine.target.device.type == "cuda"
+    llm.engine.capture_graphs()  # on CUDA: no capture or kernel tuning inside the measured generations
     target_s = forward_seconds(llm.engine.target)
     target_g = forward_seconds(llm.engine.target, graphs=True) if cuda else None
     rows = []

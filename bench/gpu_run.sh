@@ -41,7 +41,7 @@ for stage in "$@"; do
       timeout 330 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-$OUT/draft}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
     load)
       python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-draft/weights/smollm2-135m-instruct}" \
-        --num-blocks 4096 --max-running 64 --max-waiting 512 --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
+        --num-blocks 4096 --max-running 64 --max-waiting 512 --capture-graphs --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
       server=$!
       for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
       timeout 60 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \

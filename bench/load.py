@@ -191,11 +191,31 @@ async def bench(args: argparse.Namespace) -> dict:
         levels.append(row)
         load_before = os.getloadavg()[0]
         print(f"concurrency {conc}: {len(results)} requests in {wall:.1f}s, {row['tokens_per_s']} tok/s")
-    return {"date": datetime.date.today().isoformat(), "device": health.get("device"), "model": health["model"],
+    report = {"date": datetime.date.today().isoformat(), "device": health.get("device"), "model": health["model"],
             "client": f"{platform.machine()}, {os.cpu_count()} cpus", "commit": git_commit(), "url": args.url,
             "requests_per_level": per_arm * len(arms),
             "rate_per_s": args.rate if args.rate != float("inf") else "inf", "max_tokens": args.max_tokens,
             "temperature": 0, "arms": arms, "levels": levels}
+    if {"on", "off"} <= set(arms):
+        report["rows"] = ab_rows(levels)
+    return report
+
+
+def ab_rows(levels: list[dict]) -> list[dict]:
+    """The on/off table per level: one client's tokens/s (p50 over requests; the arms share batches, so
+    their ratio is speculation's gain at that load), p50 time per output token, p99 time to first token."""
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(x * 1e3, 2)
+
+    rows = []
+    for level in levels:
+        on, off = level["arms"]["on"], level["arms"]["off"]
+        a, b = on["request_tokens_per_s"]["p50"], off["request_tokens_per_s"]["p50"]
+        rows.append({"concurrency": level["concurrency"], "spec_tok_s": a, "nospec_tok_s": b,
+                     "ratio": round(a / b, 3) if a and b else None,
+                     "p50_tpot_ms_on": ms(on["tpot_s"]["p50"]), "p50_tpot_ms_off": ms(off["tpot_s"]["p50"]),
+                     "p99_ttft_ms_on": ms(on["ttft_s"]["p99"]), "p99_ttft_ms_off": ms(off["ttft_s"]["p99"])})
+    return rows
 
 
 def main() -> None:

@@ -132,3 +132,8 @@ def test_load_bench_reports_every_arm(tokenizer, tmp_path) -> None:
             assert s["request_tokens_per_s"]["p50"] > 0
             assert s["itl_s"]["n"] > 0 and s["ttft_s"]["p50"] <= s["e2e_s"]["p99"]
     assert level["arms"]["off"]["mean_accepted_length"] == 1.0
+    for row, level in zip(report["rows"], report["levels"]):  # the on/off table of the load issue's schema
+        on, off = level["arms"]["on"], level["arms"]["off"]
+        assert row["concurrency"] == level["concurrency"]
+        assert row["ratio"] == round(on["request_tokens_per_s"]["p50"] / off["request_tokens_per_s"]["p50"], 3)
+        assert row["p99_ttft_ms_off"] == round(off["ttft_s"]["p99"] * 1e3, 2)
