@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from draft.base import Drafter
+from draft.hybrid import HybridDrafter
 from draft.model_drafter import ModelDrafter
 from draft.ngram import NgramDrafter
 from draft.params import DEFAULT_TREE, SpeculationParams
@@ -116,6 +117,7 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
     default = draft
     if draft not in ("self", "ngram", "none"):
         drafters["draft"] = _load_draft_model(draft, ckpt, dtype, device, engine_cfg)
+        drafters["hybrid"] = HybridDrafter("hybrid", drafters["draft"])  # the same model and KV cache
         log(f"draft model {Path(draft).name}: {drafters['draft'].model.num_layers} layers")
         default = "draft"
     engine_cfg = replace(engine_cfg, default_drafter=None if default == "none" else default)
