@@ -130,7 +130,7 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
     rows = []
     for arm in args.arms.split(","):
         drafter = llm.engine.drafters[arm]
-        model = getattr(drafter, "model", None)
+        model = getattr(getattr(drafter, "draft", drafter), "model", None)  # a hybrid costs its draft model
         cost = None if model is None else round(forward_seconds(model) / target_s, 4)
         cost_g = None if model is None or not cuda else round(forward_seconds(model, graphs=True) / target_g, 4)
         for tree_s in args.trees.split("/"):

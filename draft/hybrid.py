@@ -25,15 +25,15 @@ from draft.tree import MAX_TREE_NODES, TokenTree
 
 
 class HybridDrafter:
-    def __init__(self, name: str, model: ModelDrafter, lookup: NgramDrafter | None = None) -> None:
+    def __init__(self, name: str, draft: ModelDrafter, lookup: NgramDrafter | None = None) -> None:
         self.name = name
-        self.model = model
+        self.draft = draft
         self.lookup = lookup or NgramDrafter(name=f"{name}-lookup")
         self._model_trees: dict[str, TokenTree] = {}
 
     def propose(self, reqs: list[DraftRequest]) -> list[TokenTree]:
         trees = []
-        for r, tree in zip(reqs, self.model.propose(reqs)):
+        for r, tree in zip(reqs, self.draft.propose(reqs)):
             self._model_trees[r.seq_id] = tree
             if r.widths and r.sampling.is_greedy:
                 tree = self._graft(tree, self.lookup.continuations(r.token_ids, len(r.widths), 1))
@@ -63,8 +63,8 @@ class HybridDrafter:
         if own is None:
             return
         cut = next((i for i, n in enumerate(accepted_nodes) if n >= own.num_nodes), len(accepted_nodes))
-        self.model.commit(seq_id, own, accepted_nodes[:cut])
+        self.draft.commit(seq_id, own, accepted_nodes[:cut])
 
     def release(self, seq_id: str) -> None:
         self._model_trees.pop(seq_id, None)
-        self.model.release(seq_id)
+        self.draft.release(seq_id)
