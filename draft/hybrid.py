@@ -36,7 +36,7 @@ class HybridDrafter:
         for r, tree in zip(reqs, self.draft.propose(reqs)):
             self._model_trees[r.seq_id] = tree
             if r.widths and r.sampling.is_greedy:
-                tree = self._graft(tree, self.lookup.continuations(r.token_ids, len(r.widths), 1))
+                tree = self._graft(tree, self.lookup.continuations(r.token_ids, len(r.widths), 1, r.seq_id))
             trees.append(tree)
         return trees
 
@@ -67,4 +67,5 @@ class HybridDrafter:
 
     def release(self, seq_id: str) -> None:
         self._model_trees.pop(seq_id, None)
+        self.lookup.release(seq_id)
         self.draft.release(seq_id)
