@@ -11,12 +11,18 @@ Only greedy requests get grafts. Greedy verification accepts a child if it is th
 mix of model and lookup children stays lossless. Stochastic verification needs every child of a node
 drawn from one distribution (``TokenTree.draft_probs``), so sampled requests keep the model's tree.
 
+The budget holds: a request's widths allow ``sum(widths)`` draft nodes (the scheduler counted them
+against the step's verify cap), so when the lookup finds a continuation of ``c`` tokens the model's
+tree is cut by ``c`` nodes, deepest level first, and the merged tree never exceeds the budget.
+
 The model drafter's KV state covers only its own nodes: ``commit`` hands it the model's tree and the
 accepted path cut at the first grafted node; the accepted tokens past the cut are uncached for the
 model and its next catch-up feeds them.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from draft.base import DraftRequest
 from draft.model_drafter import ModelDrafter
@@ -32,12 +38,13 @@ class HybridDrafter:
         self._model_trees: dict[str, TokenTree] = {}
 
     def propose(self, reqs: list[DraftRequest]) -> list[TokenTree]:
+        conts = [self.lookup.continuations(r.token_ids, len(r.widths), 1, r.seq_id)
+                 if r.widths and r.sampling.is_greedy else [] for r in reqs]
+        asks = [replace(r, widths=_cut(r.widths, sum(map(len, c)))) for r, c in zip(reqs, conts)]
         trees = []
-        for r, tree in zip(reqs, self.draft.propose(reqs)):
+        for r, c, tree in zip(reqs, conts, self.draft.propose(asks)):
             self._model_trees[r.seq_id] = tree
-            if r.widths and r.sampling.is_greedy:
-                tree = self._graft(tree, self.lookup.continuations(r.token_ids, len(r.widths), 1, r.seq_id))
-            trees.append(tree)
+            trees.append(self._graft(tree, c))
         return trees
 
     @staticmethod
@@ -69,3 +76,15 @@ class HybridDrafter:
         self._model_trees.pop(seq_id, None)
         self.lookup.release(seq_id)
         self.draft.release(seq_id)
+
+
+def _cut(widths: tuple[int, ...], nodes: int) -> tuple[int, ...]:
+    """``widths`` with ``nodes`` fewer nodes, taken from the deepest level first."""
+    w = list(widths)
+    while nodes > 0 and w:
+        take = min(nodes, w[-1])
+        w[-1] -= take
+        nodes -= take
+        if w[-1] == 0:
+            w.pop()
+    return tuple(w)
