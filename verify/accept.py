@@ -6,8 +6,9 @@ residual of Sequoia (Chen et al.): the emitted tokens are distributed exactly as
 from the target's processed distribution, whatever the draft proposed.
 
 Every function is pure: it reads the tree and the target's scores, never touches a KV cache, and draws
-randomness only from the generator it is handed. The walk down the tree is host-side Python over at most
-64 nodes; each stochastic accept/reject decision reads three scalars back from the device.
+randomness only from the generator it is handed. ``accept`` walks one tree on the host (each stochastic
+decision reads three scalars back from the device); ``accept_batch``, the engine's entry point, decides
+every node of every tree on the device and copies the outcome to the host once per step.
 """
 
 from __future__ import annotations
@@ -66,38 +67,107 @@ def sample_first(logits: torch.Tensor, params: SamplingParams, generator: torch.
 def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int], params: list[SamplingParams],
                  generators: list[torch.Generator],
                  penalties: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> list[AcceptResult]:
-    """Verify every sequence of one step. logits: [R, V] on the device; sequence k owns rows
-    ``starts[k]:starts[k + 1]``.
+    """Verify every sequence of one step with one host copy. logits: [R, V] on the device; sequence k owns
+    rows ``starts[k]:starts[k + 1]``.
 
-    Greedy trees and one-node sampled trees without penalties -- plain decoding and the common greedy
-    speculation -- share one device pass and one host copy for the whole batch; the walk down each tree
-    is host Python over those ids. Anything else (penalties, stochastic trees) goes through ``accept``
-    one sequence at a time. The results are the ones ``accept`` gives, draw for draw.
+    - Greedy trees: one argmax over every row; the walk down each tree is host Python over those ids.
+    - One-node sampled trees (plain decoding): one draw each, the same draw ``accept`` makes.
+    - Stochastic trees: every node's accept/reject decisions at once on the device
+      (``_stochastic_parallel``), then the host walks the accepted children.
+    - Requests with penalties go through ``accept`` one by one (their logits depend on the path).
     """
     picks: list[torch.Tensor] = []
-    fast: dict[int, int] = {}  # sequence -> offset of its ids in the host copy
+    at: dict[int, int] = {}  # sequence -> offset of its ids in the host copy
+    size = 0
+
+    def add(k: int, t: torch.Tensor) -> None:
+        nonlocal size
+        at[k] = size
+        picks.append(t)
+        size += t.shape[0]
+
     greedy = [k for k, p in enumerate(params) if p.is_greedy and not p.use_penalties]
     if greedy:
-        picks.append(logits.argmax(dim=-1))  # [R]: rows of non-greedy sequences are read and ignored
-        fast.update((k, starts[k]) for k in greedy)
-    offset = logits.shape[0] if greedy else 0
+        best = logits.argmax(dim=-1)  # [R]: rows of other sequences are read and ignored
+        picks.append(best)
+        at.update((k, starts[k]) for k in greedy)
+        size = best.shape[0]
     for k, (tree, p) in enumerate(zip(trees, params)):
-        if not p.is_greedy and not p.use_penalties and tree.num_nodes == 1:
-            row = logits[starts[k]]  # [V]
-            picks.append(sample(process_logits(row[None], p)[0], generators[k]).reshape(1))
-            fast[k] = offset
-            offset += 1
+        if p.is_greedy or p.use_penalties:
+            continue
+        rows = logits[starts[k] : starts[k + 1]]
+        if tree.num_nodes == 1:
+            add(k, sample(process_logits(rows, p)[0], generators[k]).reshape(1))
+        else:
+            _check_shapes(tree, rows)
+            add(k, _stochastic_parallel(tree, process_logits(rows, p), generators[k]))  # [2N + 1]
     ids = torch.cat(picks).tolist() if picks else []  # the step's one host copy
     results = []
     for k, tree in enumerate(trees):
-        if k not in fast:
+        n = tree.num_nodes
+        if k not in at:
             rows = logits[starts[k] : starts[k + 1]]
             results.append(accept(tree, rows, params[k], generators[k], *penalties[k]))
-        elif tree.num_nodes == 1 or params[k].is_greedy:
-            at = fast[k]
-            results.append(_walk_greedy(tree, ids[at : at + tree.num_nodes]) if params[k].is_greedy
-                           else _result(tree.tokens.tolist(), [0], ids[at]))
+        elif params[k].is_greedy:
+            results.append(_walk_greedy(tree, ids[at[k] : at[k] + n]))
+        elif n == 1:
+            results.append(_result(tree.tokens.tolist(), [0], ids[at[k]]))
+        elif ids[at[k] + 2 * n]:  # a draft token with zero draft probability: let accept() name it
+            results.append(accept(tree, logits[starts[k] : starts[k + 1]], params[k], generators[k]))
+        else:
+            child, bonus = ids[at[k] : at[k] + n], ids[at[k] + n : at[k] + 2 * n]
+            nodes = [0]
+            while child[nodes[-1]] >= 0:
+                nodes.append(child[nodes[-1]])
+            results.append(_result(tree.tokens.tolist(), nodes, bonus[nodes[-1]]))
     return results
+
+
+def _stochastic_parallel(tree: TokenTree, p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The recursive rejection sampling of ``accept_stochastic`` for every node of the tree at once.
+
+    A node's decisions depend only on its own target row, its draft row and its children's tokens, never
+    on which path reached it: so every node tries its children in order against its running residual,
+    all nodes in parallel (one loop over the sibling rank), each decision with its own uniform draw, and
+    every node draws the bonus it would emit if the path ended there (an exponential race over its
+    final residual). The host then follows accepted children from the root. Each emitted token is drawn
+    exactly as in the sequential walk, so the output distribution is the target's.
+
+    p: [N, V] processed target probabilities. Returns int64 ``[2N + 1]`` on p's device: each node's
+    accepted child (-1 for none), each node's bonus token, and a flag set when a draft token has zero
+    draft probability (``accept`` then raises the error that names it).
+    """
+    N, V = p.shape
+    tokens, children = _tree_lists(tree)
+    K = max(len(c) for c in children)
+    kid = torch.tensor([c + [-1] * (K - len(c)) for c in children], dtype=torch.int64)  # [N, K]
+    kid_tok = torch.tensor(tokens, dtype=torch.int64)[kid.clamp_min(0)]  # [N, K]
+    kid, kid_tok = kid.to(p.device, non_blocking=True), kid_tok.to(p.device, non_blocking=True)
+    u = torch.rand(N, K, generator=generator, device=p.device)
+    race = torch.empty(N, V, device=p.device).exponential_(generator=generator)
+    q = tree.draft_probs
+    if q is not None:  # p - q needs both on one scale
+        q = q.to(p.device, torch.float32)
+        p, q = _normalise(p, fallback=p), _normalise(q, fallback=q)
+    child = torch.full((N,), -1, dtype=torch.int64, device=p.device)
+    bad = torch.zeros((), dtype=torch.bool, device=p.device)
+    for j in range(K):
+        t = kid_tok[:, j : j + 1]  # [N, 1]
+        live = (kid[:, j] >= 0) & (child < 0)  # [N]: a child to try, none accepted yet
+        p_t = p.gather(1, t)[:, 0]
+        q_t = p.sum(-1) if q is None else q.gather(1, t)[:, 0]  # a point mass is one-hot(t) at p's scale
+        bad = bad | (live & (q_t <= 0)).any()
+        ok = live & (u[:, j] * q_t < p_t)  # u < p_t / q_t
+        child = torch.where(ok, kid[:, j], child)
+        rejected = (live & ~ok)[:, None]  # [N, 1]
+        without_t = p.scatter(1, t, 0.0)
+        if q is None:
+            p = torch.where(rejected, without_t, p)
+        else:
+            p = torch.where(rejected, _normalise((p - q).clamp_min(0), fallback=p), p)
+            q = torch.where(rejected, _normalise(q.scatter(1, t, 0.0), fallback=q), q)
+    bonus = (p / race).argmax(-1)  # [N]: p_i / Exp(1) is largest at i with probability p_i / sum(p)
+    return torch.cat((child, bonus, bad.long().reshape(1)))
 
 
 def accept_greedy(tree: TokenTree, target_logits: torch.Tensor) -> AcceptResult:
@@ -180,7 +250,7 @@ def _normalise(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     as good as any choice. For q with t zeroed, zero mass means q was a point mass at t and no sibling can
     follow; a drafter that still adds one hits the zero-probability check in ``_try_children``.
     """
-    mass = x.sum()
+    mass = x.sum(-1, keepdim=True)  # one vector, or each row of a matrix
     return torch.where(mass > 0, x / mass.clamp_min(torch.finfo(x.dtype).tiny), fallback)
 
 

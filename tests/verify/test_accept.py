@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from draft.tree import TokenTree
-from verify.accept import AcceptResult, accept, accept_greedy, accept_stochastic, sample_first
+from verify.accept import AcceptResult, accept, accept_batch, accept_greedy, accept_stochastic, sample_first
 from verify.sampling import SamplingParams, apply_penalties, process_logits
 
 V = 6
@@ -213,7 +213,7 @@ def _draft_tree(context: tuple[int, ...], widths: tuple[int, ...], draft_params:
 
 
 def _step(context: tuple[int, ...], widths: tuple[int, ...], params: SamplingParams, draft_params: SamplingParams,
-          is_sampled: bool, gen: torch.Generator) -> list[int]:
+          is_sampled: bool, gen: torch.Generator, batched: bool = False) -> list[int]:
     """One engine step: draft, score with the target, accept. context ends with the pending root."""
     tree, contexts = _draft_tree(context, widths, draft_params, is_sampled, gen)
     target_logits = torch.stack([_mock_logits(1, c) for c in contexts])  # [N, V]
@@ -221,6 +221,9 @@ def _step(context: tuple[int, ...], widths: tuple[int, ...], params: SamplingPar
     prompt_mask[list(PROMPT)] = True
     output = context[len(PROMPT):-1]  # generated before this step's root
     output_counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=V)
+    if batched:  # the engine's entry point: every node's decisions at once (penalties: one by one)
+        return accept_batch([tree], target_logits, [0, tree.num_nodes], [params], [gen],
+                            [(prompt_mask, output_counts)])[0].tokens
     return accept(tree, target_logits, params, gen, prompt_mask, output_counts).tokens
 
 
@@ -263,17 +266,18 @@ CASES = {  # name: (widths, is_sampled, target params, draft params)
 }
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["walk", "parallel"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_stochastic_verification_is_lossless(name: str) -> None:
+def test_stochastic_verification_is_lossless(name: str, batched: bool) -> None:
     widths, is_sampled, params, draft_params = CASES[name]
     num_samples = 8_000
     gen = torch.Generator().manual_seed(1234)
     start = PROMPT + BEFORE_ROOT + (ROOT,)
     firsts, pairs = Counter(), Counter()
     for _ in range(num_samples):
-        tokens = _step(start, widths, params, draft_params, is_sampled, gen)
+        tokens = _step(start, widths, params, draft_params, is_sampled, gen, batched)
         if len(tokens) == 1:  # the next step (a fresh tree on the new root) supplies the second token
-            tokens += _step(start + (tokens[0],), widths, params, draft_params, is_sampled, gen)
+            tokens += _step(start + (tokens[0],), widths, params, draft_params, is_sampled, gen, batched)
         firsts[tokens[0]] += 1
         pairs[tokens[0], tokens[1]] += 1
     first_probs = _target_probs(start, params)  # [V]

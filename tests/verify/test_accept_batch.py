@@ -1,8 +1,10 @@
 """verify.accept.accept_batch: a whole step's verification equals ``accept`` sequence by sequence, draw
-for draw, whichever path (one shared host copy or one by one) each sequence takes."""
+for draw, for greedy trees, plain sampled decodes and requests with penalties. Stochastic trees take the
+parallel path, whose draws differ from the walk's: tests/verify/test_accept.py checks its distribution."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from draft.tree import TokenTree
@@ -25,7 +27,7 @@ def _params() -> list[SamplingParams]:
         SamplingParams(temperature=0),  # greedy tree: shared copy
         SamplingParams(temperature=0.8, top_k=10, seed=1),  # sampled decode: shared copy
         SamplingParams(temperature=1.0, top_p=0.9, seed=2),  # sampled decode: shared copy
-        SamplingParams(temperature=0.7, seed=3),  # stochastic tree: one by one
+        SamplingParams(temperature=0.7, seed=3),  # stochastic tree: parallel (not compared draw for draw)
         SamplingParams(temperature=0.9, repetition_penalty=1.3, seed=4),  # penalties: one by one
     ]
 
@@ -55,8 +57,12 @@ def test_batch_equals_one_by_one_for_every_path() -> None:
         batch = accept_batch(trees, logits, starts, params, gens_a, _penalties(trees))
         single = [accept(t, logits[starts[k] : starts[k + 1]], params[k], gens_b[k], *_penalties(trees)[k])
                   for k, t in enumerate(trees)]
-        assert [r.accepted_nodes for r in batch] == [r.accepted_nodes for r in single]
-        assert [r.tokens for r in batch] == [r.tokens for r in single]
+        same = [k for k in range(len(trees)) if k != 4]
+        assert [batch[k].accepted_nodes for k in same] == [single[k].accepted_nodes for k in same]
+        assert [batch[k].tokens for k in same] == [single[k].tokens for k in same]
+        path = batch[4].accepted_nodes  # a root-to-node path of the wide tree, one token per node + bonus
+        assert path[0] == 0 and all(trees[4].parents[b] == a for a, b in zip(path, path[1:]))
+        assert len(batch[4].tokens) == len(path)
         if trial % 2:
             assert batch[0].accepted_nodes == [0, 1, 2] and batch[1].accepted_nodes[:2] == [0, 2]
 
@@ -69,3 +75,12 @@ def test_batch_of_only_plain_decodes_and_of_nothing() -> None:
                        [make_generator(SamplingParams(seed=0))] * 3, [(None, None)] * 3)
     assert [r.tokens for r in out] == [[9], [8], [7]] and all(r.accepted_nodes == [0] for r in out)
     assert accept_batch([], torch.zeros(0, V), [0], [], [], []) == []
+
+
+def test_a_zero_probability_draft_token_is_named_by_the_parallel_path_too() -> None:
+    q = torch.zeros(2, V)
+    q[0, 2] = 1.0
+    tree = TokenTree.from_lists([0, 1], [-1, 0], draft_probs=q)  # token 1 cannot have come from q
+    with pytest.raises(ValueError, match="zero probability"):
+        accept_batch([tree], torch.zeros(2, V), [0, 2], [SamplingParams(temperature=1.0, seed=0)],
+                     [make_generator(SamplingParams(seed=0))], [(None, None)])
