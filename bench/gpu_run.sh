@@ -49,7 +49,17 @@ for stage in "$@"; do
       timeout 90 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
         --concurrency 16,64 --requests 128 --max-tokens 64 --out "$OUT/load_gpu_high" 2>&1 | tail -4
       curl -s localhost:8123/v1/stats > "$OUT/load_stats.json"
-      kill $server; wait $server 2>/dev/null; tail -5 "$OUT/serve.log" ;;
+      kill $server; wait $server 2>/dev/null; tail -5 "$OUT/serve.log"
+      # the same load with speculation off everywhere: the reference for the off arm's per-token latency
+      # in a speculating batch (the load issue allows it 5% more)
+      python -m gateway serve --device cuda --dtype bfloat16 --draft none --num-blocks 4096 --max-running 64 \
+        --max-waiting 512 --capture-graphs --port 8124 --log-level warning > "$OUT/serve_off.log" 2>&1 &
+      server=$!
+      for _ in $(seq 120); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done
+      timeout 90 python bench/load.py --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 1,4,16,64 --requests 64 --max-tokens 64 --arm 'off={"enabled": false}' \
+        --out "$OUT/load_gpu_off_only" 2>&1 | tail -4
+      kill $server; wait $server 2>/dev/null ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -27,8 +27,7 @@ import torch.distributed as dist
 
 from kernels.int4_matmul import Int4Weight
 from kernels.tree_attention import tree_attention
-from kernels.fused_norm_rope import apply_rope
-from kernels.fused_norm_rope import rms_norm_ref as rms_norm
+from kernels.fused_norm_rope import rms_norm, rope_and_cache
 from target.batch import ForwardBatch
 from target.config import ModelConfig
 from target.kv_cache import KVCache
@@ -152,19 +151,13 @@ class ShardedTransformer(Transformer):
         c = self.config
         H, Hkv, D = self.num_heads, self.num_kv_heads, c.head_dim
         T = batch.num_tokens
-        freqs = batch.positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         first = self.rank == 0  # adds the residual (and bias) of row-parallel outputs, once
         h = self.embed[batch.tokens]  # [T, hidden], replicated
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            q, k, v = layer.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = apply_rope(q.view(T, H, D), cos, sin)  # [T, H/N, D]
-            k = apply_rope(k.view(T, Hkv, D), cos, sin)  # [T, Hkv/N, D]
             k_layer, v_layer = cache.k[i], cache.v[i]  # [num_blocks, P, Hkv/N, D]
-            k_layer.view(-1, Hkv, D)[batch.slot_mapping] = k
-            v_layer.view(-1, Hkv, D)[batch.slot_mapping] = v.view(T, Hkv, D)
+            q = rope_and_cache(layer.qkv(x), batch.positions, self.inv_freq, k_layer, v_layer, batch.slot_mapping,
+                               H, Hkv)  # [T, H/N, D]; local K/V written into the cache
             attn = tree_attention(q, k_layer, v_layer, batch.block_tables, batch.context_lens, batch.query_start,
                                   batch.mask_bits, 1.0 / math.sqrt(D), is_decode=batch.is_decode)  # [T, H/N, D]
             h = self._reduce(layer.o(attn.reshape(T, H * D), residual=h if first else None))  # [T, hidden]
