@@ -30,6 +30,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from bench.kernels.bench_int4_matmul import copy_tbps  # noqa: E402  (the same probe as the kernel bench)
 from draft.params import SpeculationParams  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
 from gateway.llm import LLM, LoadConfig, resolve_model_path  # noqa: E402
@@ -56,22 +57,6 @@ def log(msg: str) -> None:
 def model_config(shape: dict) -> ModelConfig:
     return ModelConfig(family="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
                        eos_token_ids=(0,), **shape)
-
-
-def copy_tbps() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    ts = []
-    for _ in range(10):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    return 2 * a.numel() / sorted(ts)[len(ts) // 2] / 1e12
 
 
 def random_model(cfg: ModelConfig, int4: bool, seed: int = 0) -> tuple[Transformer, int]:

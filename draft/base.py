@@ -86,9 +86,10 @@ class TreeBuilder:
         # k fixed before drawing (Sequoia's condition for lossless multi-candidate verification).
         q = process_logits(logits.float(), self.sampling)  # [F, V] on the draft's device
         counts = _allocate(width, [self.cum_logp[f] for f in front])
+        support = (q > 0).sum(-1).tolist()  # [F]: one host copy for the frontier, not one per node
         for i, (f, k) in enumerate(zip(front, counts)):
             row = q[i]
-            k = min(k, int((row > 0).sum()))
+            k = min(k, support[i])
             if k == 0:
                 continue
             self.q_rows[f] = row

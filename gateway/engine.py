@@ -3,9 +3,9 @@
     plan = schedule(); trees = propose(plan); logits = target.forward(prefills + trees)
     results = accept_batch(trees, logits); commit(results)
 
-On CUDA, uniform steps (every sequence decoding, or verifying one tree size) replay a captured CUDA
-graph (target/graphs.py). Greedy and plain-sampled sequences are verified with one host copy for the
-whole batch (verify/accept.py ``accept_batch``).
+On CUDA, a step whose segments hold at most 64 new tokens each replays a captured CUDA graph
+(target/graphs.py). Every request without penalties is verified from one host copy for the whole
+batch (verify/accept.py ``accept_batch``).
 
 Single-threaded by design: ``add``, ``abort`` and ``step`` are called from one thread (the engine
 thread in the server, the caller in ``LLM.generate``). ``gateway/runner.py`` adds the thread-safe
