@@ -3,6 +3,9 @@ with the dense model, and mean accepted length with one fixed drafter (ngram, tr
 
     python bench/quant.py [--model DIR] [--arms dense_fp32,rtn_g128,gptq_g128] [--out bench/results/quant.json]
 
+Arms run one after another (see ``build_arm`` for their names); rows of arms not run this time stay in the
+output file, with the commit they were measured at, as long as it was measured the same way.
+
 Calibration is data-free: sequences sampled from the dense model (``target.gptq.sample_calibration``), so
 the held-out text (bench/data/ppl_text.txt) never feeds GPTQ. MT-bench first turns are the chat prompts.
 """
@@ -37,6 +40,10 @@ from verify.sampling import SamplingParams
 HERE = Path(__file__).resolve().parent
 MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
 TREE = (2, 2, 2, 1)
+ARMS = ("dense_fp32", "dense_bf16", "rtn_g128", "gptq_g128", "gptq_g128_act_intzero", "gptq_g128_act",
+        "gptq_g128_act_group", "gptq_g128_act_perm", "gptq_g128_act_mse", "gptq_g128_act_group_mse",
+        "gptq_g128_act_perm_mse", "gptq_g128_act_group_mse_damp0.1", "rtn_g64", "gptq_g64_act_group_mse", "rtn_g32",
+        "gptq_g32_act")
 NOTE = ("The embedded GGUF is itself Q4_1 (group 32, min-max grid): 'dense' is its dequantized float weights, so a "
         "group-32 grid with fractional zeros (our format's default) holds them exactly and gptq_g32_act equals dense. "
         "g128 falls back to g64 on the K=576 projections (576 is not a multiple of 128). _intzero: integer zero "
@@ -46,9 +53,14 @@ NOTE = ("The embedded GGUF is itself Q4_1 (group 32, min-max grid): 'dense' is i
 
 def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
               cache: Path | None) -> tuple[Transformer, float | None]:
-    """``dense_fp32``, ``dense_bf16``, ``rtn_g{G}`` or ``gptq_g{G}[_act][_intzero]`` (act-order; the integer zero
-    points a GPTQ-format file would hold, where our format defaults to fractional ones), and the seconds
-    quantizing took (None when ``cache`` already held the arm)."""
+    """``dense_fp32``, ``dense_bf16``, ``rtn_g{G}`` or ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}]``,
+    and the seconds quantizing took (None when ``cache`` already held the arm).
+
+    GPTQ flags: ``act`` alone is act-order with static groups, ``act_group`` group-aware reordering, ``act_perm``
+    true act-order stored with an input permutation (``target.gptq``'s ``act_order``); ``mse`` searches each
+    group's grid; ``intzero`` gives the integer zero points a GPTQ-format file would hold (our format defaults to
+    fractional ones); ``damp{x}`` sets the Hessian damping (0.01 otherwise). No flag: natural order, min-max.
+    """
     if name == "dense_fp32":
         return dense, 0.0
     if name == "dense_bf16":
@@ -58,9 +70,15 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
         return Transformer.from_weights(q.config, q.weights, quantized=q.quantized), None
     method, group, *flags = name.split("_")
     G = int(group.removeprefix("g"))
+    damps = [float(f.removeprefix("damp")) for f in flags if f.startswith("damp")]
+    unknown = set(flags) - {"act", "group", "perm", "mse", "intzero"} - {f for f in flags if f.startswith("damp")}
+    if method not in ("rtn", "gptq") or unknown or (method == "rtn" and flags):
+        raise ValueError(f"unknown arm {name!r}")
+    order = "off" if "act" not in flags else "perm" if "perm" in flags else "group" if "group" in flags else "static"
     t0 = time.perf_counter()
     model = dense.quantize(G) if method == "rtn" else \
-        quantize_gptq(dense, calib, G, desc_act="act" in flags, round_zero="intzero" in flags)
+        quantize_gptq(dense, calib, G, act_order=order, mse="mse" in flags, damp=damps[0] if damps else 0.01,
+                      round_zero="intzero" in flags)
     secs = time.perf_counter() - t0
     if cache is not None:
         save_quantized(model, cache / name, ck.tokenizer, ck.chat_template, {"method": name})
@@ -106,8 +124,7 @@ def evaluate(model: Transformer, ref: dict, text: list[int], prompts: list[list[
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--arms", default="dense_fp32,dense_bf16,rtn_g128,gptq_g128,gptq_g128_act_intzero,gptq_g128_act,"
-                                      "rtn_g32,gptq_g32_act")
+    ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--calib-seqs", type=int, default=128)
     ap.add_argument("--calib-len", type=int, default=256)
     ap.add_argument("--calib-cache", default=None, help="json file to keep the sampled calibration ids in")
@@ -156,8 +173,11 @@ def load_calibration(args: argparse.Namespace, dense: Transformer, ck: LoadedChe
 
 
 def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text_tokens: int) -> None:
+    """Write ``args.out``, keeping the rows of arms this run did not measure when the file was measured the same
+    way. Each row records the date and commit it was measured at."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    out = {"date": datetime.date.today().isoformat(), "commit": commit, "model": Path(ck.source).name,
+    date = datetime.date.today().isoformat()
+    out = {"date": date, "commit": commit, "model": Path(ck.source).name,
            "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
            "perplexity_text": f"bench/data/ppl_text.txt ({text_tokens} tokens)",
            "greedy_agreement": f"teacher-forced top-1 agreement with dense fp32's greedy {args.max_tokens}-token "
@@ -168,8 +188,16 @@ def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text
                                                f"{args.draft_layers} layers (one fixed draft for every arm)",
            "calibration": f"{args.calib_seqs} x {args.calib_len} tokens sampled from the dense model (seed 0)",
            "note": NOTE,
-           "rows": rows}
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+           "rows": [{**r, "date": date, "commit": commit} for r in rows]}
+    path = Path(args.out)
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    same = ("model", "perplexity_text", "greedy_agreement", "mean_accepted_length", "calibration")
+    if all(old.get(k) == out[k] for k in same):
+        new = {r["method"]: r for r in out["rows"]}
+        kept = [new.pop(r["method"], {**r, "date": r.get("date", old["date"]), "commit": r.get("commit", old["commit"])})
+                for r in old["rows"]]
+        out["rows"] = kept + list(new.values())
+    path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

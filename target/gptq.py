@@ -11,10 +11,26 @@ Layers are processed in order ("true sequential"): each projection sees inputs c
 projections already quantized before it, and the next layer's calibration inputs are the quantized layer's
 outputs. Fused ``qkv`` and ``gate_up`` share their input, so one Hessian serves all their rows.
 
-Act-order (``desc_act``) visits columns by decreasing ``diag(H)``. Our INT4 layout has no ``g_idx``, so
-groups must stay contiguous in the original column order: we use GPTQ's "static groups" variant, where
-every group's scale and zero come from the original weight before any update, and each column is then
-quantized with its own group's parameters whatever the visiting order. The result needs no permutation.
+Act-order (``desc_act``) visits columns by decreasing ``diag(H)``, so the inputs that matter most are
+rounded while the most columns remain to absorb their error. The kernel has no ``g_idx``: a group must be
+contiguous in the stored K. ``act_order`` chooses how:
+
+* ``off``: the original order; each group's grid from its updated columns when it comes up.
+* ``static``: GPTQ's ``static_groups``. Columns visited by decreasing ``diag(H)``, but every group's grid
+  comes from the original weight before any update. K stays as it came.
+* ``group``: group-aware reordering (GPTQModel's ``act_group_aware``): groups visited by decreasing largest
+  ``diag(H)``, each group's columns by decreasing ``diag(H)``, grids chosen from the updated columns as
+  with ``off``. K stays as it came, so nothing is gathered at run time. The default.
+* ``perm``: true act-order (``desc_act`` with dynamic groups): a group is G consecutive columns of the
+  visiting order, and K is stored in that order with ``Linear.perm``, which costs a gather of the input on
+  every matmul of ``qkv`` and ``gate_up``. ``down``'s permutation is free: it is folded into ``gate_up``'s
+  rows. ``o`` uses ``group`` (see ``_quantize_layer``).
+
+On the embedded SmolLM2 ``perm`` loses to the others (bench/results/quant.json): that checkpoint is a Q4_1
+GGUF whose weights sit on group-32 min-max grids in the original order, which ``static`` and ``group``
+groups keep whole and ``perm`` groups mix.
+
+``mse=True`` searches each group's grid (``mse_group_params``) instead of taking its [min, max].
 
 Zero points are fractional by default: GPTQ and AWQ files round them to 4-bit integers because that is
 how they store them, but our layout keeps zeros in the activation dtype, so each group's grid can span
@@ -29,6 +45,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -43,29 +60,72 @@ from target.model import Layer, Linear, Transformer, int4_group_size, int4_linea
 from target.quant_formats import save_quantized
 
 BLOCK_SIZE = 128  # columns per lazy batch update (GPTQ's default)
+SHRINK_STEPS, SHRINK_MAX = 12, 0.3  # mse grids: each end of min-max moved in by 0, 2.5%, ..., 30%
+ActOrder = Literal["off", "static", "group", "perm"]
+ACT_ORDERS: tuple[str, ...] = get_args(ActOrder)
+DEFAULT_ACT_ORDER: ActOrder = "group"
+DEFAULT_MSE = True
 CALIB_SEQS, CALIB_LEN = 128, 256  # what ``cached_gptq`` samples: 5 to 10 minutes on two CPU cores for 135M
 
 
 # --- one weight -------------------------------------------------------------------------------------
 
-def group_params(w: torch.Tensor, use_zero_point: bool, round_zero: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point of one group ``w: [N, G]`` (float32): [N], [N].
+def range_params(lo: torch.Tensor, hi: torch.Tensor, use_zero_point: bool,
+                 round_zero: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point ([N], [N] float32) of the grid spanning each row's ``[lo, hi]`` ([N] each).
 
     ``round_zero``: ``quantize_rtn``'s grid, as GPTQ / AWQ files must use (they pack zeros in 4 bits):
-    [min(w, 0), max(w, 0)] onto 0..15 with an integer zero. Without it, the grid spans exactly [min, max]
+    [min(lo, 0), max(hi, 0)] onto 0..15 with an integer zero. Without it, the grid spans exactly [lo, hi]
     with a fractional zero, which our layout stores for free (zeros are in the activation dtype).
     """
     if not use_zero_point:
-        scale = (w.abs().amax(-1) / 7).clamp(min=1e-8)
+        scale = (torch.maximum(lo.abs(), hi.abs()) / 7).clamp(min=1e-8)
         return scale, torch.full_like(scale, 8.0)
     if round_zero:
-        lo, hi = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)
         scale = ((hi - lo) / 15).clamp(min=1e-8)
         return scale, (-lo / scale).round().clamp(0, 15)
-    lo, hi = w.amin(-1), w.amax(-1)
     # a near-constant group would get a huge zero (-lo / scale) that fp16 cannot hold: keep it below 15e3
     span = (hi - lo).clamp(min=1e-3 * torch.maximum(lo.abs(), hi.abs())).clamp(min=1e-8)
     return span / 15, -lo / (span / 15)
+
+
+def group_params(w: torch.Tensor, use_zero_point: bool, round_zero: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of one group ``w: [N, G]`` (float32): the min-max grid, [N], [N]."""
+    return range_params(w.amin(-1), w.amax(-1), use_zero_point, round_zero)
+
+
+def mse_group_params(w: torch.Tensor, importance: torch.Tensor, use_zero_point: bool, round_zero: bool,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid of one group ``w: [N, G]`` with the smallest rounding error weighted by ``importance: [G]``,
+    among the min-max range with its low and high ends each moved in by 0, 1, ..., SHRINK_STEPS steps of
+    ``SHRINK_MAX / SHRINK_STEPS`` of their distance to zero (or to the end nearer zero when zero lies outside).
+    Scale and zero [N] as stored in ``dtype``.
+
+    After AutoGPTQ / GPTQModel's ``Quantizer.find_params(mse=True)``, which shrinks both ends by one factor
+    and weighs every column alike (AWQ's clip search is the same idea on outputs). On SmolLM2's layers
+    (``tr(E H E^T)`` after GPTQ), moving the two ends independently more than doubled what one shared factor
+    gains, and weighing columns by the loss GPTQ itself assigns them (``1 / [H_F^-1]_jj``, see
+    ``gptq_quantize``) beat ``diag(H)`` and equal weights. The min-max grid is among the candidates and a row
+    only moves on a strictly smaller error, so the result is never worse than min-max by this measure.
+    """
+    lo, hi = w.amin(-1), w.amax(-1)  # [N]
+    centre = torch.zeros_like(lo).clamp(lo, hi)  # [N]: zero, or the end nearer it
+    shrink = 1 - SHRINK_MAX * torch.arange(SHRINK_STEPS + 1, device=w.device) / SHRINK_STEPS  # [S]
+    his = centre + shrink[:, None] * (hi - centre)  # [S, N]: every high end, tried at once
+    best = torch.full_like(lo, float("inf"))
+    best_scale, best_zero = torch.empty_like(lo), torch.empty_like(lo)
+    rows = torch.arange(lo.numel(), device=w.device)
+    for p in shrink.tolist():
+        scale, zero = _stored(*range_params(centre + p * (lo - centre), his, use_zero_point, round_zero), dtype)
+        scale, zero = scale[..., None], zero[..., None]  # [S, N, 1]
+        q = (w / scale + zero).round().clamp(0, 15)  # [S, N, G]
+        err, at = ((w - (q - zero) * scale).square() @ importance).min(0)  # [N], best high end per row
+        better = err < best
+        best = torch.where(better, err, best)
+        best_scale = torch.where(better, scale[at, rows, 0], best_scale)
+        best_zero = torch.where(better, zero[at, rows, 0], best_zero)
+    return best_scale, best_zero
 
 
 def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -84,34 +144,66 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     raise ValueError(f"Hessian is not positive definite even with damping {damp * 1000}: too little calibration data?")
 
 
-def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, desc_act: bool = False, damp: float = 0.01,
-                  use_zero_point: bool = True, round_zero: bool = False,
-                  dtype: torch.dtype | None = None) -> Int4Weight:
+def visiting_order(diag: torch.Tensor, group_size: int, act_order: ActOrder) -> torch.Tensor:
+    """[K] int64: the input columns in the order GPTQ quantizes them (see the module docstring).
+
+    ``group``: groups by decreasing largest ``diag(H)``, each group's columns by decreasing ``diag(H)``
+    (GPTQModel's ``act_group_aware``, after Gafni et al.'s group-aware reordering), so every group's
+    columns stay consecutive in the original order too.
+    """
+    K, G = diag.numel(), group_size
+    if act_order == "off":
+        return torch.arange(K, device=diag.device)
+    if act_order != "group":
+        return torch.argsort(diag, descending=True, stable=True)
+    by_group = diag.view(K // G, G)  # [K/G, G]
+    groups = torch.argsort(by_group.amax(1), descending=True, stable=True)  # [K/G]
+    within = torch.argsort(by_group, dim=1, descending=True, stable=True)  # [K/G, G]
+    return (within[groups] + G * groups[:, None]).flatten()
+
+
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, act_order: ActOrder = "off",
+                  damp: float = 0.01, mse: bool = False, use_zero_point: bool = True, round_zero: bool = False,
+                  dtype: torch.dtype | None = None) -> tuple[Int4Weight, torch.Tensor | None]:
     """GPTQ one weight ``w: [N, K]`` given its input Hessian ``h: [K, K]``; scales/zeros in ``dtype``.
-    ``round_zero``: integer zero points (see ``group_params``)."""
+
+    Returns the INT4 weight and, for ``act_order="perm"`` only, the [K] input order its K is stored in
+    (``Linear.perm``: y = x[..., perm] @ W'.T); every other order stores K as it came.
+    ``mse``: each group's grid from ``mse_group_params`` rather than min-max. ``round_zero``: integer zero
+    points (see ``range_params``).
+    """
     N, K = w.shape
     G = group_size
     if K % G or G % 8:
         raise ValueError(f"in_features {K} must be a multiple of group_size {G} (itself a multiple of 8)")
+    if act_order not in ACT_ORDERS:
+        raise ValueError(f"act_order must be one of {ACT_ORDERS}, got {act_order!r}")
     dtype = dtype or w.dtype
 
-    def params(group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [N, G] -> scale, zero [N] as stored
+    def params(group: torch.Tensor, importance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if mse:  # [N, G], [G] -> scale, zero [N] as stored
+            return mse_group_params(group, importance, use_zero_point, round_zero, dtype)
         return _stored(*group_params(group, use_zero_point, round_zero), dtype)
 
     W, H = w.float().clone(), h.float().clone()
     dead = H.diagonal() == 0  # inputs that are always zero: their weights cannot matter
     H[dead, dead] = 1
     W[:, dead] = 0
-    scales = torch.zeros(N, K // G, device=W.device)  # [N, K/G]
-    zeros = torch.zeros_like(scales)
-    if desc_act:  # static groups: parameters from the original weight (see the module docstring)
-        for g in range(K // G):
-            scales[:, g], zeros[:, g] = params(W[:, g * G:(g + 1) * G])
-    perm = torch.argsort(H.diagonal(), descending=True) if desc_act else torch.arange(K, device=W.device)
+    perm = visiting_order(H.diagonal(), G, act_order)  # [K]
     W, H = W[:, perm], H[perm][:, perm]
     U = inverse_hessian_factor(H, damp)  # [K, K] upper
+    # [K] in visiting order: 1 / [H_F^-1]_jj, the weight GPTQ's loss gives column j's rounding error once the
+    # columns after it (F) have absorbed what they can of it; it weighs the mse grid search
+    importance = U.diagonal() ** -2
+    scales = torch.zeros(N, K // G, device=W.device)  # [N, K/G]
+    zeros = torch.zeros_like(scales)
+    if act_order == "static":  # parameters from the original weight (see the module docstring)
+        w0, imp0 = W[:, torch.argsort(perm)], importance[torch.argsort(perm)]
+        for g in range(K // G):
+            scales[:, g], zeros[:, g] = params(w0[:, g * G:(g + 1) * G], imp0[g * G:(g + 1) * G])
     codes = torch.zeros(N, K, device=W.device)
-    col_group = (perm // G).tolist()  # group of the column visited i-th
+    # where the column visited j-th keeps its scale / zero: its own group, or for "perm" its place in the order
+    col_group = (torch.arange(K) // G if act_order == "perm" else perm.cpu() // G).tolist()
     block = G * -(-BLOCK_SIZE // G)  # whole groups per block, so a group's columns are all updated in W1
     for i1 in range(0, K, block):
         i2 = min(i1 + block, K)
@@ -119,16 +211,18 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, desc_act: b
         err = torch.zeros_like(W1)  # [N, block] scaled errors, replayed onto the later blocks at once
         for i in range(i2 - i1):
             g = col_group[i1 + i]
-            if not desc_act and (i1 + i) % G == 0:
-                scales[:, g], zeros[:, g] = params(W1[:, i:i + G])
+            if act_order != "static" and (i1 + i) % G == 0:  # a group's first column: its grid, from W1 as updated
+                scales[:, g], zeros[:, g] = params(W1[:, i:i + G], importance[i1 + i:i1 + i + G])
             q = (W1[:, i] / scales[:, g] + zeros[:, g]).round().clamp(0, 15)  # [N]
             codes[:, i1 + i] = q
             err[:, i] = (W1[:, i] - (q - zeros[:, g]) * scales[:, g]) / U1[i, i]
             W1[:, i:] -= err[:, i, None] * U1[i, None, i:]
         W[:, i2:] -= err @ U[i1:i2, i2:]
-    codes = codes[:, torch.argsort(perm)]
+    stored_perm = perm if act_order == "perm" else None
+    if stored_perm is None:
+        codes = codes[:, torch.argsort(perm)]
     z = zeros.T.contiguous().to(dtype) if use_zero_point else None
-    return Int4Weight(pack_int4(codes), scales.T.contiguous().to(dtype), z, G)
+    return Int4Weight(pack_int4(codes), scales.T.contiguous().to(dtype), z, G), stored_perm
 
 
 def _stored(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,18 +232,19 @@ def _stored(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> tupl
 
 # --- the model, layer by layer ----------------------------------------------------------------------
 
-def quantize_gptq(model: Transformer, calib: list[list[int]], group_size: int = 128, desc_act: bool = False,
-                  damp: float = 0.01, use_zero_point: bool = True, round_zero: bool = False,
-                  progress: bool = True) -> Transformer:
+def quantize_gptq(model: Transformer, calib: list[list[int]], group_size: int = 128,
+                  act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, damp: float = 0.01,
+                  use_zero_point: bool = True, round_zero: bool = False, progress: bool = True) -> Transformer:
     """A copy of ``model`` whose projections are GPTQ INT4; embeddings, norms and lm_head stay dense.
 
     ``calib``: token id sequences (a few hundred of a few hundred tokens). Deterministic for fixed
     inputs. ``group_size`` falls back to 64 / 32 where K is not a multiple (as RTN does). Zero points
     are fractional by default (``round_zero=False``): a finer grid that our format holds at no cost.
+    ``act_order`` and ``mse``: see the module docstring.
     """
     if not calib or any(not s for s in calib):
         raise ValueError("calibration needs at least one non-empty sequence")
-    opts = dict(group_size=group_size, desc_act=desc_act, damp=damp, use_zero_point=use_zero_point,
+    opts = dict(group_size=group_size, act_order=act_order, mse=mse, damp=damp, use_zero_point=use_zero_point,
                 round_zero=round_zero)
     hs = [model.embed[torch.tensor(s, device=model.device)] for s in calib]  # S x [T, hidden]
     layers = []
@@ -162,18 +257,25 @@ def quantize_gptq(model: Transformer, calib: list[list[int]], group_size: int = 
 
 def _quantize_layer(model: Transformer, layer: Layer, hs: list[torch.Tensor],
                     opts: dict) -> tuple[Layer, list[torch.Tensor]]:
-    """Quantize one layer's four projections in forward order; return it and its outputs on ``hs``."""
+    """Quantize one layer's four projections in forward order; return it and its outputs on ``hs``.
+
+    Under ``act_order="perm"``, ``o`` is quantized with ``"group"``: its input (the attention output) has no
+    producer whose rows could absorb a permutation, and a gathered input could not be split along K under
+    tensor parallelism. ``down``'s permutation is folded into ``gate_up``'s rows (``_fold_input_order``).
+    """
     eps = model.config.rms_norm_eps
     xs = [rms_norm(h, layer.input_norm, eps) for h in hs]
     qkv = _gptq_linear(layer.qkv, xs, **opts)
     attn = [_attention(model, qkv(x)) for x in xs]  # S x [T, H * D]
-    o = _gptq_linear(layer.o, attn, **opts)
+    o_opts = {**opts, "act_order": "group"} if opts.get("act_order") == "perm" else opts
+    o = _gptq_linear(layer.o, attn, **o_opts)
     hs = [o(a, residual=h) for a, h in zip(attn, hs)]
     xs = [rms_norm(h, layer.post_norm, eps) for h in hs]
     gate_up = _gptq_linear(layer.gate_up, xs, **opts)
     acts = [gate_up.silu_mul(x) for x in xs]  # S x [T, I]
     down = _gptq_linear(layer.down, acts, **opts)
     hs = [down(a, residual=h) for a, h in zip(acts, hs)]
+    gate_up, down = _fold_input_order(gate_up, down)
     return replace(layer, qkv=qkv, o=o, gate_up=gate_up, down=down), hs
 
 
@@ -189,8 +291,26 @@ def _gptq_linear(lin: Linear, inputs: list[torch.Tensor], group_size: int, **opt
         h.addmm_(xf.T, xf)
         n += xf.shape[0]
     h.mul_(2 / n)
-    q = gptq_quantize(lin.weight, h, int4_group_size(K, group_size), dtype=lin.weight.dtype, **opts)
-    return int4_linear(q, lin.bias)
+    q, perm = gptq_quantize(lin.weight, h, int4_group_size(K, group_size), dtype=lin.weight.dtype, **opts)
+    return int4_linear(q, lin.bias, perm)
+
+
+def _fold_input_order(gate_up: Linear, down: Linear) -> tuple[Linear, Linear]:
+    """Move ``down``'s input order into ``gate_up``'s output rows, so ``down`` gathers nothing at run time.
+
+    ``silu(gate) * up`` is elementwise, so permuting the gate rows and the up rows alike permutes ``down``'s
+    input exactly; INT4 groups run along K, so reordering ``gate_up``'s rows (N) changes no code or scale.
+    Each tensor-parallel rank still gets matching slices: its gate / up rows are ``down``'s K slice.
+    """
+    if down.perm is None:
+        return gate_up, down
+    w = gate_up.weight
+    assert isinstance(w, Int4Weight)
+    rows = torch.cat([down.perm, down.perm + down.perm.numel()])  # [2I]: gate rows, then up rows
+    zeros = None if w.zeros is None else w.zeros[:, rows].contiguous()
+    w = Int4Weight(w.qweight[:, rows].contiguous(), w.scales[:, rows].contiguous(), zeros, w.group_size)
+    bias = None if gate_up.bias is None else gate_up.bias[rows]
+    return int4_linear(w, bias, gate_up.perm), replace(down, perm=None)
 
 
 def _attention(model: Transformer, qkv: torch.Tensor) -> torch.Tensor:
@@ -255,12 +375,12 @@ def text_windows(ids: list[int], num_seqs: int, seq_len: int, seed: int = 0) -> 
 # --- calibrate once, reload after -------------------------------------------------------------------
 
 def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, group_size: int = 128,
-                desc_act: bool = True, damp: float = 0.01, num_seqs: int = CALIB_SEQS, seq_len: int = CALIB_LEN,
-                log: Callable[[str], None] = print) -> Transformer:
+                act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, damp: float = 0.01,
+                num_seqs: int = CALIB_SEQS, seq_len: int = CALIB_LEN, log: Callable[[str], None] = print) -> Transformer:
     """GPTQ ``model`` (built from ``ckpt``) once per checkpoint and settings; later calls reload the result
     saved under ``cache_root`` in our format. Calibration: ``num_seqs`` sequences sampled from the model."""
-    settings = {"method": "gptq", "group_size": group_size, "desc_act": desc_act, "damp": damp, "zeros": "fractional",
-                "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype)}
+    settings = {"method": "gptq", "group_size": group_size, "act_order": act_order, "mse": mse, "damp": damp,
+                "zeros": "fractional", "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype)}
     key = json.dumps({"source": _fingerprint(Path(ckpt.source)), **settings}, sort_keys=True)
     out = cache_root / f"{Path(ckpt.source).stem}-gptq-g{group_size}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
@@ -271,7 +391,7 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
     first = [i for i in range(min(ckpt.config.vocab_size, len(ckpt.tokenizer))) if i not in specials]
     log(f"GPTQ: sampling {num_seqs} calibration sequences of {seq_len} tokens, then quantizing (once)")
     calib = sample_calibration(model, num_seqs, seq_len, first, seed=0)
-    q = quantize_gptq(model, calib, group_size, desc_act, damp)
+    q = quantize_gptq(model, calib, group_size, act_order, mse, damp)
     cache_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root, prefix=".gptq-") as tmp:
         save_quantized(q, Path(tmp) / "q", ckpt.tokenizer, ckpt.chat_template, settings)

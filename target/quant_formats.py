@@ -4,8 +4,9 @@ Three formats, told apart by ``config.json``'s ``quantization_config.quant_metho
 
 * ``specgate``: ours, written by ``save_quantized``. Per fused projection (``self_attn.qkv_proj``,
   ``self_attn.o_proj``, ``mlp.gate_up_proj``, ``mlp.down_proj``): ``qweight`` / ``scales`` / ``zeros``
-  (absent when symmetric) / ``perm`` (absent unless imported from an act-order checkpoint), exactly the
-  kernel's tensors. Everything else is dense under its Hugging Face name.
+  (absent when symmetric) / ``perm`` (absent unless imported from an act-order checkpoint or quantized by
+  ``target.gptq`` with ``act_order="perm"``), exactly the kernel's tensors. Everything else is dense under its
+  Hugging Face name.
 * ``gptq`` (AutoGPTQ / GPTQModel): per projection ``qweight`` int32 ``[K/8, N]`` (already our packing),
   ``qzeros`` int32 ``[K/G, N/8]`` packed along N, ``scales`` fp16 ``[K/G, N]``, ``g_idx`` int32 ``[K]``.
   ``W[n, k] = (code - zero[g_idx[k], n]) * scale[g_idx[k], n]``. The classic v1 checkpoint format
