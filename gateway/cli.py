@@ -48,6 +48,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-verify-tokens", type=int, default=64,
                    help="roots + draft nodes verified per step across the batch (the INT4 knee)")
     p.add_argument("--policy", choices=["fifo", "sef"], default="fifo", help="order within a priority class")
+    p.add_argument("--adapt", choices=["cost", "acceptance"], default="cost",
+                   help="how default trees are cut: by acceptance and this machine's measured step times (cost), "
+                        "or by acceptance alone")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly (on CUDA, decode / verify / draft steps replay CUDA graphs)")
     p.add_argument("--capture-graphs", dest="capture_at_start", action="store_true",
@@ -61,7 +64,8 @@ def load(args: argparse.Namespace) -> LLM:
     ecfg = EngineConfig(num_blocks=args.num_blocks, page_size=args.page_size,
                         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                                   max_model_len=args.max_model_len, policy=args.policy,
-                                                  budget=BudgetConfig(max_verify_tokens=args.max_verify_tokens)),
+                                                  budget=BudgetConfig(max_verify_tokens=args.max_verify_tokens,
+                                                                      cost_aware=args.adapt == "cost")),
                         cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start, **({"default_tree": args.tree} if args.tree else {}))
     return LLM.load(cfg, ecfg, log=log_stderr)
 

@@ -91,10 +91,17 @@ class Engine:
             return 0
         sched = self.config.scheduler
         n = self.graphs.capture(sched.max_running, min(MAX_TREE_NODES, sched.budget.max_verify_tokens))
+        tree = self.config.default_tree
         for drafter in self.drafters.values():
             runner = getattr(drafter, "graphs", None)
             if runner is not None:
-                n += runner.capture(sched.max_running, 16)  # catch-up and frontier steps are short
+                n += runner.capture(sched.max_running, 16)  # catch-up steps are short
+            loop = getattr(drafter, "loop", None)
+            if loop is not None:  # the greedy tree loop, for the default tree and every depth the budget cuts it to
+                held = 0
+                for depth in range(1, len(tree) + 1):
+                    held = loop.capture(sched.max_running, tree[:depth])
+                n += held
         return n
 
     # --- requests -------------------------------------------------------------------------------
@@ -152,10 +159,14 @@ class Engine:
         if plan.empty:
             return ended
         seqs = [s for s, _ in plan.prefills] + [s for s, _ in plan.decodes]
+        t0 = time.perf_counter()
         try:
             outputs = self._run(plan)
         except Exception as exc:  # noqa: BLE001 -- one bad step must not take the server down
             return [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
+        if not plan.prefills:  # the acceptance's host copy ended the step: this is its full time
+            depth = max(len(w) for _, w in plan.decodes)
+            self.scheduler.costs.observe(len(plan.decodes), depth, time.perf_counter() - t0)
         self.num_steps += 1
         return ended + outputs
 
@@ -166,7 +177,7 @@ class Engine:
         for (seq, _), tree in zip(plan.decodes, trees):
             segments.append(Segment(seq.table, seq.num_cached, tree.tokens.tolist(),
                                     positions=(seq.num_cached + tree.depths).tolist(),
-                                    mask_bits=tree.ancestor_bits().tolist(), logits="all"))
+                                    mask_bits=tree.ancestor_bit_list(), logits="all"))
         batch = build_batch(segments, self.cache, self.target.device)
         forward = self.graphs.forward if self.graphs is not None else self.target.forward
         logits = forward(batch, self.cache)  # [R, V] float32, on the device

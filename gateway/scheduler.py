@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gateway.budget import BudgetConfig, adaptive_widths, cap_total
+from gateway.budget import BudgetConfig, StepCosts, adaptive_widths, cap_total, expected_tokens
 from gateway.sequence import Sequence, Status
 from target.blocks import BlockPool, BlockTable
 
@@ -63,6 +63,7 @@ class Scheduler:
         self.clock = clock
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.costs = StepCosts(reprobe=config.budget.reprobe)  # the engine reports each decode step's time
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,7 +87,8 @@ class Scheduler:
     def schedule(self, template_of: TemplateOf) -> StepPlan:
         plan = StepPlan([], [], [])
         decoding = [s for s in self.running if not s.is_prefilling]
-        widths = [self._widths(s, template_of) for s in decoding]
+        asked = [self._widths(s, template_of) for s in decoding]
+        widths = self._cap_depth(decoding, asked) if self.config.budget.cost_aware else [w for w, _ in asked]
         cap = self.config.budget.max_verify_tokens
         widths = cap_total(widths, [s.acceptance.alpha for s in decoding], max(cap, len(decoding)))
         budget = self.config.max_step_tokens
@@ -114,13 +116,32 @@ class Scheduler:
         self._plan_prefills(plan, budget, self.pool.num_free - reserved)
         return plan
 
-    def _widths(self, seq: Sequence, template_of: TemplateOf) -> tuple[int, ...]:
+    def _widths(self, seq: Sequence, template_of: TemplateOf) -> tuple[tuple[int, ...], bool]:
+        """The sequence's widths this step, and whether the budget may cut them further."""
         template, adapt = template_of(seq)
         if adapt:
             template = adaptive_widths(template, seq.acceptance.alpha, seq.steps_without_draft, self.config.budget)
         # No deeper than the tokens still wanted (a step emits depth + 1) or the context allows.
         depth = min(len(template), seq.remaining_tokens - 1, self.config.max_model_len - seq.num_tokens)
-        return template[: max(depth, 0)]
+        return template[: max(depth, 0)], adapt
+
+    def _cap_depth(self, decoding: list[Sequence], asked: list[tuple[tuple[int, ...], bool]]) -> list[tuple[int, ...]]:
+        """Cut the adaptive trees to the depth with the most expected tokens per measured second
+        (``StepCosts``). Draft levels run one after another for the whole batch, so the step's cost
+        follows its deepest tree; trees a request fixed itself set the floor."""
+        widths = [w for w, _ in asked]
+        cut = [i for i, (w, adapt) in enumerate(asked) if adapt and w]
+        floor = max((len(w) for w, adapt in asked if not adapt), default=0)
+        top = max((len(widths[i]) for i in cut), default=0)
+        if top <= floor:
+            return widths
+        alphas = [s.acceptance.alpha for s in decoding]
+        fixed = sum(expected_tokens(alphas[i], len(w)) for i, w in enumerate(widths) if i not in set(cut))
+        gains = [fixed + sum(expected_tokens(alphas[i], min(c, len(widths[i]))) for i in cut) for c in range(top + 1)]
+        c = self.costs.best_depth(len(decoding), gains, floor)
+        for i in cut:
+            widths[i] = widths[i][:c]
+        return widths
 
     @staticmethod
     def _fit_budget(widths: tuple[int, ...], budget: int) -> tuple[int, ...]:

@@ -50,10 +50,11 @@ def tiny_target(group_size: int | None = None, **model_kw) -> Transformer:
 
 def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0.3, self_layers: int = 2,
                 max_running: int = 8, tree: tuple[int, ...] = (2, 2, 1), group_size: int | None = None,
-                target=None, **model_kw) -> Engine:
+                target=None, cost_aware: bool = False, **model_kw) -> Engine:
     """Target + drafters 'self' (first layers), 'ngram', 'exact' (the target itself: always accepted) and
     'draft' (a noisy copy: sometimes accepted). ``target`` replaces the target (a tensor-parallel one);
-    the drafters are still built from the full weights."""
+    the drafters are still built from the full weights. ``cost_aware`` is off by default: tests see tree
+    shapes that depend on acceptance alone, not on this machine's timing."""
     cfg = tiny_config(**model_kw)
     w = random_weights(cfg)
     full = tiny_target(group_size, **model_kw)
@@ -65,7 +66,7 @@ def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0
     }
     ecfg = EngineConfig(num_blocks=num_blocks, page_size=page_size,
                         scheduler=SchedulerConfig(max_running=max_running, max_step_tokens=256, max_model_len=512,
-                                                  budget=BudgetConfig(max_verify_tokens=1024)),
+                                                  budget=BudgetConfig(max_verify_tokens=1024, cost_aware=cost_aware)),
                         default_drafter="draft", default_tree=tree)
     return Engine(full if target is None else target, drafters, ecfg)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from draft.base import TreeBuilder, expand_all
+from draft.tree import TokenTree, mask_to_bits
 from verify.sampling import SamplingParams, make_generator
 
 V = 30
@@ -47,3 +49,14 @@ def test_expanding_together_equals_one_by_one() -> None:
         assert (a.tokens, a.parents) == (t.tokens, t.parents)
         assert torch.equal(a.build().depths, t.build().depths)
     assert together[-1].build().draft_probs is not None and together[0].build().draft_probs is None
+
+
+@pytest.mark.parametrize("n", [1, 5, 63, 64])
+def test_host_ancestor_bits_match_the_mask(n: int) -> None:
+    """The per-step host bits equal the mask's bits, sign bit included (node 63 of a 64-node chain)."""
+    g = torch.Generator().manual_seed(n)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    for par in (parents, [i - 1 for i in range(n)]):
+        tree = TokenTree.from_lists(list(range(n)), par)
+        assert tree.ancestor_bit_list() == mask_to_bits(tree.ancestor_mask()).tolist()
+        assert tree.ancestor_bits().tolist() == tree.ancestor_bit_list()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.budget import AcceptanceEMA, BudgetConfig, adaptive_widths, cap_total
+from gateway.budget import (AcceptanceEMA, BudgetConfig, StepCosts, adaptive_widths, batch_bucket, cap_total,
+                            expected_tokens)
 
 
 def test_ema_tracks_acceptance() -> None:
@@ -49,3 +50,33 @@ def test_cap_never_cuts_roots_and_is_respected_when_possible(cap: int) -> None:
     assert total <= max(cap, len(widths))
     assert all(all(x >= 1 for x in w) for w in out)
     assert all(len(o) <= len(w) for o, w in zip(out, widths))
+
+
+def test_step_costs_measure_each_depth_then_pick_the_best_rate() -> None:
+    costs = StepCosts(reprobe=1000)
+    gains = [1.0, 1.8, 2.3]  # expected tokens with the depth capped at 0, 1, 2
+    seen = []
+    for _ in range(6):  # every depth is tried (twice: the first figure of a shape is dropped), deepest first
+        c = costs.best_depth(1, gains)
+        seen.append(c)
+        costs.observe(1, c, {0: 1.0, 1: 1.5, 2: 3.0}[c])
+    assert seen == [2, 2, 1, 1, 0, 0]
+    assert costs.best_depth(1, gains) == 1  # 1.8 / 1.5 beats 1.0 / 1.0 and 2.3 / 3.0
+    costs.observe(1, 1, 3.0)  # drafting got dearer (EMA): plain decoding now pays best
+    costs.observe(1, 1, 3.0)
+    assert costs.seconds(1, 1) > 1.8
+    assert costs.best_depth(1, gains) == 0
+    assert costs.best_depth(1, gains, floor=1) == 1  # a fixed tree below cannot be cut
+
+
+def test_step_costs_reprobe_stale_depths_and_bucket_batches() -> None:
+    costs = StepCosts(reprobe=5)
+    for c in (2, 2, 1, 1, 0, 0):
+        costs.observe(3, c, 1.0 + c)
+    assert costs.best_depth(4, [1.0, 1.1, 1.2]) == 0  # 3 and 4 share a bucket; spec does not pay
+    for _ in range(6):
+        costs.observe(4, 0, 1.0)
+    assert costs.best_depth(3, [1.0, 1.1, 1.2]) == 2  # depth 2 was last measured 8 steps ago: measure again
+    assert costs.seconds(5, 0) is None  # bucket 8: nothing measured there
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+    assert expected_tokens(0.5, 0) == 1.0 and expected_tokens(0.5, 2) == 1.75

@@ -180,6 +180,40 @@ def test_adaptive_budget_turns_speculation_off_for_a_bad_draft() -> None:
     assert good.mean_accepted_length > 3.5
 
 
+def test_measured_step_cost_turns_an_accurate_but_slow_draft_off() -> None:
+    """The draft always agrees, but each proposal costs 0.5 s against a step of milliseconds: the
+    cost-aware budget measures that and decodes plainly. Output stays the target's. With the drafter fast
+    again, the next re-measure (every ``reprobe`` steps) brings the tree back."""
+    import time
+
+    eng = tiny_engine(cost_aware=True)
+    eng.scheduler.costs.reprobe = 20
+    exact = eng.drafters["exact"]
+    propose = exact.propose
+    exact.propose = lambda reqs: (time.sleep(0.5), propose(reqs))[1]
+    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    ref = run_all(tiny_engine(), [("ref", [1, 2, 3], greedy, SpeculationParams(enabled=False))])
+
+    def run(rid: str):
+        eng.add(rid, [1, 2, 3], greedy, SpeculationParams(drafter="exact"))
+        tokens, stats = [], None
+        while eng.has_work():
+            for o in eng.step():
+                tokens += o.new_token_ids
+                stats = o.stats
+        return tokens, stats
+
+    tokens, slow = run("slow")
+    assert tokens == ref["ref"]
+    costs = eng.scheduler.costs
+    assert costs.seconds(1, 0) < costs.seconds(1, 3) / 2  # plain steps measured far cheaper
+    assert slow.steps > 60  # nearly one token a step: the template (4 tokens a step here) was dropped
+    exact.propose = propose
+    tokens, fast = run("fast")
+    assert tokens == ref["ref"]
+    assert fast.drafted_tokens > fast.steps  # most steps speculate again
+
+
 def test_prefix_cache_reuses_blocks_and_keeps_output() -> None:
     shared = list(range(1, 30))  # 7 full blocks of 4
     ps = [shared + [40 + i] for i in range(4)]

@@ -153,3 +153,27 @@ def test_scheduler_imports_no_torch() -> None:
     code = "import sys, gateway.scheduler, gateway.budget; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_measured_step_costs_turn_speculation_down_and_keep_fixed_trees() -> None:
+    """Once plain steps are measured faster per expected token, adaptive trees are cut to nothing; a tree
+    the request fixed itself is kept and sets the floor."""
+    sched = Scheduler(SchedulerConfig(max_running=4), BlockPool(64, 4), Clock())
+    seqs = [make_seq(i, 4, 50, 0, 0.0) for i in range(2)]
+    for s in seqs:
+        sched.add(s)
+        s.acceptance.successes, s.acceptance.trials = 9.0, 10.0  # alpha 0.9: the tree stays by acceptance
+    plan = sched.schedule(lambda s: ((2, 2, 1), True))
+    for seq, n in plan.prefills:
+        seq.table.ensure(seq.num_cached + n)
+        seq.num_cached += n
+    for depth in (3, 3, 2, 2, 1, 1, 0, 0):
+        sched.costs.observe(2, depth, 1.0 + 10 * depth)  # drafting is ruinously slow here
+    plan = sched.schedule(lambda s: ((2, 2, 1), True))
+    assert [w for _, w in plan.decodes] == [(), ()]
+    plan = sched.schedule(lambda s: ((2, 2, 1), s is seqs[0]))  # seqs[1] asked for its tree itself
+    assert dict((s.request_id, w) for s, w in plan.decodes) == {"0": (2, 2, 1), "1": (2, 2, 1)}
+    for depth in (3, 2, 1, 0) * 20:
+        sched.costs.observe(2, depth, 1.0 + 0.01 * depth)  # now cheap (the EMA forgets): the full trees pay
+    plan = sched.schedule(lambda s: ((2, 2, 1), True))
+    assert [w for _, w in plan.decodes] == [(2, 2, 1), (2, 2, 1)]

@@ -1,0 +1,218 @@
+"""Where one engine step's time goes: plain decoding against speculation, phase by phase.
+
+    python bench/step_profile.py [--real MODEL --draft DIR] [--batches 1,16] [--out bench/results/step_profile.json]
+
+Without ``--real`` the target is SmolLM2-135M's shape with random weights (INT4 g128) and the draft the
+shipped draft's shape (3 layers): nothing to load, and the step costs are the real pair's, since they
+do not depend on the weights. Trees are fixed per request (``SpeculationParams.tree``), so the adaptive
+budget does not cut them even when random weights accept nothing.
+
+Two passes per arm:
+1. untimed phases: wall time per step, as the engine runs it (the GPU runs ahead of the host);
+2. timed phases: every phase wrapped in ``torch.cuda.synchronize()``, so each figure is host time plus
+   the device work it launched. The sum exceeds pass 1 by the overlap the syncs remove.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import draft.model_drafter as model_drafter_mod  # noqa: E402
+import gateway.engine as engine_mod  # noqa: E402
+from draft.model_drafter import ModelDrafter  # noqa: E402
+from draft.ngram import NgramDrafter  # noqa: E402
+from draft.params import SpeculationParams  # noqa: E402
+from gateway.budget import BudgetConfig  # noqa: E402
+from gateway.engine import Engine, EngineConfig  # noqa: E402
+from gateway.scheduler import SchedulerConfig  # noqa: E402
+from target.config import ModelConfig  # noqa: E402
+from target.loader import expected_weights  # noqa: E402
+from target.model import Transformer  # noqa: E402
+from verify.sampling import SamplingParams  # noqa: E402
+
+SMOLLM2 = dict(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+               num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=True, eos_token_ids=(2,))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def random_model(layers: int, device: str, dtype: torch.dtype, seed: int) -> Transformer:
+    cfg = ModelConfig(**(SMOLLM2 | {"num_layers": layers}))
+    g = torch.Generator().manual_seed(seed)
+    w = {n: (torch.ones(s) if n.endswith("norm.weight") else torch.randn(s, generator=g) * s[-1] ** -0.5)
+         for n, s in expected_weights(cfg).items()}
+    return Transformer.from_weights(cfg, w, dtype, device)
+
+
+class PhaseTimer:
+    """Wraps callables so that each call is timed between two device syncs, by phase name."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = collections.defaultdict(float)
+        self.calls: dict[str, int] = collections.defaultdict(int)
+        self._undo: list[tuple[object, str, object]] = []
+
+    def wrap(self, owner: object, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*a, **kw):
+            sync()
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            sync()
+            self.total[name] += time.perf_counter() - t0
+            self.calls[name] += 1
+            return out
+
+        self._undo.append((owner, attr, owner.__dict__.get(attr) if hasattr(owner, "__dict__") else None))
+        setattr(owner, attr, timed)
+
+    def restore(self) -> None:
+        for owner, attr, old in reversed(self._undo):
+            if old is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
+        self._undo.clear()
+
+
+def run_steps(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, prompt: list[int]) -> tuple[int, int, float]:
+    sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for i in range(batch):
+        engine.add(f"r{i}", prompt[i:] + prompt[:i], sampling, spec)
+    steps = emitted = 0
+    sync()
+    t0 = time.perf_counter()
+    while engine.has_work():
+        for out in engine.step():
+            emitted += len(out.new_token_ids)
+            if out.error:
+                raise RuntimeError(out.error)
+        steps += 1
+    sync()
+    return steps, emitted, time.perf_counter() - t0
+
+
+def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, prompt: list[int]) -> dict:
+    run_steps(engine, batch, spec, 16, prompt)  # warm-up: graphs, tuning
+    steps, emitted, secs = run_steps(engine, batch, spec, tokens, prompt)
+    row = {"steps": steps, "tokens": emitted, "ms_per_step": round(1e3 * secs / steps, 3),
+           "tok_s": round(emitted / secs, 1), "tokens_per_step": round(emitted / steps, 3)}
+    timer = PhaseTimer()
+    timer.wrap(engine, "_propose", "propose (all drafting)")
+    for name, d in engine.drafters.items():
+        inner = getattr(d, "draft", d)
+        if isinstance(inner, ModelDrafter) and "draft forward" not in timer.calls:
+            timer.wrap(inner, "_forward", "  draft forward")
+    timer.wrap(model_drafter_mod, "expand_all", "  draft top-k + host copy")
+    timer.wrap(model_drafter_mod, "build_batch", "  draft build_batch")
+    timer.wrap(engine_mod, "build_batch", "target build_batch")
+    if engine.graphs is not None:
+        timer.wrap(engine.graphs, "forward", "target forward")
+    else:
+        timer.wrap(engine.target, "forward", "target forward")
+    timer.wrap(engine_mod, "accept_batch", "accept (one host copy)")
+    timer.wrap(engine, "_commit", "commit (per sequence)")
+    timer.wrap(engine.cache, "compact", "KV compaction")
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine, "_emit", "emit")
+    try:
+        steps2, _, secs2 = run_steps(engine, batch, spec, tokens, prompt)
+    finally:
+        timer.restore()
+    row["synced_ms_per_step"] = round(1e3 * secs2 / steps2, 3)
+    row["phases_ms_per_step"] = {k: round(1e3 * v / steps2, 3) for k, v in timer.total.items()}
+    row["phase_calls_per_step"] = {k: round(v / steps2, 2) for k, v in timer.calls.items()}
+    return row
+
+
+def forward_times(engine: Engine, drafter: ModelDrafter | None) -> dict:
+    """Graph-replay time of one forward at (batch 1, N tokens) for the target and the draft."""
+    from target.batch import Segment, build_batch
+
+    out = {}
+    for label, model, cache, runner in [("target", engine.target, engine.cache, engine.graphs)] + (
+            [("draft", drafter.model, drafter.cache, drafter.graphs)] if drafter else []):
+        table = cache.new_table()
+        try:
+            for n in (1, 4, 8, 16, 32):
+                seg = Segment(table, 256, list(range(5, 5 + n)), logits="all")
+                table.ensure(256)
+                batch = build_batch([seg], cache, model.device)
+                fwd = runner.forward if runner is not None else model.forward
+                for _ in range(3):
+                    fwd(batch, cache)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    fwd(batch, cache)
+                sync()
+                out[f"{label}_n{n}_ms"] = round(1e3 * (time.perf_counter() - t0) / 50, 4)
+                table.truncate(256)
+        finally:
+            table.release()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--trees", default="1,1,1,1/2,2,2,1")
+    ap.add_argument("--draft-layers", type=int, default=3)
+    ap.add_argument("--target-layers", type=int, default=30)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "results" / "step_profile.json"))
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    target = random_model(args.target_layers, args.device, dtype, 0).quantize(128)
+    draft_model = random_model(args.draft_layers, args.device, dtype, 1)
+    ecfg = EngineConfig(num_blocks=2048, page_size=16, cuda_graphs=not args.no_graphs,
+                        scheduler=SchedulerConfig(max_running=64, max_waiting=512, max_model_len=2048,
+                                                  budget=BudgetConfig(max_verify_tokens=1024)))
+    drafter = ModelDrafter("draft", draft_model, 2048, 16, graphs=not args.no_graphs, max_model_len=2048)
+    engine = Engine(target, {"draft": drafter, "ngram": NgramDrafter()}, ecfg)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
+           "date": datetime.date.today().isoformat(), "commit": commit, "tokens": args.tokens,
+           "forward": forward_times(engine, drafter), "rows": []}
+    log(json.dumps(res["forward"]))
+    prompt = [(i * 7919) % 40000 + 100 for i in range(200)]
+    arms = [("off", SpeculationParams(enabled=False))] + [
+        (f"draft {t}", SpeculationParams(drafter="draft", tree=tuple(int(x) for x in t.split(","))))
+        for t in args.trees.split("/")]
+    for b in (int(x) for x in args.batches.split(",")):
+        for name, spec in arms:
+            row = {"batch": b, "arm": name} | profile_arm(engine, b, spec, args.tokens, prompt)
+            res["rows"].append(row)
+            log(json.dumps(row))
+    Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    print(f"{'batch':>5} {'arm':<16} {'ms/step':>8} {'synced':>8}  phases (ms/step, synced)")
+    for r in res["rows"]:
+        ph = ", ".join(f"{k.strip()} {v}" for k, v in r["phases_ms_per_step"].items())
+        print(f"{r['batch']:>5} {r['arm']:<16} {r['ms_per_step']:>8} {r['synced_ms_per_step']:>8}  {ph}")
+
+
+if __name__ == "__main__":
+    main()
