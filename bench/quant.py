@@ -53,13 +53,14 @@ NOTE = ("The embedded GGUF is itself Q4_1 (group 32, min-max grid): 'dense' is i
 
 def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
               cache: Path | None) -> tuple[Transformer, float | None]:
-    """``dense_fp32``, ``dense_bf16``, ``rtn_g{G}`` or ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}]``,
+    """``dense_fp32``, ``dense_bf16``, ``rtn_g{G}`` or ``gptq_g{G}[_act[_group|_perm]][_mse][_refit][_intzero][_damp{x}]``,
     and the seconds quantizing took (None when ``cache`` already held the arm).
 
     GPTQ flags: ``act`` alone is act-order with static groups, ``act_group`` group-aware reordering, ``act_perm``
     true act-order stored with an input permutation (``target.gptq``'s ``act_order``); ``mse`` searches each
-    group's grid; ``intzero`` gives the integer zero points a GPTQ-format file would hold (our format defaults to
-    fractional ones); ``damp{x}`` sets the Hessian damping (0.01 otherwise). No flag: natural order, min-max.
+    group's grid; ``refit`` solves the grids again by least squares once the codes are fixed; ``intzero`` gives
+    the integer zero points a GPTQ-format file would hold (our format defaults to fractional ones); ``damp{x}``
+    sets the Hessian damping (0.01 otherwise). No flag: natural order, min-max grids.
     """
     if name == "dense_fp32":
         return dense, 0.0
@@ -71,14 +72,14 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     method, group, *flags = name.split("_")
     G = int(group.removeprefix("g"))
     damps = [float(f.removeprefix("damp")) for f in flags if f.startswith("damp")]
-    unknown = set(flags) - {"act", "group", "perm", "mse", "intzero"} - {f for f in flags if f.startswith("damp")}
+    unknown = set(flags) - {"act", "group", "perm", "mse", "refit", "intzero"} - {f for f in flags if f.startswith("damp")}
     if method not in ("rtn", "gptq") or unknown or (method == "rtn" and flags):
         raise ValueError(f"unknown arm {name!r}")
     order = "off" if "act" not in flags else "perm" if "perm" in flags else "group" if "group" in flags else "static"
     t0 = time.perf_counter()
     model = dense.quantize(G) if method == "rtn" else \
-        quantize_gptq(dense, calib, G, act_order=order, mse="mse" in flags, damp=damps[0] if damps else 0.01,
-                      round_zero="intzero" in flags)
+        quantize_gptq(dense, calib, G, act_order=order, mse="mse" in flags, refit="refit" in flags,
+                      damp=damps[0] if damps else 0.01, round_zero="intzero" in flags)
     secs = time.perf_counter() - t0
     if cache is not None:
         save_quantized(model, cache / name, ck.tokenizer, ck.chat_template, {"method": name})
@@ -134,6 +135,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=str(HERE / "results" / "quant.json"))
     args = ap.parse_args()
+    # the code this run measures: HEAD when it starts (a commit landing during a long run is not in it)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     torch.manual_seed(0)
     ck = load_checkpoint(resolve_model_path(LoadConfig(model=args.model)), torch.float32)
     dense = Transformer.from_weights(ck.config, ck.weights, torch.float32)
@@ -157,7 +160,7 @@ def main() -> None:
                "quantize_seconds": None if build_s is None else round(build_s, 1)}
         rows.append(row)
         print(row, flush=True)
-    write(args, ck, rows, len(text))
+    write(args, ck, rows, len(text), commit)
 
 
 def load_calibration(args: argparse.Namespace, dense: Transformer, ck: LoadedCheckpoint) -> list[list[int]]:
@@ -172,10 +175,9 @@ def load_calibration(args: argparse.Namespace, dense: Transformer, ck: LoadedChe
     return calib
 
 
-def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text_tokens: int) -> None:
+def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text_tokens: int, commit: str) -> None:
     """Write ``args.out``, keeping the rows of arms this run did not measure when the file was measured the same
     way. Each row records the date and commit it was measured at."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     date = datetime.date.today().isoformat()
     out = {"date": date, "commit": commit, "model": Path(ck.source).name,
            "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
