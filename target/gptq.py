@@ -17,21 +17,23 @@ contiguous in the stored K. ``act_order`` chooses how:
 
 * ``off``: the original order; each group's grid from its updated columns when it comes up.
 * ``static``: GPTQ's ``static_groups``. Columns visited by decreasing ``diag(H)``, but every group's grid
-  comes from the original weight before any update. K stays as it came.
+  comes from the original weight before any update. K stays as it came. The default.
 * ``group``: group-aware reordering (GPTQModel's ``act_group_aware``): groups visited by decreasing largest
   ``diag(H)``, each group's columns by decreasing ``diag(H)``, grids chosen from the updated columns as
-  with ``off``. K stays as it came, so nothing is gathered at run time. The default.
+  with ``off``. K stays as it came, so nothing is gathered at run time.
 * ``perm``: true act-order (``desc_act`` with dynamic groups): a group is G consecutive columns of the
   visiting order, and K is stored in that order with ``Linear.perm``, which costs a gather of the input on
   every matmul of ``qkv`` and ``gate_up``. ``down``'s permutation is free: it is folded into ``gate_up``'s
   rows. ``o`` uses ``group`` (see ``_quantize_layer``).
 
-On the embedded SmolLM2 ``perm`` loses to the others (bench/results/quant.json): that checkpoint is a Q4_1
-GGUF whose weights sit on group-32 min-max grids in the original order, which ``static`` and ``group``
-groups keep whole and ``perm`` groups mix.
+``mse=True`` searches each group's grid (``mse_group_params``) instead of taking its [min, max].
 
-``mse=True`` searches each group's grid (``mse_group_params``) instead of taking its [min, max], and
-``refit=True`` solves every grid again by least squares once all codes are fixed (``refit_grid``).
+On the embedded SmolLM2 (bench/results/quant.json) the mse grids matter most: they halve the KL to dense
+for ``static`` and ``group``, which then tie, while ``perm`` stays behind both. That checkpoint is a Q4_1
+GGUF whose weights sit on group-32 min-max grids in the original order, which ``static`` and ``group``
+groups keep whole and ``perm`` groups mix; on other weights ``perm`` may well win. ``static`` with mse
+grids is the default: the best perplexity of the perm-free orders, no run-time gather, and a K that
+tensor parallelism can split anywhere.
 
 Zero points are fractional by default: GPTQ and AWQ files round them to 4-bit integers because that is
 how they store them, but our layout keeps zeros in the activation dtype, so each group's grid can span
@@ -64,9 +66,8 @@ BLOCK_SIZE = 128  # columns per lazy batch update (GPTQ's default)
 SHRINK_STEPS, SHRINK_MAX = 12, 0.3  # mse grids: each end of min-max moved in by 0, 2.5%, ..., 30%
 ActOrder = Literal["off", "static", "group", "perm"]
 ACT_ORDERS: tuple[str, ...] = get_args(ActOrder)
-DEFAULT_ACT_ORDER: ActOrder = "group"
+DEFAULT_ACT_ORDER: ActOrder = "static"
 DEFAULT_MSE = True
-DEFAULT_REFIT = True
 CALIB_SEQS, CALIB_LEN = 128, 256  # what ``cached_gptq`` samples: 5 to 10 minutes on two CPU cores for 135M
 
 
@@ -146,38 +147,6 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     raise ValueError(f"Hessian is not positive definite even with damping {damp * 1000}: too little calibration data?")
 
 
-def refit_grid(w: torch.Tensor, h: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Least-squares scales and fractional zeros for fixed codes: per row, the ``2 K/G`` numbers
-    ``s_g, b_g`` (``W'[k] = s_g * code[k] + b_g``) minimising ``(w - W') H (w - W')^T`` exactly.
-
-    ``w: [N, K]`` the original weight, ``h: [K, K]`` its Hessian, ``codes: [N, K]`` (float) and the grids they
-    were chosen on, ``scales, zeros: [N, K/G]``, all float32 in the stored K order. GPTQ picks each group's grid
-    before its columns absorb the error of earlier ones; once the codes are fixed, the best grid is a small
-    linear system per row (the objective is quadratic in ``s, b``). A grid whose new scale is not positive or
-    shrinks below a quarter of the old one (a group whose codes nearly all agree) keeps its old parameters, so
-    its zero stays within what the stored dtype holds. Returns scales and zeros [N, K/G] as stored.
-    """
-    N, K = w.shape
-    ng = scales.shape[1]
-    G = K // ng
-    C = codes.view(N, ng, G)  # [N, ng, G]
-    hg = h.view(ng, G, ng, G)
-    HC = torch.einsum("kbl,nbl->nkb", h.view(K, ng, G), C)  # [N, K, ng]: H restricted to group b's columns, @ codes
-    ss = torch.einsum("nak,nakb->nab", C, HC.view(N, ng, G, ng))  # [N, ng, ng] codes-codes block
-    sb = torch.einsum("nak,akb->nab", C, hg.sum(-1))  # [N, ng, ng] codes-ones block
-    bb = hg.sum((1, 3)).expand(N, ng, ng)  # ones-ones block, the same for every row
-    hw = (w @ h).view(N, ng, G)
-    rhs = torch.cat([(C * hw).sum(-1), hw.sum(-1)], -1)  # [N, 2 ng]
-    m = torch.cat([torch.cat([ss, sb], -1), torch.cat([sb.transpose(1, 2), bb], -1)], 1)  # [N, 2 ng, 2 ng]
-    ridge = 1e-6 * m.diagonal(dim1=1, dim2=2).mean(-1)  # [N]: a group whose codes all agree makes m singular
-    theta = torch.linalg.solve(m + ridge[:, None, None] * torch.eye(2 * ng, device=w.device), rhs)  # [N, 2 ng]
-    s, b = theta[:, :ng], theta[:, ng:]
-    z = -b / s
-    ok = (s > 0.25 * scales) & torch.isfinite(z)
-    return _stored(torch.where(ok, s, scales), torch.where(ok, z, zeros), dtype)
-
-
 def visiting_order(diag: torch.Tensor, group_size: int, act_order: ActOrder) -> torch.Tensor:
     """[K] int64: the input columns in the order GPTQ quantizes them (see the module docstring).
 
@@ -197,15 +166,14 @@ def visiting_order(diag: torch.Tensor, group_size: int, act_order: ActOrder) -> 
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, act_order: ActOrder = "off",
-                  damp: float = 0.01, mse: bool = False, refit: bool = False, use_zero_point: bool = True,
-                  round_zero: bool = False, dtype: torch.dtype | None = None) -> tuple[Int4Weight, torch.Tensor | None]:
+                  damp: float = 0.01, mse: bool = False, use_zero_point: bool = True, round_zero: bool = False,
+                  dtype: torch.dtype | None = None) -> tuple[Int4Weight, torch.Tensor | None]:
     """GPTQ one weight ``w: [N, K]`` given its input Hessian ``h: [K, K]``; scales/zeros in ``dtype``.
 
     Returns the INT4 weight and, for ``act_order="perm"`` only, the [K] input order its K is stored in
     (``Linear.perm``: y = x[..., perm] @ W'.T); every other order stores K as it came.
-    ``mse``: each group's grid from ``mse_group_params`` rather than min-max. ``refit``: once the codes are
-    fixed, every grid from ``refit_grid`` (fractional zeros only). ``round_zero``: integer zero points (see
-    ``range_params``).
+    ``mse``: each group's grid from ``mse_group_params`` rather than min-max. ``round_zero``: integer zero
+    points (see ``range_params``).
     """
     N, K = w.shape
     G = group_size
@@ -213,8 +181,6 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, act_order: 
         raise ValueError(f"in_features {K} must be a multiple of group_size {G} (itself a multiple of 8)")
     if act_order not in ACT_ORDERS:
         raise ValueError(f"act_order must be one of {ACT_ORDERS}, got {act_order!r}")
-    if refit and (round_zero or not use_zero_point):
-        raise ValueError("refit needs fractional zero points (use_zero_point=True, round_zero=False)")
     dtype = dtype or w.dtype
 
     def fit(group: torch.Tensor, importance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,27 +193,23 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, group_size: int, act_order: 
     H[dead, dead] = 1
     W[:, dead] = 0
     perm = visiting_order(H.diagonal(), G, act_order)  # [K]
-    W, H = W[:, perm], H[perm][:, perm]
+    W0, (W, H) = W, (W[:, perm], H[perm][:, perm])  # W0: as it came; the sweep updates W in place
     U = inverse_hessian_factor(H, damp)  # [K, K] upper
     # [K] in visiting order: 1 / [H_F^-1]_jj, the weight GPTQ's loss gives column j's rounding error once the
     # columns after it (F) have absorbed what they can of it; it weighs the mse grid search
     importance = U.diagonal() ** -2
     # [K]: where the column visited j-th is stored (its original place, or for "perm" its place in the order)
     stored_at = torch.arange(K, device=W.device) if act_order == "perm" else perm
-    W_stored, H_stored = torch.empty_like(W), torch.empty_like(H)
-    W_stored[:, stored_at], H_stored[stored_at[:, None], stored_at] = W, H
     scales = torch.zeros(N, K // G, device=W.device)  # [N, K/G]
     zeros = torch.zeros_like(scales)
     if act_order == "static":  # grids from the original weight (see the module docstring)
         imp = torch.empty_like(importance)
-        imp[stored_at] = importance
+        imp[perm] = importance  # back to the original order
         for g in range(K // G):
-            scales[:, g], zeros[:, g] = fit(W_stored[:, g * G:(g + 1) * G], imp[g * G:(g + 1) * G])
+            scales[:, g], zeros[:, g] = fit(W0[:, g * G:(g + 1) * G], imp[g * G:(g + 1) * G])
     codes = torch.empty(N, K, device=W.device)
     codes[:, stored_at] = _sweep(W, U, stored_at // G, scales, zeros, None if act_order == "static" else
                                  lambda j, cols: fit(cols, importance[j:j + G]))
-    if refit:
-        scales, zeros = refit_grid(W_stored, H_stored, codes, scales, zeros, dtype)
     z = zeros.T.contiguous().to(dtype) if use_zero_point else None
     return Int4Weight(pack_int4(codes), scales.T.contiguous().to(dtype), z, G), perm if act_order == "perm" else None
 
@@ -290,20 +252,19 @@ def _stored(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> tupl
 # --- the model, layer by layer ----------------------------------------------------------------------
 
 def quantize_gptq(model: Transformer, calib: list[list[int]], group_size: int = 128,
-                  act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, refit: bool = DEFAULT_REFIT,
-                  damp: float = 0.01, use_zero_point: bool = True, round_zero: bool = False,
-                  progress: bool = True) -> Transformer:
+                  act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, damp: float = 0.01,
+                  use_zero_point: bool = True, round_zero: bool = False, progress: bool = True) -> Transformer:
     """A copy of ``model`` whose projections are GPTQ INT4; embeddings, norms and lm_head stay dense.
 
     ``calib``: token id sequences (a few hundred of a few hundred tokens). Deterministic for fixed
     inputs. ``group_size`` falls back to 64 / 32 where K is not a multiple (as RTN does). Zero points
     are fractional by default (``round_zero=False``): a finer grid that our format holds at no cost.
-    ``act_order``, ``mse`` and ``refit``: see the module docstring.
+    ``act_order`` and ``mse``: see the module docstring.
     """
     if not calib or any(not s for s in calib):
         raise ValueError("calibration needs at least one non-empty sequence")
-    opts = dict(group_size=group_size, act_order=act_order, mse=mse, refit=refit, damp=damp,
-                use_zero_point=use_zero_point, round_zero=round_zero)
+    opts = dict(group_size=group_size, act_order=act_order, mse=mse, damp=damp, use_zero_point=use_zero_point,
+                round_zero=round_zero)
     hs = [model.embed[torch.tensor(s, device=model.device)] for s in calib]  # S x [T, hidden]
     layers = []
     with torch.inference_mode():
@@ -433,13 +394,12 @@ def text_windows(ids: list[int], num_seqs: int, seq_len: int, seed: int = 0) -> 
 # --- calibrate once, reload after -------------------------------------------------------------------
 
 def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, group_size: int = 128,
-                act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, refit: bool = DEFAULT_REFIT,
-                damp: float = 0.01, num_seqs: int = CALIB_SEQS, seq_len: int = CALIB_LEN,
-                log: Callable[[str], None] = print) -> Transformer:
+                act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, damp: float = 0.01,
+                num_seqs: int = CALIB_SEQS, seq_len: int = CALIB_LEN, log: Callable[[str], None] = print) -> Transformer:
     """GPTQ ``model`` (built from ``ckpt``) once per checkpoint and settings; later calls reload the result
     saved under ``cache_root`` in our format. Calibration: ``num_seqs`` sequences sampled from the model."""
-    settings = {"method": "gptq", "group_size": group_size, "act_order": act_order, "mse": mse, "refit": refit,
-                "damp": damp, "zeros": "fractional", "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype)}
+    settings = {"method": "gptq", "group_size": group_size, "act_order": act_order, "mse": mse, "damp": damp,
+                "zeros": "fractional", "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype)}
     key = json.dumps({"source": _fingerprint(Path(ckpt.source)), **settings}, sort_keys=True)
     out = cache_root / f"{Path(ckpt.source).stem}-gptq-g{group_size}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
@@ -450,7 +410,7 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
     first = [i for i in range(min(ckpt.config.vocab_size, len(ckpt.tokenizer))) if i not in specials]
     log(f"GPTQ: sampling {num_seqs} calibration sequences of {seq_len} tokens, then quantizing (once)")
     calib = sample_calibration(model, num_seqs, seq_len, first, seed=0)
-    q = quantize_gptq(model, calib, group_size, act_order, mse, refit, damp)
+    q = quantize_gptq(model, calib, group_size, act_order, mse, damp)
     cache_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root, prefix=".gptq-") as tmp:
         save_quantized(q, Path(tmp) / "q", ckpt.tokenizer, ckpt.chat_template, settings)

@@ -10,7 +10,7 @@ import torch
 from kernels.int4_matmul import Int4Weight, dequantize, quantize_rtn
 from target.batch import Segment, build_batch
 from target.gptq import (ACT_ORDERS, _fold_input_order, _quantize_layer, cached_gptq, gptq_quantize, group_params,
-                         mse_group_params, quantize_gptq, refit_grid, sample_calibration, text_windows, visiting_order)
+                         mse_group_params, quantize_gptq, sample_calibration, text_windows, visiting_order)
 from target.config import ModelConfig
 from target.loader import expected_weights, load_checkpoint
 from kernels.fused_norm_rope import rms_norm_ref as rms_norm
@@ -126,46 +126,6 @@ def test_act_orders_and_mse_on_one_layer() -> None:
     assert err["group", False] < 0.7 * err["off", False], err
     assert err["off", True] < 0.8 * err["off", False], err
     assert all(err[order, True] < 1.05 * err[order, False] for order in ACT_ORDERS), err
-
-
-def hessian_error(w: torch.Tensor, wq: torch.Tensor, h: torch.Tensor) -> float:
-    e = w - wq  # [N, K]
-    return float(torch.einsum("nk,kl,nl->", e, h, e))
-
-
-@pytest.mark.parametrize("act_order", ["off", "static", "perm"])
-def test_refit_lowers_the_calibration_error(act_order: str) -> None:
-    """With the codes fixed, the least-squares grids give a smaller tr(E H E^T) than the grids GPTQ chose them on;
-    the codes are the same either way."""
-    K, N, G = 128, 32, 32
-    x = correlated_inputs(1024, K)
-    w = heavy_tailed_weight(N, K, seed=9)
-    h = 2 * x.T @ x / x.shape[0]
-    plain, perm = gptq_quantize(w, h, G, act_order=act_order, mse=True)
-    refit, _ = gptq_quantize(w, h, G, act_order=act_order, mse=True, refit=True)
-    assert torch.equal(plain.qweight, refit.qweight)
-    err = [hessian_error(w, gptq_dense(w, h, G, act_order=act_order, mse=True, refit=r), h) for r in (False, True)]
-    assert err[1] < 0.97 * err[0], err
-
-
-def test_refit_solves_a_known_grid() -> None:
-    """Codes from a known grid, plus noise on the weight: the solve finds the grid (up to the noise). A group whose
-    codes all agree pins only ``(code - zero) * scale``; that it still reproduces."""
-    g = torch.Generator().manual_seed(10)
-    N, K, G = 8, 64, 32
-    codes = torch.randint(0, 16, (N, K), generator=g).float()
-    codes[0, :G] = 7  # no spread: scale and zero cannot both be told apart there
-    scales, zeros = 0.05 + torch.rand(N, K // G, generator=g) / 10, 15 * torch.rand(N, K // G, generator=g)
-    w = (codes - zeros.repeat_interleave(G, 1)) * scales.repeat_interleave(G, 1)
-    x = correlated_inputs(512, K)
-    fitted_scales, fitted_zeros = refit_grid(w + 1e-4 * torch.randn(N, K, generator=g), 2 * x.T @ x / 512, codes,
-                                             1.1 * scales, zeros + 0.5, torch.float32)
-    torch.testing.assert_close(fitted_scales[1:], scales[1:], rtol=1e-2, atol=0)
-    torch.testing.assert_close(fitted_zeros[1:], zeros[1:], rtol=0, atol=0.05)
-    fitted = (codes - fitted_zeros.repeat_interleave(G, 1)) * fitted_scales.repeat_interleave(G, 1)
-    torch.testing.assert_close(fitted, w, rtol=0, atol=1e-3)
-    with pytest.raises(ValueError, match="fractional"):
-        gptq_quantize(w, torch.eye(K), G, refit=True, round_zero=True)
 
 
 def test_fold_input_order_keeps_the_mlp() -> None:
