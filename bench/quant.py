@@ -53,7 +53,7 @@ NOTE = ("The embedded GGUF is itself Q4_1 (group 32, min-max grid): 'dense' is i
         "cf9db6d with a least-squares grid refit that did not lower kl_to_dense and was removed. Perplexity over 348 "
         "tokens moves by a few percent between arms of equal kl_to_dense: read kl_to_dense and greedy_agreement for "
         "fidelity. Accepted lengths follow how repetitive each target's own greedy text is (RTN's is the most "
-        "repetitive), not its fidelity.")
+        "repetitive), not its fidelity. quantize_seconds: one thread on a shared machine, indicative only.")
 
 
 def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
@@ -201,8 +201,8 @@ def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text
     same = ("model", "perplexity_text", "greedy_agreement", "mean_accepted_length", "calibration")
     if all(old.get(k) == out[k] for k in same):
         new = {r["method"]: r for r in out["rows"]}
-        kept = [new.pop(r["method"], {**r, "date": r.get("date", old["date"]), "commit": r.get("commit", old["commit"])})
-                for r in old["rows"]]
+        stamp = {"date": old["date"], "commit": old["commit"]}  # rows written before rows carried their own
+        kept = [new.pop(r["method"], {**stamp, **r}) for r in old["rows"]]
         out["rows"] = kept + list(new.values())
     path.write_text(json.dumps(out, indent=2) + "\n")
 

@@ -84,7 +84,8 @@ def test_weight_already_on_a_grid_is_kept(act_order: str, mse: bool) -> None:
 def test_visiting_orders() -> None:
     diag = torch.tensor([1.0, 5, 2, 9, 3, 4, 8, 0])
     assert visiting_order(diag, 4, "off").tolist() == list(range(8))
-    assert visiting_order(diag, 4, "static").tolist() == visiting_order(diag, 4, "perm").tolist() == [3, 6, 1, 5, 4, 2, 0, 7]
+    by_diag = [3, 6, 1, 5, 4, 2, 0, 7]
+    assert visiting_order(diag, 4, "static").tolist() == visiting_order(diag, 4, "perm").tolist() == by_diag
     # groups [0..3] (max 9) then [4..7] (max 8), each by decreasing diag: every group stays whole
     assert visiting_order(diag, 4, "group").tolist() == [3, 1, 2, 0, 6, 5, 4, 7]
 
@@ -134,7 +135,8 @@ def test_fold_input_order_keeps_the_mlp() -> None:
     hidden, inter = 64, 96
     gate_up = int4_linear(quantize_rtn(torch.randn(2 * inter, hidden, generator=g), 32),
                           perm=torch.randperm(hidden, generator=g))
-    down = int4_linear(quantize_rtn(torch.randn(hidden, inter, generator=g), 32), perm=torch.randperm(inter, generator=g))
+    down = int4_linear(quantize_rtn(torch.randn(hidden, inter, generator=g), 32),
+                       perm=torch.randperm(inter, generator=g))
     x = torch.randn(5, hidden, generator=g)  # [T, hidden]
     folded_gate_up, folded_down = _fold_input_order(gate_up, down)
     assert folded_down.perm is None and torch.equal(folded_gate_up.perm, gate_up.perm)
