@@ -299,6 +299,8 @@ class TensorParallelTarget:
                 p.join()
         if dist.is_initialized():
             dist.destroy_process_group()
+        else:
+            _reset_group_names()
 
 
 def _free_port() -> int:
@@ -324,6 +326,7 @@ def start_tensor_parallel(build: Callable[[], Transformer], cfg: TPConfig,
     del full
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already running in this process")
+    _reset_group_names()
     if cfg.backend == "nccl":
         # Abort the communicator on a timeout instead of killing the process: rank 0 is the server and must
         # live to fail its requests and report unhealthy. Set before the group exists; read by the watchdog.
@@ -338,14 +341,37 @@ def start_tensor_parallel(build: Callable[[], Transformer], cfg: TPConfig,
         p.start()
     target = TensorParallelTarget(shard, cfg, workers)
     try:
+        # Joining waits for every worker to start and import torch, which can take far longer than one step
+        # on a loaded host: join under the startup bound, then narrow the group to the step bound.
         dist.init_process_group(cfg.backend, init_method=init_method, rank=0, world_size=cfg.world_size,
-                                timeout=timedelta(seconds=cfg.step_timeout_s))
+                                timeout=timedelta(seconds=cfg.startup_timeout_s))
+        _set_group_timeout(timedelta(seconds=cfg.step_timeout_s))
         _wait_ready(target, ready, cfg.startup_timeout_s)
     except BaseException:
         target.healthy = False
         target.close()
         raise
     return target
+
+
+def _reset_group_names() -> None:
+    """Undo what a failed join leaves behind while no group runs.
+
+    ``init_process_group`` counts groups before it joins, and only a successful group's destruction resets
+    the count. After a failed join, this process would name its next default group "1" while fresh workers
+    name theirs "0"; the name is part of every rendezvous key, so the ranks would wait on each other forever.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
+        world.group_count = 0
+
+
+def _set_group_timeout(timeout: timedelta) -> None:
+    """Bound every later collective of the default group (torch has no public setter; 2.11 and 2.13 have this)."""
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        raise RuntimeError("this torch cannot change a process group's timeout; tensor parallel needs torch >= 2.3")
+    setter(timeout)
 
 
 def _wait_ready(target: TensorParallelTarget, ready: "mp.Queue[tuple[int, str | None]]", timeout_s: float) -> None:

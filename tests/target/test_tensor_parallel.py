@@ -7,10 +7,12 @@ import os
 import signal
 import time
 from dataclasses import replace
+from datetime import timedelta
 from functools import partial
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from draft.params import SpeculationParams
 from gateway.llm import LLM, LoadConfig, resolve_draft
@@ -18,7 +20,7 @@ from engine_util import run_all, tiny_config, tiny_engine, tiny_target
 from target.embedded import MODEL_DIR_NAME, default_cache_dir
 from target.batch import Segment, build_batch
 from target.parallel import ShardedTransformer, check_shardable
-from target.tp_worker import TensorParallelTarget, TPConfig, WorkerLost, start_tensor_parallel
+from target.tp_worker import TensorParallelTarget, TPConfig, WorkerLost, _free_port, start_tensor_parallel
 from verify.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -143,6 +145,20 @@ def test_stalled_worker_fails_the_step_at_the_timeout() -> None:
     assert time.monotonic() - t0 < 10
     assert outs[0].finish_reason == "error" and not engine.healthy
     assert engine.cache.pool.num_free == engine.config.num_blocks
+
+
+def test_a_failed_join_does_not_poison_the_next_group() -> None:
+    """A join that times out leaves torch counting one group too many; the next start must still meet its
+    workers under matching rendezvous keys (it waited forever before)."""
+    close_pools()
+    port = _free_port()
+    with pytest.raises(Exception, match="(?i)time"):  # rank 1 never comes
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
+                                timeout=timedelta(seconds=1))
+    assert not dist.is_initialized()
+    tp = _live["rejoin"] = start_tensor_parallel(partial(tiny_target), TPConfig(world_size=2, step_timeout_s=20.0))
+    request = [("a", PROMPTS[0], GREEDY, SpeculationParams(enabled=False))]
+    assert run_all(tiny_engine(target=tp), request) == run_all(tiny_engine(), request)
 
 
 @pytest.mark.slow
