@@ -38,6 +38,7 @@ class ModelDrafter:
         self.loop = GreedyTreeLoop(model, self.cache, max_blocks, graphs)
         self._tables: dict[str, BlockTable] = {}
         self._cached: dict[str, int] = {}
+        self._fed: dict[str, list[int]] = {}  # a cut tree's node -> the loop's node (whose slot holds its K/V)
 
     def propose(self, reqs: list[DraftRequest]) -> list[TokenTree]:
         trees: list[TokenTree | None] = [None] * len(reqs)
@@ -69,16 +70,23 @@ class ModelDrafter:
         for r in reqs:
             self._cached[r.seq_id] = len(r.token_ids)
         trees: list[TokenTree | None] = [None] * len(reqs)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, r in enumerate(reqs):
-            if r.sampling.is_greedy and self.device_loop:
-                groups.setdefault(r.widths, []).append(i)
-        for widths, idx in groups.items():  # greedy: grown on the device, one host copy per group
-            tokens, parents = self.loop.grow(logits[idx], [reqs[i].context_len for i in idx],
-                                             [self._tables[reqs[i].seq_id] for i in idx], widths)
-            for i, tok, par in zip(idx, tokens, parents):
-                tok[0] = reqs[i].token_ids[-1]
-                trees[i] = TokenTree.from_lists(tok, par)
+        greedy = [i for i, r in enumerate(reqs) if r.sampling.is_greedy and self.device_loop]
+        if greedy:
+            # One loop for every greedy sequence, grown to the union template W (elementwise max of their
+            # widths); each tree is then cut to its own widths on the host. One replay and one host copy
+            # per step, and graphs keyed by the few templates the budget makes, not by every cut of them.
+            depth = max(len(reqs[i].widths) for i in greedy)
+            W = tuple(max(reqs[i].widths[d] if d < len(reqs[i].widths) else 0 for i in greedy) for d in range(depth))
+            grown = self.loop.grow(logits[greedy], [reqs[i].context_len for i in greedy],
+                                   [self._tables[reqs[i].seq_id] for i in greedy], W)
+            for i, (tokens, parents, cum) in zip(greedy, grown):
+                tokens[0] = reqs[i].token_ids[-1]
+                if reqs[i].widths == W:
+                    self._fed.pop(reqs[i].seq_id, None)
+                else:
+                    tokens, parents, kept = prune_tree(tokens, parents, cum, W, reqs[i].widths)
+                    self._fed[reqs[i].seq_id] = kept
+                trees[i] = TokenTree.from_lists(tokens, parents)
         rest = [i for i, t in enumerate(trees) if t is None]
         if rest:
             for i, tree in zip(rest, self._grow_on_host([reqs[i] for i in rest], [logits[i : i + 1] for i in rest])):
@@ -124,6 +132,9 @@ class ModelDrafter:
         ctx = self._cached[seq_id] - 1  # the root's slot
         deepest_fed = int(tree.depths.max()) - 1  # leaves were never fed through the draft
         path = [n for n in accepted_nodes[1:] if int(tree.depths[n]) <= deepest_fed]
+        fed = self._fed.pop(seq_id, None)
+        if fed is not None:  # the tree was cut from a larger loop tree: K/V sit at the loop's slots
+            path = [fed[n] for n in path]
         moves = [(ctx + n, ctx + d) for d, n in enumerate(path, start=1) if n != d]
         if moves:
             src = table.slots_of([s for s, _ in moves])
@@ -134,7 +145,26 @@ class ModelDrafter:
         table.truncate(self._cached[seq_id])
 
     def release(self, seq_id: str) -> None:
+        self._fed.pop(seq_id, None)
         table = self._tables.pop(seq_id, None)
         self._cached.pop(seq_id, None)
         if table is not None:
             table.release()
+
+
+def prune_tree(tokens: list[int], parents: list[int], cum: list[float], W: tuple[int, ...],
+               widths: tuple[int, ...]) -> tuple[list[int], list[int], list[int]]:
+    """Cut a tree grown with widths ``W`` (BFS, level by level) to ``widths``: per level, the best
+    ``widths[d]`` nodes by cumulative log-probability among children of kept nodes, in their original
+    order. Returns tokens, parents and each kept node's index in the grown tree."""
+    kept, index = [0], {0: 0}
+    lo = 1
+    for d, w in enumerate(W):
+        hi = lo + w
+        if d < len(widths):
+            cands = [i for i in range(lo, hi) if parents[i] in index]
+            for i in sorted(sorted(cands, key=lambda i: -cum[i])[: widths[d]]):
+                index[i] = len(kept)
+                kept.append(i)
+        lo = hi
+    return [tokens[i] for i in kept], [-1] + [index[parents[i]] for i in kept[1:]], kept

@@ -69,8 +69,9 @@ class GreedyTreeLoop:
         self.replays = 0
 
     def grow(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable],
-             widths: tuple[int, ...]) -> tuple[list[list[int]], list[list[int]]]:
-        """Tokens and parents of each sequence's tree (node 0's token is left 0: the caller knows its root).
+             widths: tuple[int, ...]) -> list[tuple[list[int], list[int], list[float]]]:
+        """Tokens, parents and cumulative log-probabilities of each sequence's tree (node 0's token is left
+        0: the caller knows its root).
         ``root_logits`` [G, V] are the draft's logits at each root, ``ctxs[g]`` the root's position;
         ``widths`` is not empty. The tables get slots for every node."""
         G, N = len(ctxs), 1 + sum(widths)
@@ -104,8 +105,8 @@ class GreedyTreeLoop:
             graph.replay()
             self.replays += 1
             out = out_all[:, :G]
-        tokens, parents = out.tolist()  # the loop's one host copy
-        return tokens, parents
+        tokens, parents, cum = out.tolist()  # the loop's one host copy
+        return [([int(t) for t in tok], [int(p) for p in par], c) for tok, par, c in zip(tokens, parents, cum)]
 
     def capture(self, max_batch: int, widths: tuple[int, ...]) -> int:
         """Capture the loop for every batch bucket up to ``max_batch``; returns the graphs held."""
@@ -141,7 +142,8 @@ class GreedyTreeLoop:
         return plan
 
     def _levels(self, plan: _Plan, x: _Inputs) -> torch.Tensor:
-        """[2, B, N] int64: tokens and parents. Device ops only: capturable."""
+        """[3, B, N] float64: tokens, parents (exact in float64) and cumulative log-probabilities, so one
+        host copy reads all three. Device ops only: capturable."""
         B, N = x.ctx.shape[0], plan.levels[-1][1]
         tok = torch.zeros(B, N, dtype=torch.int64, device=self.device)
         par = torch.full((B, N), -1, dtype=torch.int64, device=self.device)
@@ -170,7 +172,7 @@ class GreedyTreeLoop:
                 query_start=query_start, mask_bits=bits[:, 1 : 1 + n].reshape(-1), logits_indices=rows,
                 logits_start=[], query_lens=(n,) * B)
             front = self.model.forward(batch, self.cache).view(B, new_hi - new_lo, -1)
-        return torch.stack((tok, par))
+        return torch.stack((tok.double(), par.double(), cum.double()))
 
     def _graph(self, B: int, widths: tuple[int, ...]):
         key = (B, widths)
