@@ -181,13 +181,16 @@ def test_adaptive_budget_turns_speculation_off_for_a_bad_draft() -> None:
 
 
 def test_measured_step_cost_turns_an_accurate_but_slow_draft_off() -> None:
-    """The draft always agrees, but each proposal costs 0.5 s against a step of milliseconds: the
+    """The draft always agrees, but each proposal costs 0.5 s against a 30 ms target forward: the
     cost-aware budget measures that and decodes plainly. Output stays the target's. With the drafter fast
-    again, the next re-measure (every ``reprobe`` steps) brings the tree back."""
+    again, the next re-measure (every ``reprobe`` steps) brings the tree back. The target's fixed 30 ms
+    dominates every step, so what the budget sees does not hang on this machine's speed or load."""
     import time
 
     eng = tiny_engine(cost_aware=True)
     eng.scheduler.costs.reprobe = 20
+    forward = eng.target.forward
+    eng.target.forward = lambda *a, **k: (time.sleep(0.03), forward(*a, **k))[1]
     exact = eng.drafters["exact"]
     propose = exact.propose
     exact.propose = lambda reqs: (time.sleep(0.5), propose(reqs))[1]
