@@ -77,6 +77,7 @@ class ModelDrafter:
             # per step, and graphs keyed by the few templates the budget makes, not by every cut of them.
             depth = max(len(reqs[i].widths) for i in greedy)
             W = tuple(max(reqs[i].widths[d] if d < len(reqs[i].widths) else 0 for i in greedy) for d in range(depth))
+            W = self.loop.cover(len(greedy), W)
             grown = self.loop.grow(logits[greedy], [reqs[i].context_len for i in greedy],
                                    [self._tables[reqs[i].seq_id] for i in greedy], W)
             for i, (tokens, parents, cum) in zip(greedy, grown):

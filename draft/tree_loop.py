@@ -108,6 +108,16 @@ class GreedyTreeLoop:
         tokens, parents, cum = out.tolist()  # the loop's one host copy
         return [([int(t) for t in tok], [int(p) for p in par], c) for tok, par, c in zip(tokens, parents, cum)]
 
+    def cover(self, G: int, widths: tuple[int, ...]) -> tuple[int, ...]:
+        """The template to grow ``G`` sequences to: the cheapest captured one for their batch bucket that
+        holds ``widths`` (as deep, every level as wide), else ``widths``. A few spare nodes in a held graph
+        cost microseconds; capturing a new graph mid-serving stalls every stream for a third of a second,
+        and budget cuts, probes and lookup grafts make many templates that no start-up capture foresees."""
+        B = next((b for b in self.buckets if b >= G), None)
+        if not self.graphs or B is None or (B, widths) in self._graphs:
+            return widths
+        return covering_template([w for b, w in self._graphs if b == B], widths) or widths
+
     def capture(self, max_batch: int, widths: tuple[int, ...]) -> int:
         """Capture the loop for every batch bucket up to ``max_batch``; returns the graphs held."""
         if self.graphs:
@@ -197,3 +207,12 @@ class GreedyTreeLoop:
             out = self._levels(plan, static)
         self._graphs[key] = (graph, static, out)
         return self._graphs[key]
+
+
+def covering_template(held: list[tuple[int, ...]], widths: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The held template with the fewest nodes (then the shallowest) that is at least as deep as ``widths``
+    and at least as wide at every level, or None. The grown tree is then pruned back to ``widths``
+    (``prune_tree``): it may differ from one grown to ``widths`` directly -- a wider level can rank a child
+    of a dropped node above one of a kept node -- which changes acceptance a little and output never."""
+    fits = [w for w in held if len(w) >= len(widths) and all(a >= b for a, b in zip(w, widths))]
+    return min(fits, key=lambda w: (sum(w), len(w)), default=None)

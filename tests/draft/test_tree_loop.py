@@ -6,6 +6,7 @@ import torch
 from draft.base import DraftRequest
 from draft.params import SpeculationParams
 from draft.model_drafter import prune_tree
+from draft.tree_loop import covering_template
 from engine_util import tiny_engine
 from verify.sampling import SamplingParams
 
@@ -61,6 +62,18 @@ def test_prune_keeps_best_children_of_kept_nodes() -> None:
     assert prune_tree(tokens, parents, cum, (2, 2), (1, 1)) == ([9, 11, 13], [-1, 0, 1], [0, 2, 4])
     assert prune_tree(tokens, parents, cum, (2, 2), (2,)) == ([9, 10, 11], [-1, 0, 0], [0, 1, 2])
     assert prune_tree(tokens, parents, cum, (2, 2), (2, 1)) == ([9, 10, 11, 13], [-1, 0, 0, 2], [0, 1, 2, 4])
+
+
+def test_covering_template_is_the_cheapest_held_template_that_holds_the_widths() -> None:
+    held = [(2,), (2, 2), (2, 2, 2), (2, 2, 2, 1), (3, 1)]
+    assert covering_template(held, (1,)) == (2,)
+    assert covering_template(held, (2, 1)) == (2, 2)
+    assert covering_template(held, (3,)) == (3, 1)
+    assert covering_template(held, (1, 1, 1, 1)) == (2, 2, 2, 1)
+    assert covering_template(held, (2, 2, 2)) == (2, 2, 2)
+    assert covering_template(held, (3, 2)) is None  # no held template is wide enough at both levels
+    assert covering_template(held, (1, 1, 1, 1, 1)) is None  # nor deep enough
+    assert covering_template([], (1,)) is None
 
 
 def test_committing_a_cut_tree_keeps_the_draft_cache_exact() -> None:
@@ -122,5 +135,15 @@ def test_device_loop_graphs_keep_greedy_output_cuda():
     assert drafter.loop.replays > 0
     for i in range(len(prompts)):
         assert out[f"True{i}"] == out[f"False{i}"]
+    # Trees inside the default template grow in the graphs captured at start: serving captures no more.
+    engine.capture_graphs()
+    held = set(drafter.loop._graphs)
+    for i, t in enumerate([(1,), (2, 1), (1, 1, 1), None, (2, 2)]):
+        engine.add(f"in{i}", prompts[i], greedy, SpeculationParams(enabled=True, tree=t))
+    while engine.has_work():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert set(drafter.loop._graphs) == held
+    assert all(out[f"in{i}"] == out[f"False{i}"] for i in range(5))
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
     assert drafter.cache.pool.num_free == drafter.cache.pool.num_blocks
