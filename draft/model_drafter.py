@@ -22,6 +22,9 @@ from target.kv_cache import BlockTable, KVCache, NoFreeBlocks
 from target.model import Transformer
 
 
+CATCH_UP_NODES = 16  # the longest per-sequence segment a drafter's forward replays from a graph
+
+
 class ModelDrafter:
     def __init__(self, name: str, model: Transformer, num_blocks: int, page_size: int, graphs: bool = True,
                  max_model_len: int = 8192) -> None:
@@ -29,10 +32,12 @@ class ModelDrafter:
         self.model = model
         self.cache: KVCache = model.new_cache(num_blocks, page_size)
         max_blocks = -(-(min(max_model_len, model.config.max_position_embeddings) + MAX_TREE_NODES) // page_size)
-        # On CUDA the catch-up and frontier steps (a few tokens per sequence) replay CUDA graphs.
+        # On CUDA the catch-up and frontier steps (a few tokens per sequence) replay CUDA graphs, all of them
+        # captured at start (Engine.capture_graphs). Longer segments -- a prompt's prefill -- run eagerly:
+        # a graph for every (batch, prompt length) bucket would be captured mid-serving, a stall per shape.
         self.graphs: CudaGraphRunner | None = None
         if graphs and model.device.type == "cuda":
-            self.graphs = CudaGraphRunner(model, self.cache, max_blocks)
+            self.graphs = CudaGraphRunner(model, self.cache, max_blocks, max_nodes=CATCH_UP_NODES)
         # Greedy trees grow on the device (draft/tree_loop.py); False keeps them on the host builder (tests).
         self.device_loop = True
         self.loop = GreedyTreeLoop(model, self.cache, max_blocks, graphs)

@@ -77,7 +77,9 @@ class Engine:
         self.graphs: CudaGraphRunner | None = None
         if config.cuda_graphs and isinstance(target, Transformer) and target.device.type == "cuda":
             max_blocks = -(-(self.max_model_len + MAX_TREE_NODES) // config.page_size)
-            self.graphs = CudaGraphRunner(target, self.cache, max_blocks)
+            # Trees never exceed the verify cap; longer segments are prefill chunks and run eagerly.
+            max_nodes = min(MAX_TREE_NODES, config.scheduler.budget.max_verify_tokens)
+            self.graphs = CudaGraphRunner(target, self.cache, max_blocks, max_nodes=max_nodes)
         if config.capture_at_start:
             self.capture_graphs()
         self._seqs: dict[str, Sequence] = {}
@@ -90,12 +92,12 @@ class Engine:
         if self.graphs is None:
             return 0
         sched = self.config.scheduler
-        n = self.graphs.capture(sched.max_running, min(MAX_TREE_NODES, sched.budget.max_verify_tokens))
+        n = self.graphs.capture(sched.max_running)
         tree = self.config.default_tree
         for drafter in self.drafters.values():
             runner = getattr(drafter, "graphs", None)
             if runner is not None:
-                n += runner.capture(sched.max_running, 16)  # catch-up steps are short
+                n += runner.capture(sched.max_running)  # catch-up steps: up to its max_nodes tokens each
             loop = getattr(drafter, "loop", None)
             if loop is not None:  # the greedy tree loop, for the default tree and every depth the budget cuts it to
                 held = 0

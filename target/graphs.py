@@ -88,7 +88,7 @@ class CudaGraphRunner:
         top = min(max_nodes or self.max_nodes, self.max_nodes)
         for B in self.buckets:
             N = 1
-            while N <= top and B * N <= self.max_tokens:
+            while N < 2 * top and B * N <= self.max_tokens:  # up to the power of two that holds ``top``
                 if (B, N) not in self._graphs:
                     self._graphs[B, N] = self._capture(B, N)
                 N *= 2

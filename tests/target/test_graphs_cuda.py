@@ -115,8 +115,15 @@ def test_capture_at_start_covers_the_steps_that_follow() -> None:
     eng = Engine(target, drafters, EngineConfig(256, 16, sched, "self", (2, 2, 1), capture_at_start=True))
     captured = eng.graphs.num_graphs
     assert captured >= 3 * 7 and drafters["self"].graphs.num_graphs >= 3 * 5  # buckets 1, 2, 4 x N = 1..64 / 1..16
+    drafter = drafters["self"]
+    held = (drafter.graphs.num_graphs, set(drafter.loop._graphs))
     g = torch.Generator().manual_seed(2)
     s = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    run_all(eng, [(str(i), torch.randint(0, 512, (6,), generator=g).tolist(), s, SpeculationParams())
-                  for i in range(3)])
+    # Prompts past the drafter's graphs (its prefill runs eagerly), speculation on and off, trees cut from
+    # the default one, probes: every step replays a graph captured at start, or runs eagerly.
+    specs = [SpeculationParams(), SpeculationParams(enabled=False), SpeculationParams(tree=(1,)),
+             SpeculationParams(tree=(2, 1)), SpeculationParams(tree=(1, 1, 1))]
+    run_all(eng, [(str(i), torch.randint(0, 512, (6 + 11 * i,), generator=g).tolist(), s, spec)
+                  for i, spec in enumerate(specs)])
     assert eng.graphs.num_graphs == captured and eng.graphs.replays > 0  # nothing captured on the way
+    assert (drafter.graphs.num_graphs, set(drafter.loop._graphs)) == held and drafter.loop.replays > 0
