@@ -44,6 +44,10 @@ class Drafter(Protocol):
         """Keep the draft state of the accepted path; drop the rest."""
         ...
 
+    def flush(self) -> None:
+        """Apply the step's queued commits at once (the engine calls it after every step's commits)."""
+        ...
+
     def release(self, seq_id: str) -> None:
         """Forget the sequence and free whatever it holds (finished, aborted or preempted)."""
         ...

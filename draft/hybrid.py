@@ -72,6 +72,9 @@ class HybridDrafter:
         cut = next((i for i, n in enumerate(accepted_nodes) if n >= own.num_nodes), len(accepted_nodes))
         self.draft.commit(seq_id, own, accepted_nodes[:cut])
 
+    def flush(self) -> None:
+        self.draft.flush()
+
     def release(self, seq_id: str) -> None:
         self._model_trees.pop(seq_id, None)
         self.lookup.release(seq_id)

@@ -44,8 +44,12 @@ class ModelDrafter:
         self._tables: dict[str, BlockTable] = {}
         self._cached: dict[str, int] = {}
         self._fed: dict[str, list[int]] = {}  # a cut tree's node -> the loop's node (whose slot holds its K/V)
+        # Commits queue their K/V moves and table cuts; ``flush`` applies a whole step's in one launch.
+        self._moves: dict[str, tuple[list[int], list[int]]] = {}
+        self._cuts: dict[str, int] = {}
 
     def propose(self, reqs: list[DraftRequest]) -> list[TokenTree]:
+        self.flush()  # a caller that committed without flushing still drafts from a compacted cache
         trees: list[TokenTree | None] = [None] * len(reqs)
         live = []
         for i, r in enumerate(reqs):
@@ -143,14 +147,26 @@ class ModelDrafter:
             path = [fed[n] for n in path]
         moves = [(ctx + n, ctx + d) for d, n in enumerate(path, start=1) if n != d]
         if moves:
-            src = table.slots_of([s for s, _ in moves])
-            dst = table.slots_of([d for _, d in moves])
-            dev = self.cache.k.device
-            compact_kv(self.cache.k, self.cache.v, torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+            self._moves[seq_id] = (table.slots_of([s for s, _ in moves]), table.slots_of([d for _, d in moves]))
         self._cached[seq_id] = ctx + 1 + len(path)
-        table.truncate(self._cached[seq_id])
+        self._cuts[seq_id] = self._cached[seq_id]  # after the moves: their sources may lie past the cut
+
+    def flush(self) -> None:
+        """Every queued sequence's moves in one compaction (each sequence's list keeps the kernel's order
+        invariant; sequences never share a slot), then the tables give back their spare blocks."""
+        if self._moves:
+            src = [s for moves in self._moves.values() for s in moves[0]]
+            dst = [d for moves in self._moves.values() for d in moves[1]]
+            both = torch.tensor([src, dst], dtype=torch.int64).to(self.cache.k.device, non_blocking=True)
+            compact_kv(self.cache.k, self.cache.v, both[0], both[1])
+            self._moves.clear()
+        for seq_id, n in self._cuts.items():
+            self._tables[seq_id].truncate(n)
+        self._cuts.clear()
 
     def release(self, seq_id: str) -> None:
+        self._moves.pop(seq_id, None)
+        self._cuts.pop(seq_id, None)
         self._fed.pop(seq_id, None)
         table = self._tables.pop(seq_id, None)
         self._cached.pop(seq_id, None)

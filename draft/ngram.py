@@ -86,6 +86,9 @@ class NgramDrafter:
     def commit(self, seq_id: str, tree: TokenTree, accepted_nodes: list[int]) -> None:
         pass  # stateless
 
+    def flush(self) -> None:
+        pass
+
     def release(self, seq_id: str) -> None:
         self._index.pop(seq_id, None)
 

@@ -47,8 +47,8 @@ class TokenTree:
     @staticmethod
     def root_only(token: int, device: torch.device | str = "cpu") -> "TokenTree":
         """The one-node tree: plain decoding of the pending token."""
-        z = torch.zeros(1, dtype=torch.int64, device=device)
-        return TokenTree(tokens=z + token, parents=z - 1, depths=z.clone())
+        t = torch.tensor([[token], [-1], [0]], dtype=torch.int64, device=device)  # one tensor: three rows
+        return TokenTree(tokens=t[0], parents=t[1], depths=t[2])
 
     @staticmethod
     def from_lists(tokens: list[int], parents: list[int], device: torch.device | str = "cpu",
@@ -61,8 +61,8 @@ class TokenTree:
             if not 0 <= p < i:
                 raise ValueError(f"node {i}: parent {p} must be an earlier node")
             depths.append(depths[p] + 1)
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-        return TokenTree(as_t(tokens), as_t(parents), as_t(depths), draft_probs)
+        t = torch.tensor([tokens, parents, depths], dtype=torch.int64, device=device)  # one tensor per tree
+        return TokenTree(t[0], t[1], t[2], draft_probs)
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: mask[i, j] is True when j is i itself or an ancestor of i."""

@@ -81,9 +81,8 @@ class GreedyTreeLoop:
             self.cache.make_writable(table, ctx + 1, ctx + N)
             slots.append(table.slots(ctx + 1, ctx + N))
         cols = max(len(t.blocks) for t in tables)
-        bt = torch.full((G, cols), self.cache.scratch_block, dtype=torch.int32)
-        for g, t in enumerate(tables):
-            bt[g, : len(t.blocks)] = torch.tensor(t.blocks, dtype=torch.int32)
+        scratch_row = [self.cache.scratch_block] * cols
+        bt = torch.tensor([t.blocks + scratch_row[len(t.blocks):] for t in tables], dtype=torch.int32)
         host = torch.tensor([ctxs, *zip(*slots)], dtype=torch.int64).to(self.device, non_blocking=True)  # [N, G]: row 0 the contexts, rows 1.. the slots
         ctx, slot_t = host[0], host[1:].T
         bt = bt.to(self.device, non_blocking=True)

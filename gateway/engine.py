@@ -194,11 +194,15 @@ class Engine:
                                [s.generator for s in decoding], [self._penalty_state(s, logits.device) for s in decoding])
         for seq, tree, result in zip(decoding, trees, results):
             moves += self._commit(seq, tree, result)
+        for drafter in self.drafters.values():
+            drafter.flush()  # before _emit: a finished sequence releases its draft blocks
+        for seq, tree, result in zip(decoding, trees, results):
             outputs.append(self._emit(seq, tree, result))
         if moves:
             src, dst = zip(*moves)
             dev = self.cache.k.device
-            self.cache.compact(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+            both = torch.tensor([src, dst], dtype=torch.int64).to(dev, non_blocking=True)  # one host copy
+            self.cache.compact(both[0], both[1])
         for seq, _ in plan.decodes:
             if seq.table is not None:  # blocks past the next root's slot go back only after compaction read them
                 seq.table.truncate(seq.num_cached + 1)

@@ -74,22 +74,24 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
         query_start.append(base + n)
         logits_start.append(len(logit_rows))
     max_blocks = max((len(s.table.blocks) for s in segments), default=0) or 1
-    tables = torch.zeros(len(segments), max_blocks, dtype=torch.int32)
-    for i, s in enumerate(segments):
-        tables[i, : len(s.table.blocks)] = torch.tensor(s.table.blocks, dtype=torch.int32)
-
-    def as_t(xs: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(xs, dtype=dtype).to(device, non_blocking=True)
-
+    # Two host->device copies per forward (one int64, one int32 buffer), sliced into the fields: a copy
+    # costs the host microseconds each, and a step builds several batches.
+    T, R, B = len(tokens), len(logit_rows), len(segments)
+    wide = torch.tensor(tokens + positions + slots + bits + logit_rows, dtype=torch.int64).to(device, non_blocking=True)
+    narrow = [s.context_len for s in segments] + query_start
+    for seg in segments:
+        narrow += seg.table.blocks
+        narrow += [0] * (max_blocks - len(seg.table.blocks))
+    narrow = torch.tensor(narrow, dtype=torch.int32).to(device, non_blocking=True)
     return ForwardBatch(
-        tokens=as_t(tokens),
-        positions=as_t(positions),
-        slot_mapping=as_t(slots),
-        block_tables=tables.to(device, non_blocking=True),
-        context_lens=as_t([s.context_len for s in segments], torch.int32),
-        query_start=as_t(query_start, torch.int32),
-        mask_bits=as_t(bits) if any_bits else None,
-        logits_indices=as_t(logit_rows),
+        tokens=wide[:T],
+        positions=wide[T : 2 * T],
+        slot_mapping=wide[2 * T : 3 * T],
+        block_tables=narrow[2 * B + 1 :].view(B, max_blocks),
+        context_lens=narrow[:B],
+        query_start=narrow[B : 2 * B + 1],
+        mask_bits=wide[3 * T : 4 * T] if any_bits else None,
+        logits_indices=wide[4 * T : 4 * T + R],
         logits_start=logits_start,
         is_decode=all(len(s.tokens) == 1 for s in segments),
         query_lens=tuple(len(s.tokens) for s in segments),

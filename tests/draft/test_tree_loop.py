@@ -77,31 +77,38 @@ def test_covering_template_is_the_cheapest_held_template_that_holds_the_widths()
 
 
 def test_committing_a_cut_tree_keeps_the_draft_cache_exact() -> None:
-    """A tree cut from a larger loop tree holds its K/V at the loop's slots; after commit the draft's cache
-    for the accepted tokens equals a fresh prefill of them."""
+    """A tree cut from a larger loop tree holds its K/V at the loop's slots. Two sequences commit (one cut
+    tree, one whole tree accepted along its last children, so both move K/V) and one flush compacts
+    both: each draft cache then equals a fresh prefill of its accepted tokens."""
     engine = tiny_engine(num_blocks=128, page_size=4, vocab=512)
     drafter = engine.drafters["draft"]
     gen = torch.Generator()
     greedy = SamplingParams(temperature=0)
     a = DraftRequest("a", [(5 * j) % 500 + 3 for j in range(9)], (1, 1, 1), greedy, gen)
     b = DraftRequest("b", [(3 * j) % 500 + 7 for j in range(13)], (3, 3, 3), greedy, gen)
-    tree = drafter.propose([a, b])[0]  # a's tree is cut from the (3, 3, 3) loop tree
-    assert drafter._fed.get("a") is not None
-    path = [0]
-    while len(path) < tree.num_nodes and any(p == path[-1] for p in tree.parents.tolist()):
-        path.append(tree.parents.tolist().index(path[-1]))
-    drafter.commit("a", tree, path)  # accept the whole first chain
-    accepted = a.token_ids + [int(tree.tokens[n]) for n in path[1:]]
-    n_cached = drafter._cached["a"]
-    assert n_cached == len(a.token_ids) + len(path) - 2  # the leaf was never fed
-    fresh = tiny_engine(num_blocks=128, page_size=4, vocab=512).drafters["draft"]
-    fresh.propose([DraftRequest("a", accepted[: n_cached + 1], (1,), greedy, gen)])  # prefills n_cached tokens
-    slots = drafter._tables["a"].slots(0, n_cached)
-    ref = fresh._tables["a"].slots(0, n_cached)
-    for cache, ref_cache in ((drafter.cache.k, fresh.cache.k), (drafter.cache.v, fresh.cache.v)):
-        got = cache.flatten(1, 2)[:, slots]
-        want = ref_cache.flatten(1, 2)[:, ref]
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    trees = drafter.propose([a, b])  # a's tree is cut from the (3, 3, 3) loop tree
+    assert drafter._fed.get("a") is not None and drafter._fed.get("b") is None
+    accepted = {}
+    for r, tree in zip((a, b), trees):
+        parents = tree.parents.tolist()
+        path = [0]
+        while any(p == path[-1] for p in parents):  # down the last child of each node, to a leaf
+            path.append(max(i for i, p in enumerate(parents) if p == path[-1]))
+        drafter.commit(r.seq_id, tree, path)
+        accepted[r.seq_id] = r.token_ids + [int(tree.tokens[n]) for n in path[1:]]
+        deepest = int(tree.depths.max())
+        fed = sum(1 for n in path[1:] if int(tree.depths[n]) < deepest)  # the deepest level is never fed
+        assert drafter._cached[r.seq_id] == len(r.token_ids) + fed
+    drafter.flush()
+    for r in (a, b):
+        n_cached = drafter._cached[r.seq_id]
+        fresh = tiny_engine(num_blocks=128, page_size=4, vocab=512).drafters["draft"]
+        fresh.propose([DraftRequest(r.seq_id, accepted[r.seq_id][: n_cached + 1], (1,), greedy, gen)])
+        slots = drafter._tables[r.seq_id].slots(0, n_cached)
+        ref = fresh._tables[r.seq_id].slots(0, n_cached)
+        for cache, ref_cache in ((drafter.cache.k, fresh.cache.k), (drafter.cache.v, fresh.cache.v)):
+            torch.testing.assert_close(cache.flatten(1, 2)[:, slots], ref_cache.flatten(1, 2)[:, ref],
+                                       rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
