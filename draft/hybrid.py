@@ -49,7 +49,7 @@ class HybridDrafter:
 
     @staticmethod
     def _graft(tree: TokenTree, conts: list[list[int]]) -> TokenTree:
-        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        tokens, parents = list(tree.host()[0]), list(tree.host()[1])  # copies: grafts append to them
         child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
         grafted = False
         for cont in conts:

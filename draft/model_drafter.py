@@ -140,8 +140,9 @@ class ModelDrafter:
         if table is None:
             return
         ctx = self._cached[seq_id] - 1  # the root's slot
-        deepest_fed = int(tree.depths.max()) - 1  # leaves were never fed through the draft
-        path = [n for n in accepted_nodes[1:] if int(tree.depths[n]) <= deepest_fed]
+        depths = tree.host()[2]
+        deepest_fed = max(depths) - 1  # leaves were never fed through the draft
+        path = [n for n in accepted_nodes[1:] if depths[n] <= deepest_fed]
         fed = self._fed.pop(seq_id, None)
         if fed is not None:  # the tree was cut from a larger loop tree: K/V sit at the loop's slots
             path = [fed[n] for n in path]

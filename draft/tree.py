@@ -32,6 +32,7 @@ class TokenTree:
     parents: torch.Tensor  # [N] parent node index; parents[0] == -1
     depths: torch.Tensor  # [N] depth; depths[0] == 0
     draft_probs: torch.Tensor | None = None  # [N, V] float32, the draft's distribution of each node's children
+    lists: tuple[list[int], list[int], list[int]] | None = None  # host lists of the three; see ``host``
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -44,11 +45,19 @@ class TokenTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[0]
 
+    def host(self) -> tuple[list[int], list[int], list[int]]:
+        """(tokens, parents, depths) as Python lists, shared: read them, never change them. The engine and
+        the verifier walk every tree of every step in Python; a tree built from lists keeps them, so the
+        per-step path converts nothing."""
+        if self.lists is None:
+            self.lists = (self.tokens.tolist(), self.parents.tolist(), self.depths.tolist())
+        return self.lists
+
     @staticmethod
     def root_only(token: int, device: torch.device | str = "cpu") -> "TokenTree":
         """The one-node tree: plain decoding of the pending token."""
         t = torch.tensor([[token], [-1], [0]], dtype=torch.int64, device=device)  # one tensor: three rows
-        return TokenTree(tokens=t[0], parents=t[1], depths=t[2])
+        return TokenTree(tokens=t[0], parents=t[1], depths=t[2], lists=([token], [-1], [0]))
 
     @staticmethod
     def from_lists(tokens: list[int], parents: list[int], device: torch.device | str = "cpu",
@@ -62,13 +71,13 @@ class TokenTree:
                 raise ValueError(f"node {i}: parent {p} must be an earlier node")
             depths.append(depths[p] + 1)
         t = torch.tensor([tokens, parents, depths], dtype=torch.int64, device=device)  # one tensor per tree
-        return TokenTree(t[0], t[1], t[2], draft_probs)
+        return TokenTree(t[0], t[1], t[2], draft_probs, (list(tokens), list(parents), depths))
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: mask[i, j] is True when j is i itself or an ancestor of i."""
         n = self.num_nodes
         mask = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
-        parents = self.parents.tolist()
+        parents = self.host()[1]
         for i in range(1, n):
             mask[i] |= mask[parents[i]]
         return mask
@@ -80,14 +89,14 @@ class TokenTree:
     def ancestor_bit_list(self) -> list[int]:
         """``ancestor_bits`` as Python ints, computed on the host without tensor ops (the per-step path)."""
         bits: list[int] = []
-        for i, p in enumerate(self.parents.tolist()):
+        for i, p in enumerate(self.host()[1]):
             bits.append((bits[p] if p >= 0 else 0) | (1 << i))
         # bit 63 is the int64 sign bit: the same two's-complement pattern the kernels read
         return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root down to ``node``, inclusive."""
-        parents = self.parents.tolist()
+        parents = self.host()[1]
         path = [node]
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])

@@ -177,8 +177,12 @@ class Engine:
         segments = [Segment(s.table, s.num_cached, s.token_ids[s.num_cached : s.num_cached + n], logits="none")
                     for s, n in plan.prefills]
         for (seq, _), tree in zip(plan.decodes, trees):
-            segments.append(Segment(seq.table, seq.num_cached, tree.tokens.tolist(),
-                                    positions=(seq.num_cached + tree.depths).tolist(),
+            tokens, _, depths = tree.host()
+            if len(tokens) == 1:  # plain decoding: causal defaults, no mask
+                segments.append(Segment(seq.table, seq.num_cached, tokens, logits="all"))
+                continue
+            ctx = seq.num_cached
+            segments.append(Segment(seq.table, ctx, tokens, positions=[ctx + d for d in depths],
                                     mask_bits=tree.ancestor_bit_list(), logits="all"))
         batch = build_batch(segments, self.cache, self.target.device)
         forward = self.graphs.forward if self.graphs is not None else self.target.forward
@@ -254,11 +258,11 @@ class Engine:
         seq.num_cached = ctx + len(nodes)
         if seq.drafter:
             self.drafters[seq.drafter].commit(seq.request_id, tree, nodes)
-        depth = int(tree.depths.max()) if tree.num_nodes > 1 else 0
+        _, parents, depths = tree.host()
+        depth = max(depths)
         seq.acceptance.update(len(nodes) - 1, depth)
         seq.steps_without_draft = 0 if depth else seq.steps_without_draft + 1
-        parents = tree.parents.tolist() if len(nodes) > 1 else []  # a host tree: the drafters build it there
-        seq.stats.record(tree.num_nodes, parents, nodes)  # ranks among siblings need the parents
+        seq.stats.record(tree.num_nodes, parents if len(nodes) > 1 else [], nodes)  # ranks among siblings need the parents
         return moves
 
     def _emit(self, seq: Sequence, tree: TokenTree, result: AcceptResult) -> RequestOutput:

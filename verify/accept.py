@@ -111,7 +111,7 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
         elif params[k].is_greedy:
             results.append(_walk_greedy(tree, ids[at[k] : at[k] + n]))
         elif n == 1:
-            results.append(_result(tree.tokens.tolist(), [0], ids[at[k]]))
+            results.append(_result(tree.host()[0], [0], ids[at[k]]))
         elif ids[at[k] + 2 * n]:  # a draft token with zero draft probability: let accept() name it
             results.append(accept(tree, logits[starts[k] : starts[k + 1]], params[k], generators[k]))
         else:
@@ -119,7 +119,7 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
             nodes = [0]
             while child[nodes[-1]] >= 0:
                 nodes.append(child[nodes[-1]])
-            results.append(_result(tree.tokens.tolist(), nodes, bonus[nodes[-1]]))
+            results.append(_result(tree.host()[0], nodes, bonus[nodes[-1]]))
     return results
 
 
@@ -265,7 +265,7 @@ def _penalise(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.T
 
 def _tree_lists(tree: TokenTree) -> tuple[list[int], list[list[int]]]:
     """Host copies: tokens [N] and each node's children in node order. Rejects duplicate sibling tokens."""
-    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    tokens, parents = tree.host()[:2]
     children: list[list[int]] = [[] for _ in tokens]
     for node in range(1, len(tokens)):
         children[parents[node]].append(node)
