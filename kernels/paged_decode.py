@@ -88,7 +88,7 @@ def _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq
     return _softmax_step(acc, l_i, m_i, s, v)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb", "stride_ls", "num_splits"])  # batch-dependent: see tree_attention
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     qk_scale,
@@ -139,7 +139,7 @@ def _paged_decode_kernel(
         tl.store(lse_ptr + split * stride_ls + b * stride_lb + head, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ls", "num_splits"])
 def _merge_splits_kernel(
     o_part_ptr, lse_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph,

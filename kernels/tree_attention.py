@@ -102,7 +102,10 @@ def _tree_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, ctx, 
     return _softmax_step(acc, l_i, m_i, s, v)
 
 
-@triton.jit
+# Integers that change with the batch are not specialised on (Triton compiles a variant per value class: 1,
+# a multiple of 16, other): each new variant is a compile of a second or more, a stall in the middle of
+# serving. None of them feeds a vectorised address.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_btb", "stride_ls"])
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, bits_ptr, o_ptr, lse_ptr,
     qk_scale, num_seqs, num_splits,
@@ -234,7 +237,8 @@ def tree_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_B=triton.next_power_of_2(B), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None,
+        # BLOCK_B has a floor: one compiled variant for every batch up to 64 sequences
+        BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None,
         num_warps=num_warps or (4 if block_q * block_g <= 64 else 8), num_stages=num_stages)
     if S > 1:
         merge_splits(o_part, lse, out)

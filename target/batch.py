@@ -75,25 +75,38 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
         logits_start.append(len(logit_rows))
     max_blocks = max((len(s.table.blocks) for s in segments), default=0) or 1
     # Two host->device copies per forward (one int64, one int32 buffer), sliced into the fields: a copy
-    # costs the host microseconds each, and a step builds several batches.
+    # costs the host microseconds each, and a step builds several batches. Every field starts on a
+    # 16-element boundary: Triton specialises kernels on 16-byte pointer alignment, and fields at
+    # batch-dependent offsets would compile new variants mid-serving.
     T, R, B = len(tokens), len(logit_rows), len(segments)
-    wide = torch.tensor(tokens + positions + slots + bits + logit_rows, dtype=torch.int64).to(device, non_blocking=True)
-    narrow = [s.context_len for s in segments] + query_start
+    wide, at64 = _packed([tokens, positions, slots, bits, logit_rows], torch.int64, device)
+    rows = []
     for seg in segments:
-        narrow += seg.table.blocks
-        narrow += [0] * (max_blocks - len(seg.table.blocks))
-    narrow = torch.tensor(narrow, dtype=torch.int32).to(device, non_blocking=True)
+        rows += seg.table.blocks
+        rows += [0] * (max_blocks - len(seg.table.blocks))
+    narrow, at32 = _packed([[s.context_len for s in segments], query_start, rows], torch.int32, device)
     return ForwardBatch(
-        tokens=wide[:T],
-        positions=wide[T : 2 * T],
-        slot_mapping=wide[2 * T : 3 * T],
-        block_tables=narrow[2 * B + 1 :].view(B, max_blocks),
-        context_lens=narrow[:B],
-        query_start=narrow[B : 2 * B + 1],
-        mask_bits=wide[3 * T : 4 * T] if any_bits else None,
-        logits_indices=wide[4 * T : 4 * T + R],
+        tokens=wide[at64[0] : at64[0] + T],
+        positions=wide[at64[1] : at64[1] + T],
+        slot_mapping=wide[at64[2] : at64[2] + T],
+        block_tables=narrow[at32[2] : at32[2] + B * max_blocks].view(B, max_blocks),
+        context_lens=narrow[at32[0] : at32[0] + B],
+        query_start=narrow[at32[1] : at32[1] + B + 1],
+        mask_bits=wide[at64[3] : at64[3] + T] if any_bits else None,
+        logits_indices=wide[at64[4] : at64[4] + R],
         logits_start=logits_start,
         is_decode=all(len(s.tokens) == 1 for s in segments),
         query_lens=tuple(len(s.tokens) for s in segments),
         logits_rows=tuple(logit_rows),
     )
+
+
+def _packed(fields: list[list[int]], dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, list[int]]:
+    """One device tensor holding every field, each starting at a multiple of 16 elements; and the starts."""
+    flat: list[int] = []
+    starts = []
+    for f in fields:
+        starts.append(len(flat))
+        flat += f
+        flat += [0] * (-len(flat) % 16)
+    return torch.tensor(flat, dtype=dtype).to(device, non_blocking=True), starts
