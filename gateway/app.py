@@ -117,17 +117,23 @@ class Gateway:
         self.is_draining = True
 
     async def warm_up(self) -> None:
-        """Generate a few tokens with speculation on and off so first requests hit a warm engine."""
+        """Generate a few tokens with speculation on and off so first requests hit a warm engine: a batch of
+        prompts of several lengths each way, so that the eager prefill steps compile their kernel variants
+        (a second or more each, on first use) before /health says ready rather than in a user's stream."""
         try:
             ids = self._encode_chat([{"role": "user", "content": "Hello"}]) if self.chat_template else [0]
             sampling = SamplingParams(temperature=0, max_tokens=self.config.warmup_tokens, ignore_eos=True)
+            pool = self.engine.config.num_blocks * self.engine.config.page_size
+            room = min(self.max_model_len, pool // 2) - self.config.warmup_tokens - 1  # small test pools too
+            prompts = [(ids * -(-n // len(ids)))[:n] for n in (len(ids), 24, 48, 100, 200) if n <= room]
             for enabled in (True, False):
-                sub = await self.runner.submit(f"warmup-{uuid.uuid4().hex}", ids, sampling,
-                                               SpeculationParams(enabled=enabled), record=False)
-                while not (event := await sub.events.get()).finished:
-                    pass
-                if event.error:
-                    raise RuntimeError(event.error)
+                subs = [await self.runner.submit(f"warmup-{uuid.uuid4().hex}", p, sampling,
+                                                 SpeculationParams(enabled=enabled), record=False) for p in prompts]
+                for sub in subs:
+                    while not (event := await sub.events.get()).finished:
+                        pass
+                    if event.error:
+                        raise RuntimeError(event.error)
         except Exception as exc:  # noqa: BLE001 -- reported by /health, the server stays up to say so
             self.warmup_error = f"{type(exc).__name__}: {exc}"
             log.error("warm-up failed: %s", self.warmup_error)
