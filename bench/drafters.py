@@ -138,11 +138,14 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
             for temp in (float(t) for t in args.temperatures.split(",")):
                 sampling = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
                 spec = SpeculationParams(drafter=arm, tree=tree)
+                lookup_only = getattr(drafter, "lookup_only", 0)
                 gens = [g for i in range(0, len(qs), args.batch) for g in llm.generate(qs[i : i + args.batch], sampling, spec)]
                 steps, acc = sum(g.stats.steps for g in gens), sum(g.stats.accepted_tokens for g in gens)
                 rows.append({"drafter": {"draft": "distilled"}.get(arm, arm), "tree": list(tree), "temperature": temp,
                              "mean_accepted_length": round((acc + steps) / steps, 4), "draft_cost_ratio": cost,
                              "draft_cost_ratio_graphs": cost_g})
+                if getattr(drafter, "lookup_first", False):  # request-steps the model sat out
+                    rows[-1]["lookup_only_share"] = round((drafter.lookup_only - lookup_only) / steps, 4)
                 print(rows[-1], flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dev = "cuda " + torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"

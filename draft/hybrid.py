@@ -15,6 +15,12 @@ The budget holds: a request's widths allow ``sum(widths)`` draft nodes (the sche
 against the step's verify cap), so when the lookup finds a continuation of ``c`` tokens the model's
 tree is cut by ``c`` nodes, deepest level first, and the merged tree never exceeds the budget.
 
+``lookup_first`` (the drafter "lookup-first"): a greedy request whose lookup finds a continuation as deep
+as its tree drafts that chain alone, and the model does not run for it this step. When every request of a
+step is served so, the step costs the target's verify and a host lookup: no draft forward at all. The
+model's cache lags meanwhile and catches up on its next proposal. This trades the model's second opinion
+on repetitive text for the draft's whole cost, which on a launch-bound target is larger than the verify.
+
 The model drafter's KV state covers only its own nodes: ``commit`` hands it the model's tree and the
 accepted path cut at the first grafted node; the accepted tokens past the cut are uncached for the
 model and its next catch-up feeds them.
@@ -31,16 +37,25 @@ from draft.tree import MAX_TREE_NODES, TokenTree
 
 
 class HybridDrafter:
-    def __init__(self, name: str, draft: ModelDrafter, lookup: NgramDrafter | None = None) -> None:
+    def __init__(self, name: str, draft: ModelDrafter, lookup: NgramDrafter | None = None,
+                 lookup_first: bool = False) -> None:
         self.name = name
         self.draft = draft
         self.lookup = lookup or NgramDrafter(name=f"{name}-lookup")
+        self.lookup_first = lookup_first
         self._model_trees: dict[str, TokenTree] = {}
+        self.lookup_only = 0  # requests drafted by the lookup alone (lookup_first), for benchmarks
 
     def propose(self, reqs: list[DraftRequest]) -> list[TokenTree]:
         conts = [self.lookup.continuations(r.token_ids, len(r.widths), 1, r.seq_id)
                  if r.widths and r.sampling.is_greedy else [] for r in reqs]
-        asks = [replace(r, widths=_cut(r.widths, sum(map(len, c)))) for r, c in zip(reqs, conts)]
+        asks = []
+        for r, c in zip(reqs, conts):
+            if self.lookup_first and c and len(c[0]) == len(r.widths):
+                asks.append(replace(r, widths=()))  # the chain alone: the model gives a root-only tree
+                self.lookup_only += 1
+            else:
+                asks.append(replace(r, widths=_cut(r.widths, sum(map(len, c)))))
         trees = []
         for r, c, tree in zip(reqs, conts, self.draft.propose(asks)):
             self._model_trees[r.seq_id] = tree

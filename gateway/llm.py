@@ -119,6 +119,7 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
     if draft not in ("self", "ngram", "none"):
         drafters["draft"] = _load_draft_model(draft, ckpt, dtype, device, engine_cfg)
         drafters["hybrid"] = HybridDrafter("hybrid", drafters["draft"])  # the same model and KV cache
+        drafters["lookup-first"] = HybridDrafter("lookup-first", drafters["draft"], lookup_first=True)
         log(f"draft model {Path(draft).name}: {drafters['draft'].model.num_layers} layers")
         # The draft's tree plus a prompt-lookup branch for greedy requests: on SmolLM2 it keeps 2.02 tokens per
         # step to the model's 1.72 (bench/results/drafts_hybrid_cpu.json); sampled requests get the model's tree.

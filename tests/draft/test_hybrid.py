@@ -72,3 +72,37 @@ def test_sampled_requests_keep_the_model_tree() -> None:
     out = run_all(eng, [("a", prompt, s, SpeculationParams(drafter="hybrid", tree=(2, 1, 1)))])
     ref = run_all(_engine(), [("a", prompt, s, SpeculationParams(drafter="draft", tree=(2, 1, 1)))])
     assert out == ref  # no grafts: the same trees, the same draws
+
+
+def test_lookup_first_drafts_full_depth_matches_alone_and_stays_lossless() -> None:
+    """Repetitive prompts: the lookup finds full-depth chains, so most requests skip the model; steps where
+    every request did run no draft forward at all. The output is the target's, the pools end whole, and the
+    model's lagging cache still drafts correctly when it runs again (the mixed prompt)."""
+    g = torch.Generator().manual_seed(5)
+    motif = torch.randint(0, 64, (4,), generator=g).tolist()
+    prompts = [motif * 6 for _ in range(2)] + [torch.randint(0, 64, (10,), generator=g).tolist() + motif * 3]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reqs = lambda spec: [(str(i), p, greedy, spec) for i, p in enumerate(prompts)]  # noqa: E731
+    off = run_all(_engine(), reqs(SpeculationParams(enabled=False)))
+    eng = _engine()
+    lf = eng.drafters["lookup-first"] = HybridDrafter("lookup-first", eng.drafters["draft"], lookup_first=True)
+    model = eng.drafters["draft"].model
+    forwards = []
+    forward = model.forward
+    model.forward = lambda *a, **k: (forwards.append(1), forward(*a, **k))[1]
+    for rid, prompt, sampling, spec in reqs(SpeculationParams(drafter="lookup-first", tree=(2, 1, 1))):
+        eng.add(rid, prompt, sampling, spec)
+    on, accepted, model_free = {str(i): [] for i in range(len(prompts))}, 0, 0
+    while eng.has_work():
+        before = len(forwards)
+        outs = eng.step()
+        model_free += len(forwards) == before and all(not o.finished for o in outs) and len(outs) > 0
+        for o in outs:
+            on[o.request_id] += o.new_token_ids
+            accepted += o.stats.accepted_tokens if o.finished else 0
+    assert on == off
+    assert lf.lookup_only > 0 and accepted > 0
+    assert model_free > 0  # decode steps where every request drafted by lookup: no draft forward at all
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+    d = eng.drafters["draft"]
+    assert d.cache.pool.num_free == d.cache.pool.num_blocks and not d._tables
