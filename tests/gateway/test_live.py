@@ -137,3 +137,4 @@ def test_load_bench_reports_every_arm(tokenizer, tmp_path) -> None:
         assert row["concurrency"] == level["concurrency"]
         assert row["ratio"] == round(on["request_tokens_per_s"]["p50"] / off["request_tokens_per_s"]["p50"], 3)
         assert row["p99_ttft_ms_off"] == round(off["ttft_s"]["p99"] * 1e3, 2)
+        assert row["tpot_ratio_off_over_on"] == round(off["tpot_s"]["p50"] / on["tpot_s"]["p50"], 3)
