@@ -111,6 +111,12 @@ def test_all_causal_without_bits():
     check([(3, 40), (0, 17)], page=64, num_heads=2, num_kv_heads=2, use_bits=False, num_splits=2)
 
 
+def test_more_sequences_than_the_block_b_floor():
+    """70 sequences: past the 64-sequence BLOCK_B variant, the tile scheduler's cumsum spans 128 lanes."""
+    seqs = [(3 + 5 * i % 29, [-1, 0] if i % 3 else 2) for i in range(70)]
+    check(seqs, num_heads=2, num_kv_heads=1, head_dim=16, num_splits=1)
+
+
 def test_is_decode_route():
     batch = make_batch([(5, 1), (80, 1), (0, 1)], 16, 3, 1, 64, torch.float16, seed=9)
     args = list(batch.values()) + [0.125]
