@@ -42,14 +42,14 @@ for stage in "$@"; do
         --draft "$OUT/draft" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts.json" 2>&1 | tail -25 ;;
     real)
       timeout 330 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
-    load)
+    load)  # bench/results/load_gpu.json: this stage, after `model`, within one call of ~160 s
       python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-draft/weights/smollm2-135m-instruct}" \
         --num-blocks 4096 --max-running 64 --max-waiting 512 --capture-graphs --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
       server=$!
-      for _ in $(seq 120); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
-      timeout 60 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+      for _ in $(seq 150); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
+      timeout 45 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
         --concurrency 1,4 --requests 16 --max-tokens 64 --out "$OUT/load_gpu_low" 2>&1 | tail -4
-      timeout 90 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+      timeout 60 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
         --concurrency 16,64 --requests 128 --max-tokens 64 --out "$OUT/load_gpu_high" 2>&1 | tail -4
       curl -s localhost:8123/v1/stats > "$OUT/load_stats.json"
       kill $server; wait $server 2>/dev/null; tail -5 "$OUT/serve.log"
@@ -59,8 +59,8 @@ for stage in "$@"; do
         --max-waiting 512 --capture-graphs --port 8124 --log-level warning > "$OUT/serve_off.log" 2>&1 &
       server=$!
       for _ in $(seq 120); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done
-      timeout 90 python bench/load.py --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 1,4,16,64 --requests 64 --max-tokens 64 --arm 'off={"enabled": false}' \
+      timeout 45 python bench/load.py --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 1,16,64 --requests 64 --max-tokens 64 --arm 'off={"enabled": false}' \
         --out "$OUT/load_gpu_off_only" 2>&1 | tail -4
       kill $server; wait $server 2>/dev/null ;;
     *) echo "unknown stage $stage" ;;
