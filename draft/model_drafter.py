@@ -15,7 +15,6 @@ import torch
 from draft.base import DraftRequest, TreeBuilder, expand_all
 from draft.tree import MAX_TREE_NODES, TokenTree, mask_to_bits
 from draft.tree_loop import GreedyTreeLoop
-from kernels.compact_kv import compact_kv
 from target.batch import Segment, build_batch
 from target.graphs import CudaGraphRunner
 from target.kv_cache import BlockTable, KVCache, NoFreeBlocks
@@ -158,8 +157,7 @@ class ModelDrafter:
         if self._moves:
             src = [s for moves in self._moves.values() for s in moves[0]]
             dst = [d for moves in self._moves.values() for d in moves[1]]
-            both = torch.tensor([src, dst], dtype=torch.int64).to(self.cache.k.device, non_blocking=True)
-            compact_kv(self.cache.k, self.cache.v, both[0], both[1])
+            self.cache.compact_slots(src, dst)
             self._moves.clear()
         for seq_id, n in self._cuts.items():
             self._tables[seq_id].truncate(n)

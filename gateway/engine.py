@@ -204,9 +204,7 @@ class Engine:
             outputs.append(self._emit(seq, tree, result))
         if moves:
             src, dst = zip(*moves)
-            dev = self.cache.k.device
-            both = torch.tensor([src, dst], dtype=torch.int64).to(dev, non_blocking=True)  # one host copy
-            self.cache.compact(both[0], both[1])
+            self.cache.compact_slots(list(src), list(dst))
         for seq, _ in plan.decodes:
             if seq.table is not None:  # blocks past the next root's slot go back only after compaction read them
                 seq.table.truncate(seq.num_cached + 1)

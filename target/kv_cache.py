@@ -51,6 +51,11 @@ class KVCache:
         """Move accepted tree nodes' K/V: ``[M]`` int64 flat slots on the cache's device (see kernels/compact_kv.py)."""
         compact_kv(self.k, self.v, src_slots, dst_slots)
 
+    def compact_slots(self, src: list[int], dst: list[int]) -> None:
+        """``compact`` from host lists, with one host-to-device copy for both."""
+        both = torch.tensor([src, dst], dtype=torch.int64).to(self.k.device, non_blocking=True)
+        self.compact(both[0], both[1])
+
     @staticmethod
     def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
