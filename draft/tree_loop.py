@@ -16,9 +16,9 @@ On CUDA the whole loop -- every level's top-k, bit gathers and draft forward -- 
 (batch bucket, widths): a step replays it after copying in the root logits, positions, slots and block
 tables, then reads tokens and parents back once. Elsewhere the same code runs eagerly.
 
-Measured before this loop (bench/results/step_profile.json, H200, SmolLM2 shapes, batch 1, tree
-2,2,2,1): drafting cost 3.1 ms a step, of which the draft's forwards were 1.0 ms; the rest was per-level
-batch building, top-k host copies and Python tree building.
+Measured with this loop (bench/results/step_profile.json, H200, SmolLM2 shapes, batch 1, tree 2,2,2,1):
+drafting costs 1.9 ms a step against a 1.3 ms target forward; the loop replaces per-level batch building,
+top-k host copies and Python tree building.
 """
 
 from __future__ import annotations
