@@ -1,0 +1,138 @@
+"""Host time of one engine step, with the target's and the draft's forwards stubbed out.
+
+At high concurrency a step on the GPU waits on the host, not the GPU (bench/results/load_gpu.json). This
+bench times the engine's Python alone: tiny random models whose forwards return logits from a fixed rule
+(next token = 7 t + 1 mod V), so the draft always agrees with the target and every tree is accepted whole.
+It compares commits in one run:
+
+    python bench/host_step.py --refs 1a0cfb2,HEAD --out bench/results/host_step_cpu.json
+
+Each ref is checked out into a temporary git worktree and measured in its own process; the refs alternate
+within every repetition and each figure is the minimum over repetitions. On the CPU the greedy tree loop
+runs its tensor ops eagerly, so speculative rows include work that a CUDA graph replay does on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16)]
+VOCAB = 512
+
+
+def measure(steps: int) -> dict[str, float]:
+    """Seconds per step for every config, in this process (the ref's code is first on sys.path)."""
+    import torch
+
+    from draft.params import SpeculationParams
+    from engine_util import tiny_engine
+    from verify.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+
+    def rule(batch, cache):
+        rows = batch.logits_indices.shape[0]
+        out = torch.zeros(rows, VOCAB)
+        out[torch.arange(rows), (batch.tokens[batch.logits_indices] * 7 + 1) % VOCAB] = 5.0
+        return out
+
+    result = {}
+    for arm, streams in CONFIGS:
+        engine = tiny_engine(num_blocks=8192, page_size=16, max_running=64, vocab=VOCAB, tree=(2, 2, 2, 1))
+        engine.target.forward = rule
+        engine.drafters["draft"].model.forward = rule
+        spec = (SpeculationParams(enabled=False) if arm == "plain"
+                else SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)))
+        sampling = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+        for i in range(streams):
+            engine.add(str(i), [(13 * i + j) % VOCAB for j in range(40)], sampling, spec)
+        for _ in range(5):  # prefill and first drafts
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        result[f"{arm}, {streams} streams"] = (time.perf_counter() - t0) / steps
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--refs", default="HEAD", help="commits to compare, comma-separated")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one process, one ref
+    args = ap.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.steps)))
+        return
+    refs = args.refs.split(",")
+    best: dict[str, dict[str, float]] = {ref: {} for ref in refs}
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {}
+        for ref in refs:
+            tree = Path(tmp) / ref.replace("/", "_")
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref], check=True,
+                           capture_output=True)
+            trees[ref] = tree
+        try:
+            for _ in range(args.reps):
+                for ref in refs:
+                    env_path = f"{trees[ref]}:{trees[ref] / 'tests'}"
+                    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", "--steps",
+                                          str(args.steps)], check=True, capture_output=True, text=True,
+                                         cwd=trees[ref], env={**os.environ, "PYTHONPATH": env_path})
+                    for name, sec in json.loads(out.stdout.strip().splitlines()[-1]).items():
+                        best[ref][name] = min(best[ref].get(name, sec), sec)
+        finally:
+            for tree in trees.values():
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    rows = [{"config": name, **{f"ms_{ref}": round(best[ref][name] * 1e3, 3) for ref in refs}} for name in best[refs[0]]]
+    if len(refs) == 2:
+        for row in rows:
+            row["ratio_first_over_last"] = round(row[f"ms_{refs[0]}"] / row[f"ms_{refs[1]}"], 2)
+    for row in rows:
+        print(row)
+    if args.out:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        resolved = {ref: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref], capture_output=True,
+                                        text=True).stdout.strip() for ref in refs}
+        Path(args.out).write_text(json.dumps({
+            "device": f"cpu ({platform.machine()}, 1 thread per process)", "date": datetime.date.today().isoformat(),
+            "commit": head, "refs": resolved, "reps": args.reps, "steps": args.steps,
+            "command": "python bench/host_step.py " + " ".join(sys.argv[1:]),
+            "notes": __doc__.split("\n\n", 1)[1].strip(), "rows": rows}, indent=2) + "\n")
+        plot(rows, refs, resolved, Path(args.out).with_suffix(".png"))
+
+
+def plot(rows: list[dict], refs: list[str], resolved: dict[str, str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    w = 0.8 / len(refs)
+    for k, ref in enumerate(refs):
+        ax.bar([i + k * w for i in range(len(rows))], [r[f"ms_{ref}"] for r in rows], w, label=resolved[ref])
+    ax.set_xticks([i + w * (len(refs) - 1) / 2 for i in range(len(rows))], [r["config"] for r in rows])
+    ax.set_ylabel("host ms per engine step (forwards stubbed)")
+    ax.set_title("bench/host_step.py: the engine's Python per step, CPU, min over repetitions")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
