@@ -213,6 +213,159 @@ def _int4_gemv_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------
+# M = 1: packed fp16 GEMV. Two weights per instruction, x scaled into fp16 range per program.
+# ----------------------------------------------------------------------------------------------------
+
+# One packed word (codes of rows 8r .. 8r + 7) against x's pairs (x_i, x_i+4) as f16x2, -> fp32
+# sum_j x_j (c_j - 8). lop3 moves two nibbles at a time into the mantissas of fp16 1024 (the
+# FasterTransformer "fast int4 to half2" trick: codes i and i + 4 sit 16 bits apart, so one lop3
+# decodes both); sub / fma strip the magic to exact c - 8; four packed FMAs take the products. In the
+# integer pipe (half the FP32 rate on Hopper) that is 5 instructions per 8 weights, against 15 for
+# _nibble's one-code-at-a-time decode.
+_WORD_DOT_F16 = tl.constexpr("""{
+.reg .b32 a, b, c, d, q2, t, m, k16, k72;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b32 m, 0x64086408;
+mov.b32 k16, 0x2c002c00;
+mov.b32 k72, 0xd480d480;
+lop3.b32 a, $1, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 b, $1, 0x00f000f0, 0x64006400, 0xea;
+shr.u32 q2, $1, 8;
+lop3.b32 c, q2, 0x000f000f, 0x64006400, 0xea;
+lop3.b32 d, q2, 0x00f000f0, 0x64006400, 0xea;
+sub.f16x2 a, a, m;
+fma.rn.f16x2 b, b, k16, k72;
+sub.f16x2 c, c, m;
+fma.rn.f16x2 d, d, k16, k72;
+mul.f16x2 t, a, $2;
+fma.rn.f16x2 t, b, $3, t;
+fma.rn.f16x2 t, c, $4, t;
+fma.rn.f16x2 t, d, $5, t;
+mov.b32 {lo, hi}, t;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 flo, flo, fhi;
+mov.b32 $0, flo;
+}""")
+
+
+@triton.jit
+def _half(p, HI: tl.constexpr):
+    """One fp16 half of packed int32 ``p`` as fp32."""
+    if HI:
+        h = (p >> 16).to(tl.int16)
+    else:
+        h = p.to(tl.int16)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _word_dot(q, x04, x15, x26, x37, USE_ASM: tl.constexpr):
+    """[R, C] words against [R, 1] f16x2 pairs -> [R, C] fp32 sum_j x_j (c_j - 8)."""
+    if USE_ASM:
+        out = tl.inline_asm_elementwise(asm=_WORD_DOT_F16, constraints="=r,r,r,r,r,r", args=[q, x04, x15, x26, x37],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+        return out.to(tl.float32, bitcast=True)
+    else:  # the interpreter runs no asm: the same sum in fp32
+        out = tl.zeros(q.shape, tl.float32)
+        for p in tl.static_range(4):
+            if p == 0:
+                xp = x04
+            elif p == 1:
+                xp = x15
+            elif p == 2:
+                xp = x26
+            else:
+                xp = x37
+            out += _half(xp, False) * (((q >> 4 * p) & 0xF) - 8).to(tl.float32)
+            out += _half(xp, True) * (((q >> (4 * p + 16)) & 0xF) - 8).to(tl.float32)
+        return out
+
+
+@triton.jit
+def _int4_gemv_f16_kernel(
+    # pointers
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr, scr_ptr,
+    # sizes
+    M, N, K,
+    # strides (qweight, scales, zeros, bias, workspace are contiguous)
+    stride_xm, stride_ym, stride_rm,
+    split_k, K_ITERS,  # K splits; K blocks per split (splits cover K exactly: BLOCK_K divides K)
+    # meta-parameters
+    G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
+    FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr,
+):
+    """One program: row 0 of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows (BLOCK_K
+    divides G, so every tile sits in one group).
+
+    1. x's slice is scaled by a power of two that puts its largest magnitude in [512, 1024), so the
+       fp16 products (|c - 8| <= 8) and 4-term lane sums stay under 32768 and bf16 values convert
+       exactly. The scaled pairs (x_i, x_i+4) and each tile's sum of x go to this program's own
+       scratch rows (no other program touches them), then the loop reads them back from L1.
+    2. Each tile: _word_dot per word, summed over rows, times the group scale; zero points add
+       s (8 - z) * sum x.  sum_k x (c - z) s = s (sum x (c - 8) + (8 - z) sum x).
+    """
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    BLOCK_K8: tl.constexpr = BLOCK_K // 8
+    R8 = K_ITERS * BLOCK_K8  # packed rows in this split
+    k_lo = pid_k * K_ITERS * BLOCK_K
+    scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)  # pairs, then tile sums
+    c8 = tl.arange(0, CHUNK8)
+    c4 = tl.arange(0, 4)
+    # 1a. the split's largest |x|
+    amax = tl.zeros([CHUNK8, 4], tl.float32)
+    for r0 in range(0, R8, CHUNK8):
+        ok = (r0 + c8 < R8)[:, None]
+        offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
+        lo = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.maximum(tl.abs(lo), tl.abs(hi)))
+    e = (tl.max(tl.max(amax, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.maximum(e, 10)
+    scale = ((263 - e) << 23).to(tl.float32, bitcast=True)  # 2^(136 - e): max |x| * scale in [2^9, 2^10)
+    inv_scale = ((e - 9) << 23).to(tl.float32, bitcast=True)
+    # 1b. pairs and tile sums
+    for r0 in range(0, R8, CHUNK8):
+        ok = (r0 + c8 < R8)[:, None]
+        offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
+        lo = (tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
+        hi = (tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
+        pair = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+        tl.store(scr + 4 * (r0 + c8)[:, None] + c4[None, :], pair, mask=ok)
+        rows = tl.sum(lo.to(tl.float32) + hi.to(tl.float32), axis=1)  # [CHUNK8]
+        tiles = tl.sum(tl.reshape(rows, [CHUNK8 // BLOCK_K8, BLOCK_K8]), axis=1)
+        t_idx = r0 // BLOCK_K8 + tl.arange(0, CHUNK8 // BLOCK_K8)
+        tl.store(scr + R8 * 4 + t_idx, tiles.to(tl.int32, bitcast=True), mask=t_idx < K_ITERS)
+    tl.debug_barrier()  # the scratch rows are written before any thread reads them
+    # 2. the weights
+    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
+    offs_k8 = tl.arange(0, BLOCK_K8)
+    q_ptrs = qw_ptr + (k_lo // 8 + offs_k8)[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
+    x_ptrs = scr + 4 * offs_k8[:, None]  # [BLOCK_K8, 1]
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    q_next = tl.load(q_ptrs, mask=n_mask[None, :], other=0)
+    for i in range(K_ITERS):
+        q = q_next
+        q_next = tl.load(q_ptrs + (i + 1) * BLOCK_K8 * N, mask=n_mask[None, :] & (i + 1 < K_ITERS), other=0)
+        xr = x_ptrs + i * BLOCK_K8 * 4
+        part = _word_dot(q, tl.load(xr), tl.load(xr + 1), tl.load(xr + 2), tl.load(xr + 3), USE_ASM)
+        t = tl.sum(part, axis=0)  # [BLOCK_N]
+        g = (k_lo + i * BLOCK_K) // G
+        s = tl.load(scales_ptr + g * N + cols, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(zeros_ptr + g * N + cols, mask=n_mask, other=0.0).to(tl.float32)
+            t += (8.0 - z) * tl.load(scr + R8 * 4 + i).to(tl.float32, bitcast=True)
+        acc += s * t
+    acc = acc * inv_scale
+    offs_m = tl.arange(0, 1)
+    _finish(acc[None, :], pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
+            y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
+            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, 1, BLOCK_N, FIX_R)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Medium M: tensor cores, split-K.
 # ----------------------------------------------------------------------------------------------------
 
@@ -286,6 +439,7 @@ def _int4_matmul_kernel(
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split. The M tiles of an N tile are
     neighbours in the grid, so a weight tile comes from HBM once and from L2 for the others.
@@ -295,7 +449,8 @@ def _int4_matmul_kernel(
     codes (+ magic) and scales and zero points apply once per tile to the fp32 sums:
         sum_k x (c - z) s = s * (sum_k x (c + MAGIC) - (MAGIC + z) * sum_k x),
     with sum_k x itself a dot against ones (the tensor cores are idle in this regime). Otherwise
-    (interpreter, fp32, smaller groups) each slice is dequantized in fp32 before its dot.
+    (interpreter, fp32, smaller groups) each slice is dequantized in fp32 before its dot. EVEN_K: BLOCK_K divides K, so
+    no load needs a K mask.
     """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
@@ -311,15 +466,20 @@ def _int4_matmul_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for i in range(K_ITERS):
         k0 = (pid_k * K_ITERS + i) * BLOCK_K  # K may be ragged (not a multiple of BLOCK_K): mask rows
-        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-        q_mask = (k0 + 8 * offs_k8 < K)[:, None] & n_mask[None, :]
-        q = tl.load(q_ptrs + (k0 // 8) * N, mask=q_mask, other=0)  # [BLOCK_K8, BLOCK_N] int32
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+            q = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[None, :], other=0)  # [BLOCK_K8, BLOCK_N] int32
+        else:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+            q_mask = (k0 + 8 * offs_k8 < K)[:, None] & n_mask[None, :]
+            q = tl.load(q_ptrs + (k0 // 8) * N, mask=q_mask, other=0)
         xj = _split8(x, BLOCK_M, BLOCK_K8)  # 8 x [BLOCK_M, BLOCK_K8]
         if FACTORED:
             if x.dtype == tl.bfloat16:
                 MAGIC: tl.constexpr = 128.0
             else:
                 MAGIC: tl.constexpr = 1024.0
+            # sum_k x as a dot against ones: a row sum of the x tile would cost a barrier per tile
             ones = tl.full([BLOCK_K8, BLOCK_N], 1.0, x.dtype)
             t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x (code + MAGIC)
             u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x, broadcast along N
@@ -372,7 +532,8 @@ def _int4_dequant_kernel(
 
 @dataclass(frozen=True, slots=True)
 class KernelConfig:
-    kind: str  # "gemv" (CUDA cores, M <= 4; tuned for M = 1), "mma" (tensor cores) or "dequant" (W + cuBLAS)
+    kind: str  # "hgemv" (packed fp16, M = 1), "gemv" (fp32 CUDA cores, M <= 4), "mma" (tensor cores) or
+    # "dequant" (W + cuBLAS)
     block_m: int = 16
     block_n: int = 128  # weight columns per program
     block_k: int = 128  # weight rows per loop step
@@ -394,6 +555,7 @@ _MMA_SHAPES = {
     256: [(128, 128, 8, 3)],
 }
 _GEMV_SHAPES = [(512, 64, 4, 1)]  # (block_n, block_k, warps, stages); more rows or a larger block_k spill
+_HGEMV_SHAPES = [(1024, 64, 4), (512, 64, 4), (512, 64, 2)]  # (block_n, block_k, warps); block_k <= G
 
 
 def set_autotune(enabled: bool) -> None:
@@ -410,8 +572,8 @@ def _splits(tiles: int, k_blocks: int, num_sms: int) -> list[int]:
     return sorted(set(picks))
 
 
-def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int) -> list[KernelConfig]:
-    """Configs worth timing for this M bucket, the untuned default first."""
+def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, x16: bool = True) -> list[KernelConfig]:
+    """Configs worth timing for this M bucket, the untuned default first. ``x16``: 16-bit activations."""
     n_out = N // 2 if silu else N
     out: list[KernelConfig] = []
     if M >= 128 and not silu:  # compute-bound: cuBLAS on a dequantized copy wins from here (H200)
@@ -419,9 +581,11 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int) -> list[Kernel
     bucket = min(max(triton.next_power_of_2(M), 16), 256)
     shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[bucket]]
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
+        if x16:
+            shapes = [("hgemv", 1, bn, min(bk, G), w, 1) for bn, bk, w in _HGEMV_SHAPES] + shapes
         shapes += [("gemv", 1, bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
     for kind, bm, bn, bk, warps, stages in shapes:
-        tiles = triton.cdiv(n_out, bn // 2 if silu else bn) * (1 if kind == "gemv" else triton.cdiv(M, bm))
+        tiles = triton.cdiv(n_out, bn // 2 if silu else bn) * (1 if "gemv" in kind else triton.cdiv(M, bm))
         for split in _splits(tiles, triton.cdiv(K, bk), num_sms):
             out.append(KernelConfig(kind, bm, bn, bk, split, warps, stages))
     if M >= 64 and not silu and out[0].kind != "dequant":
@@ -435,6 +599,28 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
     return buf
+
+
+def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: bool = True) -> tuple:
+    """The kernel of ``cfg``'s path and the compile-time arguments that depend on the call."""
+    if cfg.kind == "hgemv":
+        return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(8, 4096 // cfg.block_n)), "USE_ASM": on_gpu,
+                                       "CHUNK8": 128}
+    if cfg.kind == "gemv":
+        # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
+        # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
+        return _int4_gemv_kernel, {"FIX_R": max(1, min(8, 4096 // cfg.block_n))}
+    factored = x_16bit and G % cfg.block_k == 0
+    return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k}
+
+
+def sass_configs() -> list[KernelConfig]:
+    """The configs ``bench/kernels/sass.py`` compiles for sm_90: each path at its usual M."""
+    return [KernelConfig("hgemv", 1, 1024, 64, 16, 4, 1),
+            KernelConfig("hgemv", 1, 512, 64, 16, 4, 1),
+            KernelConfig("gemv", 1, 512, 64, 16, 4, 1),
+            KernelConfig("mma", 16, 128, 128, 8, 4, 4),
+            KernelConfig("mma", 32, 128, 128, 4, 4, 3)]
 
 
 def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -452,36 +638,48 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
             y += residual
         return
     grid_n = triton.cdiv(N // 2, cfg.block_n // 2) if silu else triton.cdiv(N, cfg.block_n)
-    grid_m = 1 if cfg.kind == "gemv" else triton.cdiv(M, cfg.block_m)
+    grid_m = 1 if "gemv" in cfg.kind else triton.cdiv(M, cfg.block_m)
     part = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     counts = y if cfg.split_k == 1 else _counters(x.device, grid_m * grid_n)
-    if cfg.kind == "gemv":
-        kernel, extra = _int4_gemv_kernel, {}
-    else:
-        factored = x.dtype in (torch.float16, torch.bfloat16) and G % cfg.block_k == 0
-        kernel, extra = _int4_matmul_kernel, {"FACTORED": factored, "USE_ASM": x.is_cuda}
+    kernel, extra = kernel_for(cfg, x.dtype in (torch.float16, torch.bfloat16), G, x.is_cuda, K % cfg.block_k == 0)
+    k_iters = triton.cdiv(K, cfg.block_k) // cfg.split_k
+    if cfg.kind == "hgemv":
+        if M != 1 or G % cfg.block_k or K % cfg.block_k or x.dtype == torch.float32:
+            raise ValueError(f"hgemv needs one 16-bit row and block_k dividing G and K: {tuple(x.shape)} {x.dtype}, "
+                             f"G {G}, {cfg}")
+        # per program: the split's f16x2 pairs (4 words per packed row) and one sum of x per tile
+        scratch = torch.empty(grid_n * cfg.split_k * (k_iters * cfg.block_k // 2 + k_iters), dtype=torch.int32,
+                              device=x.device)
+        kernel[(grid_n, cfg.split_k)](
+            x, qweight, scales, scales if zeros is None else zeros, y if bias is None else bias,
+            y if residual is None else residual, y, part, counts, scratch,
+            M, N, K,
+            x.stride(0), y.stride(0), y.stride(0) if residual is None else residual.stride(0),
+            cfg.split_k, k_iters,
+            G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+            SILU=silu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1,
+            num_warps=cfg.num_warps, num_stages=1, **extra,
+        )
+        return
     kernel[(grid_m * grid_n, cfg.split_k)](
         x, qweight, scales, scales if zeros is None else zeros, y if bias is None else bias,
         y if residual is None else residual, y, part, counts,
         M, N, K,
         x.stride(0), y.stride(0), y.stride(0) if residual is None else residual.stride(0),
-        cfg.split_k, triton.cdiv(K, cfg.block_k) // cfg.split_k, ONE_BITS,
+        cfg.split_k, k_iters, ONE_BITS,
         G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SILU=silu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1,
-        # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
-        # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
-        FIX_R=max(1, min(8, 4096 // cfg.block_n)) if cfg.kind == "gemv" else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
 
 
-def _pick(x: torch.Tensor, N: int, key: tuple, silu: bool, run) -> KernelConfig:
+def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run) -> KernelConfig:
     """The cached config for ``key``, else the fastest candidate (timed once, eagerly, on CUDA)."""
     if key in _CONFIG_CACHE:
         return _CONFIG_CACHE[key]
     M, K = x.shape
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    cands = _candidates(M, N, K, silu, num_sms)
+    cands = _candidates(M, N, K, silu, num_sms, G, x.dtype != torch.float32)
     if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
     times = [triton.testing.do_bench(lambda c=c: run(c), warmup=5, rep=20) for c in cands]
@@ -491,23 +689,27 @@ def _pick(x: torch.Tensor, N: int, key: tuple, silu: bool, run) -> KernelConfig:
 
 def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                        group_size: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                       silu: bool = False, config: KernelConfig | None = None) -> torch.Tensor:
+                       silu: bool = False, config: KernelConfig | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K], unit stride along K -> [M, N] (or [M, N // 2] = silu(gate) * up with ``silu``) in x's dtype.
 
     On CPU tensors this needs ``TRITON_INTERPRET=1`` before Triton is imported (tests). ``config``
-    skips the choice (benchmarks).
+    skips the choice (benchmarks); ``out`` receives the result.
     """
     M, K = x.shape
     N = qweight.shape[1]
     if qweight.shape[0] * 8 != K or scales.shape != (K // group_size, N) or (silu and N % 2):
         raise ValueError(f"x {tuple(x.shape)} does not match qweight {tuple(qweight.shape)} "
                          f"/ scales {tuple(scales.shape)}")
-    y = torch.empty((M, N // 2 if silu else N), dtype=x.dtype, device=x.device)
+    shape = (M, N // 2 if silu else N)
+    y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+    if y.shape != shape or y.dtype != x.dtype or not y.is_contiguous():
+        raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, not {tuple(y.shape)} {y.dtype}")
     if M == 0:
         return y
     run = lambda c: _launch(c, x, qweight, scales, zeros, group_size, bias, residual, silu, y)  # noqa: E731
     key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, silu, x.device)
-    run(config or _pick(x, N, key, silu, run))
+    run(config or _pick(x, N, group_size, key, silu, run))
     return y
 
 

@@ -52,9 +52,9 @@ def rel_err(y: torch.Tensor, r: torch.Tensor) -> float:
     return ((y.float() - r).norm() / r.norm()).item()
 
 
-def sweep_jobs(dtype: torch.dtype) -> list[tuple[int, int, int, T.KernelConfig]]:
+def sweep_jobs(ms: list[int]) -> list[tuple[int, int, int, T.KernelConfig]]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return [(M, K, N, cfg) for M in MS for K, N in SHAPES for cfg in T._candidates(M, N, K, False, sms)]
+    return [(M, K, N, cfg) for M in ms for K, N in SHAPES for cfg in T._candidates(M, N, K, False, sms)]
 
 
 def _compile_worker(jobs):
@@ -123,7 +123,8 @@ def correctness_specs() -> list[tuple]:
                   (dt, 2, 4096, 4096, 128, False, "dispatch"), (dt, 40, 4096, 4096, 128, True, "dispatch"),
                   (dt, 1, 2048, 4096, 128, True, "silu"), (dt, 33, 2048, 4096, 128, True, "silu"),
                   (dt, 16, 4096, 4096, 128, True, "residual"), (dt, 300, 4096, 4096, 128, True, "dispatch")]
-    specs += [(bf, 8, 4096, 4096, 128, True, "autotune")]
+    specs += [(bf, 8, 4096, 4096, 128, True, "autotune"), (bf, 1, 4096, 4096, 128, True, "outlier"),
+              (bf, 1, 4096, 14336, 128, False, "outlier"), (fp, 1, 4096, 4096, 32, True, "outlier")]
     return specs
 
 
@@ -137,6 +138,8 @@ def _correct_worker(specs) -> list[str]:
         tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
         w = quantize_rtn(torch.randn(N, K, device="cuda"), g, zp, dtype=dtype)
         x = torch.randn(M, K, device="cuda", dtype=dtype)
+        if mode == "outlier":  # one huge activation beside ordinary ones: hgemv's fp16 scaling must hold both
+            x[:, 7] = 3e4 if dtype == torch.bfloat16 else 2e3  # (fp16: y must stay in range)
         bias = torch.randn(N, device="cuda", dtype=dtype)
         try:
             if mode == "silu":
@@ -217,7 +220,7 @@ def int4pack_weight(w: Int4Weight, inner_k_tiles: int = 8):
     return packed, torch.stack([s, zp], dim=2).contiguous()  # [K / G, N, 2]
 
 
-def timing(dtype: torch.dtype, results: dict) -> None:
+def timing(dtype: torch.dtype, results: dict, ms: list[int]) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     weights, dense, packs = {}, {}, {}
     for K, N in SHAPES:
@@ -240,7 +243,7 @@ def timing(dtype: torch.dtype, results: dict) -> None:
         results["int4pack_rel_err"] = rel_err(y, ref(x, weights[(K, N)][0]))
         print(f"int4pack rel err vs ref: {results['int4pack_rel_err']:.2e}", flush=True)
     rows = []
-    for M in MS:
+    for M in ms:
         row = {"M": M, "shapes": {}}
         tot = {"ours": 0.0, "int4pack": 0.0, "cublas": 0.0, "dequant_cublas": 0.0}
         nbytes = 0
@@ -298,13 +301,15 @@ def main() -> None:
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT", "unknown"))
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows M to time (a subset for quick runs)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     results = {"device": props.name, "date": datetime.date.today().isoformat(), "commit": args.commit,
                "torch": torch.__version__, "sms": props.multi_processor_count}
     print(results, flush=True)
-    jobs = [(M, K, N, cfg, torch.bfloat16) for M, K, N, cfg in sweep_jobs(torch.bfloat16)]
+    ms = [int(m) for m in args.ms.split(",")]
+    jobs = [(M, K, N, cfg, torch.bfloat16) for M, K, N, cfg in sweep_jobs(ms)]
     specs = [] if args.skip_correctness else correctness_specs()
     results["failures"] = precompile_and_check(jobs, specs, args.workers)
     results["asm_pair_order_ok"] = check_asm_order()
@@ -313,7 +318,7 @@ def main() -> None:
     print(f"copy: {results['copy_tbps']:.2f} TB/s", flush=True)
     path = os.path.join(args.out, "int4_matmul.json")
     try:
-        timing(torch.bfloat16, results)
+        timing(torch.bfloat16, results, ms)
     finally:
         with open(path, "w") as f:
             json.dump(results, f, indent=1)

@@ -119,6 +119,56 @@ def test_every_kernel_matches_ref(M, N, K, G, dtype):
         assert _rel_err(y, ref) < TOL[dtype], cfg
 
 
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("N,K,G,use_zero_point,split_k", [(1000, 576, 64, True, 3), (300, 1024, 32, False, 1),
+                                                          (2048, 4096, 128, True, 8), (96, 512, 128, False, 2)])
+def test_hgemv_matches_ref(N, K, G, use_zero_point, split_k, silu):
+    """The packed-fp16 M = 1 path: ragged N, every group size, split and unsplit K, a poisoned output."""
+    w = _weight(N, K, G, use_zero_point, torch.float16, seed=N + K)
+    x, bias = _x(1, K, torch.float16, seed=K), _x(1, N, torch.float16, seed=2)[0]
+    cfg = T.KernelConfig("hgemv", 1, 512, min(64, G), split_k, 4, 1)
+    out = torch.full((1, N // 2 if silu else N), float("nan"), dtype=torch.float16, device=DEVICE)
+    if silu:
+        x = x * 0.05  # keeps the gate's sigmoid in range (the interpreter turns exp's overflow into an error)
+        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=True, config=cfg, out=out)
+        gate, up = _ref(x, w).chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+    else:
+        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, bias=bias, config=cfg, out=out)
+        ref = _ref(x, w, bias)
+    assert y.data_ptr() == out.data_ptr()
+    assert _rel_err(y, ref) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("magnitude", [1e4, 1e-3, 0.0])
+def test_hgemv_scales_x_into_fp16_range(magnitude):
+    """x is scaled per split by a power of two: huge and tiny activations keep their precision; an
+    outlier beside small values neither overflows nor flushes them."""
+    g = torch.Generator().manual_seed(0)
+    w = quantize_rtn(torch.randn(128, 1024, generator=g) * 0.01, 128, True, dtype=torch.float16).to(DEVICE)
+    x = _x(1, 1024, torch.float16) * magnitude  # small weights keep y inside fp16's range
+    x[0, 5] = 6e4 if magnitude else 0.0  # an outlier in the first split
+    cfg = T.KernelConfig("hgemv", 1, 512, 64, 2, 4, 1)
+    y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, config=cfg)
+    ref = _ref(x, w)
+    if magnitude == 0.0:
+        assert not y.any()
+    else:
+        assert _rel_err(y, ref) < TOL[torch.float16]
+        # the second split holds no outlier: its share alone must be exact too
+        x2 = x.clone()
+        x2[0, :512] = 0
+        y2 = T.int4_matmul_triton(x2, w.qweight, w.scales, w.zeros, 128, config=cfg)
+        assert _rel_err(y2, _ref(x2, w)) < TOL[torch.float16]
+
+
+def test_hgemv_rejects_what_it_cannot_run():
+    w = _weight(64, 256, 128, True, torch.float16)
+    with pytest.raises(ValueError, match="hgemv"):
+        T.int4_matmul_triton(_x(2, 256, torch.float16), w.qweight, w.scales, w.zeros, 128,
+                             config=T.KernelConfig("hgemv", 1, 512, 64, 1, 4, 1))
+
+
 def test_residual_and_strided_rows():
     w = _weight(64, 256, 64, True, torch.float16)
     x = _x(6, 512, torch.float16)[:, ::2]  # non-unit K stride: the dispatcher makes rows contiguous

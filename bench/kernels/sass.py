@@ -1,0 +1,131 @@
+"""Compile a Triton kernel for sm_90 on a machine without a GPU and summarise its SASS loops.
+
+Triton's wheel carries ptxas and cuobjdump, so the machine code a kernel gets on the H200 can be read
+on any host: registers, spills, and the instruction mix of every loop (the inner loop of a
+memory-bound kernel must stay under the issue and integer-pipe budgets; see ``int4_matmul_triton``).
+
+    python bench/kernels/sass.py gemv     # the INT4 kernels at their M = 1 / M = 16 configs
+    python bench/kernels/sass.py --dump /tmp/sass gemv   # also writes .sass / .ttgir / .ptx
+
+Arguments marked ``div16`` are specialised as the launcher sees them at run time (pointers and sizes
+divisible by 16), so the vector widths match the GPU's build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_INSN = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)")
+_BRA = re.compile(r"/\*([0-9a-f]{4,})\*/.*\bBRA\b.*?(0x[0-9a-f]+)")
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict, div16: set[str], num_warps: int,
+                 num_stages: int):
+    """signature: Triton type per runtime argument ("*bf16", "i32", ...); constexprs by name."""
+    sig = {n: ("constexpr" if n in constexprs else signature[n]) for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16 if n in fn.arg_names}
+    src = ASTSource(fn, sig, constexprs=dict(constexprs), attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def sass_of(cubin: bytes, scratch: str) -> tuple[str, str]:
+    path = os.path.join(scratch, "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-sass", path], capture_output=True, text=True,
+                          check=True).stdout
+    res = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", path], capture_output=True,
+                         text=True, check=True).stdout
+    return sass, res
+
+
+def loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
+    """Each backward branch's body [target, branch] as an opcode histogram, largest first (the main loop
+    of these kernels; the others are split-K fix-ups and prologues)."""
+    insns = [(int(m.group(1), 16), m.group(3)) for m in map(_INSN.match, sass.splitlines()) if m]
+    out = []
+    for line in sass.splitlines():
+        m = _BRA.search(line)
+        if m and int(m.group(2), 16) < int(m.group(1), 16):
+            lo, hi = int(m.group(2), 16), int(m.group(1), 16)
+            out.append((lo, hi, collections.Counter(op for a, op in insns if lo <= a <= hi)))
+    return sorted(out, key=lambda t: t[0] - t[1])
+
+
+# Opcodes that issue to the integer ALU pipe (half the FP32 rate on Hopper); IMAD issues to the FMA
+# pipe. Used to flag loops whose integer work, not memory, sets the pace.
+INT_PIPE = {"LOP3", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA", "PLOP3", "VIADD", "IABS", "FLO", "POPC", "BMSK"}
+
+
+def report(name: str, compiled, scratch: str, weights_per_thread: int | None, dump: str | None) -> None:
+    sass, res = sass_of(compiled.asm["cubin"], scratch)
+    regs = re.search(r"REG:(\d+)", res).group(1)
+    stack = re.search(r"STACK:(\d+)", res).group(1)
+    print(f"== {name}: {regs} registers, stack {stack} B")
+    for lo, hi, ops in loops(sass)[:1]:
+        total = sum(ops.values())
+        ints = sum(n for op, n in ops.items() if op in INT_PIPE)
+        per = f", {total / weights_per_thread:.2f} insns and {ints / weights_per_thread:.2f} int-pipe per weight" \
+            if weights_per_thread else ""
+        print(f"  loop {lo:#06x}-{hi:#06x}: {total} insns, {ints} int-pipe{per}")
+        print("   ", " ".join(f"{op}:{n}" for op, n in ops.most_common(16)))
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for key, ext in (("ttgir", "ttgir"), ("ptx", "ptx")):
+            with open(os.path.join(dump, f"{name}.{ext}"), "w") as f:
+                f.write(compiled.asm[key])
+        with open(os.path.join(dump, f"{name}.sass"), "w") as f:
+            f.write(sass)
+
+
+def int4_cases():
+    """(name, kernel, signature, constexprs, div16, warps, stages, weights per thread per loop trip)."""
+    from kernels import int4_matmul_triton as T
+
+    sig = dict(x_ptr="*bf16", qw_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*bf16", bias_ptr="*bf16",
+               res_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32",
+               stride_xm="i32", stride_ym="i32", stride_rm="i32", split_k="i32", K_ITERS="i32", one_bits="i32",
+               scr_ptr="*i32")
+    div16 = {"x_ptr", "qw_ptr", "scales_ptr", "zeros_ptr", "bias_ptr", "res_ptr", "y_ptr", "part_ptr",
+             "count_ptr", "scr_ptr", "N", "K", "stride_xm", "stride_ym", "stride_rm"}
+    base = dict(G=128, HAS_ZEROS=True, HAS_BIAS=False, HAS_RES=False, SILU=False, USE_SPLIT=True)
+    cases = []
+    for cfg in T.sass_configs():
+        const = dict(base, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+        kernel, extra = T.kernel_for(cfg, True, base["G"], True)
+        const.update(extra)
+        const = {n: v for n, v in const.items() if n in kernel.arg_names}
+        threads = 32 * cfg.num_warps
+        cases.append((f"{cfg.kind}_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}_w{cfg.num_warps}", kernel,
+                      sig, const, div16, cfg.num_warps, cfg.num_stages, cfg.block_n * cfg.block_k // threads))
+    return cases
+
+
+CASES = {"int4": int4_cases}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", choices=sorted(CASES))
+    ap.add_argument("--dump", help="folder for .sass / .ttgir / .ptx of each case")
+    args = ap.parse_args()
+    scratch = args.dump or os.environ.get("TMPDIR", "/tmp")
+    for name, fn, sig, const, div16, warps, stages, wpt in CASES[args.which]():
+        report(name, compile_sm90(fn, sig, const, div16, warps, stages), scratch, wpt, args.dump)
+
+
+if __name__ == "__main__":
+    main()
