@@ -295,7 +295,7 @@ def _int4_gemv_f16_kernel(
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
-    FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr,
+    FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr, DEPTH: tl.constexpr,
 ):
     """One program: row 0 of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows (BLOCK_K
     divides G, so every tile sits in one group).
@@ -311,6 +311,14 @@ def _int4_gemv_f16_kernel(
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     R8 = K_ITERS * BLOCK_K8  # packed rows in this split
     k_lo = pid_k * K_ITERS * BLOCK_K
+    # The first DEPTH weight tiles go out before step 1, so their HBM latency hides behind it; each
+    # trip then keeps DEPTH tiles in flight (Triton pipelines only loads that feed a dot).
+    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
+    offs_k8 = tl.arange(0, BLOCK_K8)
+    q_ptrs = qw_ptr + (k_lo // 8 + offs_k8)[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
+    q_a = tl.load(q_ptrs, mask=n_mask[None, :], other=0)
+    if DEPTH > 1:
+        q_b = tl.load(q_ptrs + BLOCK_K8 * N, mask=n_mask[None, :] & (1 < K_ITERS), other=0)
     scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)  # pairs, then tile sums
     c8 = tl.arange(0, CHUNK8)
     c4 = tl.arange(0, 4)
@@ -340,15 +348,15 @@ def _int4_gemv_f16_kernel(
         tl.store(scr + R8 * 4 + t_idx, tiles.to(tl.int32, bitcast=True), mask=t_idx < K_ITERS)
     tl.debug_barrier()  # the scratch rows are written before any thread reads them
     # 2. the weights
-    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
-    offs_k8 = tl.arange(0, BLOCK_K8)
-    q_ptrs = qw_ptr + (k_lo // 8 + offs_k8)[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
     x_ptrs = scr + 4 * offs_k8[:, None]  # [BLOCK_K8, 1]
     acc = tl.zeros([BLOCK_N], tl.float32)
-    q_next = tl.load(q_ptrs, mask=n_mask[None, :], other=0)
     for i in range(K_ITERS):
-        q = q_next
-        q_next = tl.load(q_ptrs + (i + 1) * BLOCK_K8 * N, mask=n_mask[None, :] & (i + 1 < K_ITERS), other=0)
+        q = q_a
+        if DEPTH > 1:
+            q_a = q_b
+            q_b = tl.load(q_ptrs + (i + 2) * BLOCK_K8 * N, mask=n_mask[None, :] & (i + 2 < K_ITERS), other=0)
+        else:
+            q_a = tl.load(q_ptrs + (i + 1) * BLOCK_K8 * N, mask=n_mask[None, :] & (i + 1 < K_ITERS), other=0)
         xr = x_ptrs + i * BLOCK_K8 * 4
         part = _word_dot(q, tl.load(xr), tl.load(xr + 1), tl.load(xr + 2), tl.load(xr + 3), USE_ASM)
         t = tl.sum(part, axis=0)  # [BLOCK_N]
@@ -539,7 +547,7 @@ class KernelConfig:
     block_k: int = 128  # weight rows per loop step
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 3  # software pipeline stages (mma); weight tiles in flight (hgemv)
 
 
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
@@ -548,14 +556,15 @@ _autotune = True
 # (block_m, block_n, num_warps, num_stages) per M bucket, the H200 favourite first. block_m <= 32 keeps
 # the MMA on mma.sync with B in registers (wgmma would read dequantized weights from shared memory).
 _MMA_SHAPES = {
-    16: [(16, 128, 4, 4), (16, 64, 4, 3), (16, 128, 4, 3)],
+    16: [(16, 128, 4, 3), (16, 64, 4, 3), (16, 256, 8, 3), (16, 256, 4, 3)],
     32: [(32, 128, 4, 3), (32, 64, 4, 3)],
-    64: [(32, 128, 4, 3)],
+    64: [(32, 128, 4, 3), (32, 256, 8, 3)],
     128: [(32, 128, 4, 3)],
     256: [(128, 128, 8, 3)],
 }
 _GEMV_SHAPES = [(512, 64, 4, 1)]  # (block_n, block_k, warps, stages); more rows or a larger block_k spill
-_HGEMV_SHAPES = [(1024, 64, 4), (512, 64, 4), (512, 64, 2)]  # (block_n, block_k, warps); block_k <= G
+# (block_n, block_k, warps, tiles in flight); block_k <= G
+_HGEMV_SHAPES = [(512, 64, 4, 2), (512, 64, 4, 1), (256, 128, 4, 2), (512, 128, 4, 1)]
 
 
 def set_autotune(enabled: bool) -> None:
@@ -582,7 +591,7 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
     shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[bucket]]
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
         if x16:
-            shapes = [("hgemv", 1, bn, min(bk, G), w, 1) for bn, bk, w in _HGEMV_SHAPES] + shapes
+            shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES] + shapes
         shapes += [("gemv", 1, bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
     for kind, bm, bn, bk, warps, stages in shapes:
         tiles = triton.cdiv(n_out, bn // 2 if silu else bn) * (1 if "gemv" in kind else triton.cdiv(M, bm))
@@ -605,7 +614,7 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
     """The kernel of ``cfg``'s path and the compile-time arguments that depend on the call."""
     if cfg.kind == "hgemv":
         return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(8, 4096 // cfg.block_n)), "USE_ASM": on_gpu,
-                                       "CHUNK8": 128}
+                                       "CHUNK8": 128, "DEPTH": cfg.num_stages}
     if cfg.kind == "gemv":
         # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
@@ -616,10 +625,13 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
 
 def sass_configs() -> list[KernelConfig]:
     """The configs ``bench/kernels/sass.py`` compiles for sm_90: each path at its usual M."""
-    return [KernelConfig("hgemv", 1, 1024, 64, 16, 4, 1),
-            KernelConfig("hgemv", 1, 512, 64, 16, 4, 1),
+    return [KernelConfig("hgemv", 1, 512, 64, 16, 4, 2),
+            KernelConfig("hgemv", 1, 512, 128, 16, 4, 1),
             KernelConfig("gemv", 1, 512, 64, 16, 4, 1),
-            KernelConfig("mma", 16, 128, 128, 8, 4, 4),
+            KernelConfig("mma", 16, 128, 128, 8, 4, 3),
+            KernelConfig("mma", 16, 256, 128, 8, 8, 3),
+            KernelConfig("mma", 16, 256, 128, 8, 4, 3),
+            KernelConfig("mma", 32, 256, 128, 4, 8, 3),
             KernelConfig("mma", 32, 128, 128, 4, 4, 3)]
 
 
@@ -658,7 +670,7 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
             cfg.split_k, k_iters,
             G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
             SILU=silu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1,
-            num_warps=cfg.num_warps, num_stages=1, **extra,
+            num_warps=cfg.num_warps, num_stages=1, **extra,  # num_stages: tiles in flight (DEPTH)
         )
         return
     kernel[(grid_m * grid_n, cfg.split_k)](
