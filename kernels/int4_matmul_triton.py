@@ -447,7 +447,7 @@ def _int4_matmul_kernel(
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, CHAINS: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split. The M tiles of an N tile are
     neighbours in the grid, so a weight tile comes from HBM once and from L2 for the others.
@@ -488,12 +488,24 @@ def _int4_matmul_kernel(
             else:
                 MAGIC: tl.constexpr = 1024.0
             # sum_k x as a dot against ones: a row sum of the x tile would cost a barrier per tile
+            # Even and odd code positions feed separate accumulators: two 4-deep chains of dependent MMAs
+            # per tile instead of one 8-deep chain.
             ones = tl.full([BLOCK_K8, BLOCK_N], 1.0, x.dtype)
-            t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x (code + MAGIC)
-            u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x, broadcast along N
-            for j in tl.static_range(8):
-                t = tl.dot(xj[j], _codes_plus_magic(q, j, x.dtype, USE_ASM), t)
-                u = tl.dot(xj[j], ones, u)
+            t0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x (code + MAGIC)
+            t1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            u0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x, broadcast along N
+            u1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for j in tl.static_range(0, 8, 2):
+                t0 = tl.dot(xj[j], _codes_plus_magic(q, j, x.dtype, USE_ASM), t0)
+                u0 = tl.dot(xj[j], ones, u0)
+                if CHAINS == 2:
+                    t1 = tl.dot(xj[j + 1], _codes_plus_magic(q, j + 1, x.dtype, USE_ASM), t1)
+                    u1 = tl.dot(xj[j + 1], ones, u1)
+                else:
+                    t0 = tl.dot(xj[j + 1], _codes_plus_magic(q, j + 1, x.dtype, USE_ASM), t0)
+                    u0 = tl.dot(xj[j + 1], ones, u0)
+            t = t0 + t1
+            u = u0 + u1
             g = k0 // G
             s = tl.load(scales_ptr + g * N + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
             if HAS_ZEROS:
@@ -550,6 +562,7 @@ class KernelConfig:
     num_stages: int = 3  # software pipeline stages (mma); weight tiles in flight (hgemv)
 
 
+MMA_CHAINS = 2  # independent MMA accumulator chains per tile (1 or 2; a benchmark knob)
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
@@ -620,7 +633,8 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
         return _int4_gemv_kernel, {"FIX_R": max(1, min(8, 4096 // cfg.block_n))}
     factored = x_16bit and G % cfg.block_k == 0
-    return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k}
+    return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
+                                 "CHAINS": MMA_CHAINS}
 
 
 def sass_configs() -> list[KernelConfig]:
