@@ -284,6 +284,31 @@ def _word_dot(q, x04, x15, x26, x37, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, g_ptrs, i, n_mask, N, K_ITERS, G: tl.constexpr, BLOCK_K: tl.constexpr,
+                HAS_ZEROS: tl.constexpr):
+    """Tile i's packed words [BLOCK_K // 8, BLOCK_N] and its group's scales and zero points [BLOCK_N]
+    (zeros if i is past the split)."""
+    ok = n_mask & (i < K_ITERS)
+    q = tl.load(q_ptrs + i * (BLOCK_K // 8) * N, mask=ok[None, :], other=0)
+    g = (i * BLOCK_K) // G * N
+    s = tl.load(scales_ptr + g_ptrs + g, mask=ok, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(zeros_ptr + g_ptrs + g, mask=ok, other=0.0).to(tl.float32)
+    else:
+        z = s  # unused
+    return q, s, z
+
+
+@triton.jit
+def _hgemv_pairs(x_ptrs, sum_ptr, i, K_ITERS, BLOCK_K8: tl.constexpr):
+    """Tile i's scaled x as four [BLOCK_K8, 1] f16x2 pair columns, and its sum of x."""
+    ok = i < K_ITERS
+    xr = x_ptrs + i * BLOCK_K8 * 4
+    return (tl.load(xr, mask=ok, other=0), tl.load(xr + 1, mask=ok, other=0), tl.load(xr + 2, mask=ok, other=0),
+            tl.load(xr + 3, mask=ok, other=0), tl.load(sum_ptr + i, mask=ok, other=0).to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _int4_gemv_f16_kernel(
     # pointers
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr, scr_ptr,
@@ -311,14 +336,17 @@ def _int4_gemv_f16_kernel(
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     R8 = K_ITERS * BLOCK_K8  # packed rows in this split
     k_lo = pid_k * K_ITERS * BLOCK_K
-    # The first DEPTH weight tiles go out before step 1, so their HBM latency hides behind it; each
-    # trip then keeps DEPTH tiles in flight (Triton pipelines only loads that feed a dot).
+    # The first DEPTH tiles' weights and group parameters go out before step 1, so their HBM latency
+    # hides behind it; each trip then keeps DEPTH tiles in flight (Triton pipelines only loads that
+    # feed a dot, so this loop does it by hand).
     cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
     offs_k8 = tl.arange(0, BLOCK_K8)
     q_ptrs = qw_ptr + (k_lo // 8 + offs_k8)[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
-    q_a = tl.load(q_ptrs, mask=n_mask[None, :], other=0)
+    g_ptrs = (k_lo // G) * N + cols  # [BLOCK_N] offsets of the first tile's group row
+    q_a, s_a, z_a = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, g_ptrs, 0, n_mask, N, K_ITERS, G, BLOCK_K, HAS_ZEROS)
     if DEPTH > 1:
-        q_b = tl.load(q_ptrs + BLOCK_K8 * N, mask=n_mask[None, :] & (1 < K_ITERS), other=0)
+        q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, g_ptrs, 1, n_mask, N, K_ITERS, G, BLOCK_K,
+                                    HAS_ZEROS)
     scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)  # pairs, then tile sums
     c8 = tl.arange(0, CHUNK8)
     c4 = tl.arange(0, 4)
@@ -349,22 +377,23 @@ def _int4_gemv_f16_kernel(
     tl.debug_barrier()  # the scratch rows are written before any thread reads them
     # 2. the weights
     x_ptrs = scr + 4 * offs_k8[:, None]  # [BLOCK_K8, 1]
+    sum_ptr = scr + R8 * 4
+    x_a = _hgemv_pairs(x_ptrs, sum_ptr, 0, K_ITERS, BLOCK_K8)  # from L1 / L2: one tile ahead is enough
     acc = tl.zeros([BLOCK_N], tl.float32)
     for i in range(K_ITERS):
-        q = q_a
+        q, s, z = q_a, s_a, z_a
         if DEPTH > 1:
-            q_a = q_b
-            q_b = tl.load(q_ptrs + (i + 2) * BLOCK_K8 * N, mask=n_mask[None, :] & (i + 2 < K_ITERS), other=0)
+            q_a, s_a, z_a = q_b, s_b, z_b
+            q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, g_ptrs, i + 2, n_mask, N, K_ITERS, G, BLOCK_K,
+                                        HAS_ZEROS)
         else:
-            q_a = tl.load(q_ptrs + (i + 1) * BLOCK_K8 * N, mask=n_mask[None, :] & (i + 1 < K_ITERS), other=0)
-        xr = x_ptrs + i * BLOCK_K8 * 4
-        part = _word_dot(q, tl.load(xr), tl.load(xr + 1), tl.load(xr + 2), tl.load(xr + 3), USE_ASM)
-        t = tl.sum(part, axis=0)  # [BLOCK_N]
-        g = (k_lo + i * BLOCK_K) // G
-        s = tl.load(scales_ptr + g * N + cols, mask=n_mask, other=0.0).to(tl.float32)
+            q_a, s_a, z_a = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, g_ptrs, i + 1, n_mask, N, K_ITERS, G, BLOCK_K,
+                                        HAS_ZEROS)
+        x04, x15, x26, x37, xsum = x_a
+        x_a = _hgemv_pairs(x_ptrs, sum_ptr, i + 1, K_ITERS, BLOCK_K8)
+        t = tl.sum(_word_dot(q, x04, x15, x26, x37, USE_ASM), axis=0)  # [BLOCK_N]
         if HAS_ZEROS:
-            z = tl.load(zeros_ptr + g * N + cols, mask=n_mask, other=0.0).to(tl.float32)
-            t += (8.0 - z) * tl.load(scr + R8 * 4 + i).to(tl.float32, bitcast=True)
+            t += (8.0 - z) * xsum
         acc += s * t
     acc = acc * inv_scale
     offs_m = tl.arange(0, 1)
@@ -626,7 +655,8 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: bool = True) -> tuple:
     """The kernel of ``cfg``'s path and the compile-time arguments that depend on the call."""
     if cfg.kind == "hgemv":
-        return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(8, 4096 // cfg.block_n)), "USE_ASM": on_gpu,
+        # partials read per fix-up step: the fix-up's L2 round trips are the tail of a short kernel
+        return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(16, 8192 // cfg.block_n)), "USE_ASM": on_gpu,
                                        "CHUNK8": 128, "DEPTH": cfg.num_stages}
     if cfg.kind == "gemv":
         # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
