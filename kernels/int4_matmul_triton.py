@@ -284,16 +284,16 @@ def _word_dot(q, x04, x15, x26, x37, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, g_ptrs, i, n_mask, N, K_ITERS, G: tl.constexpr, BLOCK_K: tl.constexpr,
-                HAS_ZEROS: tl.constexpr):
+def _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, i, n_mask, N, K_ITERS, G: tl.constexpr,
+                BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """Tile i's packed words [BLOCK_K // 8, BLOCK_N] and its group's scales and zero points [BLOCK_N]
     (zeros if i is past the split)."""
     ok = n_mask & (i < K_ITERS)
     q = tl.load(q_ptrs + i * (BLOCK_K // 8) * N, mask=ok[None, :], other=0)
-    g = (i * BLOCK_K) // G * N
-    s = tl.load(scales_ptr + g_ptrs + g, mask=ok, other=0.0).to(tl.float32)
+    g = (k_lo + i * BLOCK_K) // G * N  # a split need not start on a group boundary
+    s = tl.load(scales_ptr + g + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_ZEROS:
-        z = tl.load(zeros_ptr + g_ptrs + g, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g + cols, mask=ok, other=0.0).to(tl.float32)
     else:
         z = s  # unused
     return q, s, z
@@ -342,10 +342,10 @@ def _int4_gemv_f16_kernel(
     cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
     offs_k8 = tl.arange(0, BLOCK_K8)
     q_ptrs = qw_ptr + (k_lo // 8 + offs_k8)[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
-    g_ptrs = (k_lo // G) * N + cols  # [BLOCK_N] offsets of the first tile's group row
-    q_a, s_a, z_a = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, g_ptrs, 0, n_mask, N, K_ITERS, G, BLOCK_K, HAS_ZEROS)
+    q_a, s_a, z_a = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, 0, n_mask, N, K_ITERS, G, BLOCK_K,
+                                HAS_ZEROS)
     if DEPTH > 1:
-        q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, g_ptrs, 1, n_mask, N, K_ITERS, G, BLOCK_K,
+        q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, 1, n_mask, N, K_ITERS, G, BLOCK_K,
                                     HAS_ZEROS)
     scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)  # pairs, then tile sums
     c8 = tl.arange(0, CHUNK8)
@@ -384,11 +384,11 @@ def _int4_gemv_f16_kernel(
         q, s, z = q_a, s_a, z_a
         if DEPTH > 1:
             q_a, s_a, z_a = q_b, s_b, z_b
-            q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, g_ptrs, i + 2, n_mask, N, K_ITERS, G, BLOCK_K,
-                                        HAS_ZEROS)
+            q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, i + 2, n_mask, N, K_ITERS, G,
+                                        BLOCK_K, HAS_ZEROS)
         else:
-            q_a, s_a, z_a = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, g_ptrs, i + 1, n_mask, N, K_ITERS, G, BLOCK_K,
-                                        HAS_ZEROS)
+            q_a, s_a, z_a = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, i + 1, n_mask, N, K_ITERS, G,
+                                        BLOCK_K, HAS_ZEROS)
         x04, x15, x26, x37, xsum = x_a
         x_a = _hgemv_pairs(x_ptrs, sum_ptr, i + 1, K_ITERS, BLOCK_K8)
         t = tl.sum(_word_dot(q, x04, x15, x26, x37, USE_ASM), axis=0)  # [BLOCK_N]
@@ -501,6 +501,11 @@ def _int4_matmul_kernel(
     q_ptrs = qw_ptr + offs_k8[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # FACTORED: the next tile's scales and zero points load a trip ahead (Triton's pipeliner overlaps
+    # only the loads that feed a dot; these would stall every trip on an HBM round trip).
+    k_lo = pid_k * K_ITERS * BLOCK_K
+    s_next = tl.load(scales_ptr + (k_lo // G) * N + cols, mask=n_mask, other=0.0)
+    z_next = tl.load(zeros_ptr + (k_lo // G) * N + cols, mask=n_mask & HAS_ZEROS, other=0.0)
     for i in range(K_ITERS):
         k0 = (pid_k * K_ITERS + i) * BLOCK_K  # K may be ragged (not a multiple of BLOCK_K): mask rows
         if EVEN_K:
@@ -535,12 +540,15 @@ def _int4_matmul_kernel(
                     u0 = tl.dot(xj[j + 1], ones, u0)
             t = t0 + t1
             u = u0 + u1
-            g = k0 // G
-            s = tl.load(scales_ptr + g * N + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            s = s_next.to(tl.float32)[None, :]
             if HAS_ZEROS:
-                z = tl.load(zeros_ptr + g * N + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                z = z_next.to(tl.float32)[None, :]
             else:
                 z = 8.0
+            nxt = n_mask & (i + 1 < K_ITERS)
+            g_next = (k0 + BLOCK_K) // G * N
+            s_next = tl.load(scales_ptr + g_next + cols, mask=nxt, other=0.0)
+            z_next = tl.load(zeros_ptr + g_next + cols, mask=nxt & HAS_ZEROS, other=0.0)
             acc += t * s - u * (s * (MAGIC + z))
         else:
             s16, sz16 = _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G, BLOCK_K, HAS_ZEROS)

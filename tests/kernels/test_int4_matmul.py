@@ -121,7 +121,8 @@ def test_every_kernel_matches_ref(M, N, K, G, dtype):
 
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("N,K,G,use_zero_point,split_k", [(1000, 576, 64, True, 3), (300, 1024, 32, False, 1),
-                                                          (2048, 4096, 128, True, 8), (96, 512, 128, False, 2)])
+                                                          (2048, 4096, 128, True, 8), (96, 512, 128, False, 2),
+                                                          (200, 1536, 128, True, 8)])  # splits start mid-group
 def test_hgemv_matches_ref(N, K, G, use_zero_point, split_k, silu):
     """The packed-fp16 M = 1 path: ragged N, every group size, split and unsplit K, a poisoned output."""
     w = _weight(N, K, G, use_zero_point, torch.float16, seed=N + K)
