@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
 ONE_BITS = 0x3F800000  # fp32 1.0; a kernel argument, not a constant: see _nibble
 _NIBBLE_AT_19 = tl.constexpr(0x780000)  # mantissa bits 19..22
@@ -320,7 +321,7 @@ def _int4_gemv_f16_kernel(
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
-    FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr, DEPTH: tl.constexpr,
+    FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr, DEPTH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program: row 0 of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows (BLOCK_K
     divides G, so every tile sits in one group).
@@ -347,6 +348,8 @@ def _int4_gemv_f16_kernel(
     if DEPTH > 1:
         q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, 1, n_mask, N, K_ITERS, G, BLOCK_K,
                                     HAS_ZEROS)
+    if USE_PDL:  # everything above reads weights only; x and every buffer wait for the previous kernel
+        gdc_wait()
     scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)  # pairs, then tile sums
     c8 = tl.arange(0, CHUNK8)
     c4 = tl.arange(0, 4)
@@ -396,6 +399,8 @@ def _int4_gemv_f16_kernel(
             t += (8.0 - z) * xsum
         acc += s * t
     acc = acc * inv_scale
+    if USE_PDL:
+        gdc_launch_dependents()  # the next kernel may start its own weight prefetch during our fix-up
     offs_m = tl.arange(0, 1)
     _finish(acc[None, :], pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
@@ -476,7 +481,7 @@ def _int4_matmul_kernel(
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
-    EVEN_K: tl.constexpr, CHAINS: tl.constexpr,
+    EVEN_K: tl.constexpr, CHAINS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split. The M tiles of an N tile are
     neighbours in the grid, so a weight tile comes from HBM once and from L2 for the others.
@@ -490,6 +495,8 @@ def _int4_matmul_kernel(
     no load needs a K mask.
     """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
+    if USE_PDL:  # the pipeliner's first loads read x: nothing overlaps the previous kernel but our launch
+        gdc_wait()
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     num_m_tiles = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = pid % num_m_tiles, pid // num_m_tiles
@@ -554,6 +561,8 @@ def _int4_matmul_kernel(
             s16, sz16 = _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G, BLOCK_K, HAS_ZEROS)
             for j in tl.static_range(8):
                 acc = _dot(xj[j], (_nibble(q, j, one_bits) * s16 - sz16).to(x.dtype), acc)
+    if USE_PDL:
+        gdc_launch_dependents()
     _finish(acc, pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, part_ptr,
             count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R)
 
@@ -600,6 +609,10 @@ class KernelConfig:
 
 
 MMA_CHAINS = 2  # independent MMA accumulator chains per tile (1 or 2; a benchmark knob)
+# Programmatic dependent launch (sm_90): hgemv and mma launches may start while the previous kernel in
+# the stream finishes; they prefetch weights (which no kernel writes) and wait (griddepcontrol.wait)
+# before touching x or any buffer. Hides the launch gap and the tail of the kernel before.
+USE_PDL = True
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
@@ -660,19 +673,20 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: bool = True) -> tuple:
+def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: bool = True,
+               pdl: bool = False) -> tuple:
     """The kernel of ``cfg``'s path and the compile-time arguments that depend on the call."""
     if cfg.kind == "hgemv":
         # partials read per fix-up step: the fix-up's L2 round trips are the tail of a short kernel
         return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(16, 8192 // cfg.block_n)), "USE_ASM": on_gpu,
-                                       "CHUNK8": 128, "DEPTH": cfg.num_stages}
+                                       "CHUNK8": 128, "DEPTH": cfg.num_stages, "USE_PDL": pdl}
     if cfg.kind == "gemv":
         # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
         return _int4_gemv_kernel, {"FIX_R": max(1, min(8, 4096 // cfg.block_n))}
     factored = x_16bit and G % cfg.block_k == 0
     return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
-                                 "CHAINS": MMA_CHAINS}
+                                 "CHAINS": MMA_CHAINS, "USE_PDL": pdl}
 
 
 def sass_configs() -> list[KernelConfig]:
@@ -685,6 +699,17 @@ def sass_configs() -> list[KernelConfig]:
             KernelConfig("mma", 16, 256, 128, 8, 4, 3),
             KernelConfig("mma", 32, 256, 128, 4, 8, 3),
             KernelConfig("mma", 32, 128, 128, 4, 4, 3)]
+
+
+def _pdl(extra: dict) -> dict:
+    """Launch options for a kernel compiled with ``extra``: programmatic launch where it waits on
+    griddepcontrol."""
+    return {"launch_pdl": True} if extra.get("USE_PDL") else {}
+
+
+def _pdl_ok(x: torch.Tensor) -> bool:
+    """Programmatic dependent launch: CUDA on sm_90 or newer, and not switched off."""
+    return USE_PDL and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -705,7 +730,8 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
     grid_m = 1 if "gemv" in cfg.kind else triton.cdiv(M, cfg.block_m)
     part = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     counts = y if cfg.split_k == 1 else _counters(x.device, grid_m * grid_n)
-    kernel, extra = kernel_for(cfg, x.dtype in (torch.float16, torch.bfloat16), G, x.is_cuda, K % cfg.block_k == 0)
+    kernel, extra = kernel_for(cfg, x.dtype in (torch.float16, torch.bfloat16), G, x.is_cuda, K % cfg.block_k == 0,
+                               _pdl_ok(x))
     k_iters = triton.cdiv(K, cfg.block_k) // cfg.split_k
     if cfg.kind == "hgemv":
         if M != 1 or G % cfg.block_k or K % cfg.block_k or x.dtype == torch.float32:
@@ -722,7 +748,7 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
             cfg.split_k, k_iters,
             G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
             SILU=silu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1,
-            num_warps=cfg.num_warps, num_stages=1, **extra,  # num_stages: tiles in flight (DEPTH)
+            num_warps=cfg.num_warps, num_stages=1, **extra, **_pdl(extra),  # num_stages: tiles in flight (DEPTH)
         )
         return
     kernel[(grid_m * grid_n, cfg.split_k)](
@@ -733,7 +759,7 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
         cfg.split_k, k_iters, ONE_BITS,
         G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         SILU=silu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **_pdl(extra),
     )
 
 
