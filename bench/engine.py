@@ -143,7 +143,7 @@ def hf_static_tok_s(hf_model, input_ids: torch.Tensor, new_tokens: int) -> float
     return (out.shape[1] - input_ids.shape[1]) * input_ids.shape[0] / (time.perf_counter() - t0)
 
 
-def synthetic(res: dict) -> None:
+def synthetic(res: dict, verify_only: bool = False) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     target, tbytes = random_model(model_config(LLAMA3_8B), int4=True)
@@ -152,6 +152,8 @@ def synthetic(res: dict) -> None:
     verify = {str(n): round(step_ms(target, n), 3) for n in NODES}
     res["step_ms_m1"], res["verify_ms"] = verify["1"], verify
     log(f"8B INT4: floor {res['floor_ms']} ms, step {verify}")
+    if verify_only:
+        return
     res["engine_nospec_8b_tok_s"] = round(engine_tok_s(target), 1)
     del target
     gc.collect()
@@ -290,6 +292,10 @@ def plot(res: dict, path: Path) -> None:
         if "before_fusion" in res:
             ax.plot(nodes, list(res["before_fusion"]["verify_ms"].values()), "o--", alpha=0.6,
                     label="before fused RMSNorm / RoPE+KV (earlier run)")
+        if "synthetic_previous" in res:
+            prev = res["synthetic_previous"]
+            ax.plot(nodes, [prev["verify_ms"][str(n)] for n in nodes], "s--", alpha=0.6,
+                    label=f"{prev['commit']} ({prev['date']} run)")
         ax.axhline(res["floor_ms"], color="k", ls=":", label=f"floor {res['floor_ms']} ms (INT4 + lm_head at copy BW)")
         ax.axhline(res["draft_step_ms"], color="g", ls="--", label=f"1B-shape draft step {res['draft_step_ms']} ms")
         ax.set_xscale("log", base=2)
@@ -324,6 +330,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--out", default=str(HERE / "results" / "engine.json"))
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON")
+    ap.add_argument("--verify-only", action="store_true", help="--synthetic: the target's step times alone")
     args = ap.parse_args()
     if args.plot_only:
         return plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
@@ -331,7 +338,7 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
                  "torch": torch.__version__, "copy_tbps": round(copy_tbps(), 3)}
     if args.synthetic:
-        synthetic(res)
+        synthetic(res, args.verify_only)
     if args.real:
         real(res, args.real, args.draft, args.new_tokens, [int(b) for b in args.batches.split(",")], args.prompts_file)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

@@ -21,6 +21,7 @@ that share it must be ordered: one stream, or graphs replayed on one stream.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -481,7 +482,7 @@ def _int4_matmul_kernel(
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
-    EVEN_K: tl.constexpr, CHAINS: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split. The M tiles of an N tile are
     neighbours in the grid, so a weight tile comes from HBM once and from L2 for the others.
@@ -529,24 +530,14 @@ def _int4_matmul_kernel(
             else:
                 MAGIC: tl.constexpr = 1024.0
             # sum_k x as a dot against ones: a row sum of the x tile would cost a barrier per tile
-            # Even and odd code positions feed separate accumulators: two 4-deep chains of dependent MMAs
-            # per tile instead of one 8-deep chain.
+            # sum_k x as a dot against ones: a row sum of the x tile would cost a barrier per tile.
+            # (Two accumulator chains, even and odd j, measured no faster on the H200.)
             ones = tl.full([BLOCK_K8, BLOCK_N], 1.0, x.dtype)
-            t0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x (code + MAGIC)
-            t1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            u0 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x, broadcast along N
-            u1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for j in tl.static_range(0, 8, 2):
-                t0 = tl.dot(xj[j], _codes_plus_magic(q, j, x.dtype, USE_ASM), t0)
-                u0 = tl.dot(xj[j], ones, u0)
-                if CHAINS == 2:
-                    t1 = tl.dot(xj[j + 1], _codes_plus_magic(q, j + 1, x.dtype, USE_ASM), t1)
-                    u1 = tl.dot(xj[j + 1], ones, u1)
-                else:
-                    t0 = tl.dot(xj[j + 1], _codes_plus_magic(q, j + 1, x.dtype, USE_ASM), t0)
-                    u0 = tl.dot(xj[j + 1], ones, u0)
-            t = t0 + t1
-            u = u0 + u1
+            t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x (code + MAGIC)
+            u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x, broadcast along N
+            for j in tl.static_range(8):
+                t = tl.dot(xj[j], _codes_plus_magic(q, j, x.dtype, USE_ASM), t)
+                u = tl.dot(xj[j], ones, u)
             s = s_next.to(tl.float32)[None, :]
             if HAS_ZEROS:
                 z = z_next.to(tl.float32)[None, :]
@@ -608,11 +599,11 @@ class KernelConfig:
     num_stages: int = 3  # software pipeline stages (mma); weight tiles in flight (hgemv)
 
 
-MMA_CHAINS = 2  # independent MMA accumulator chains per tile (1 or 2; a benchmark knob)
 # Programmatic dependent launch (sm_90): hgemv and mma launches may start while the previous kernel in
 # the stream finishes; they prefetch weights (which no kernel writes) and wait (griddepcontrol.wait)
 # before touching x or any buffer. Hides the launch gap and the tail of the kernel before.
-USE_PDL = True
+# SPECGATE_INT4_PDL=0 turns it off.
+USE_PDL = os.environ.get("SPECGATE_INT4_PDL", "1") != "0"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
@@ -686,7 +677,7 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
         return _int4_gemv_kernel, {"FIX_R": max(1, min(8, 4096 // cfg.block_n))}
     factored = x_16bit and G % cfg.block_k == 0
     return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
-                                 "CHAINS": MMA_CHAINS, "USE_PDL": pdl}
+                                 "USE_PDL": pdl}
 
 
 def sass_configs() -> list[KernelConfig]:

@@ -73,15 +73,15 @@ def _compile_worker(jobs):
 
 
 def _worker(task) -> tuple[list[str], list[str]]:
-    jobs, specs, chains, pdl = task
-    T.MMA_CHAINS, T.USE_PDL = chains, pdl
+    jobs, specs, pdl = task
+    T.USE_PDL = pdl
     return _compile_worker(jobs), _correct_worker(specs)
 
 
 def precompile_and_check(jobs, specs, workers: int) -> int:
     """Both phases compile, so they share one pool: 12 CPU cores instead of one."""
     t0 = time.time()
-    tasks = [(jobs[i::workers], specs[i::workers], T.MMA_CHAINS, T.USE_PDL) for i in range(workers)]
+    tasks = [(jobs[i::workers], specs[i::workers], T.USE_PDL) for i in range(workers)]
     with mp.get_context("spawn").Pool(workers) as pool:
         parts = pool.map(_worker, tasks)
     errors = [e for p in parts for e in p[0]]
@@ -303,7 +303,6 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
-    ap.add_argument("--mma-chains", type=int, default=T.MMA_CHAINS, help="MMA accumulator chains (1 or 2)")
     ap.add_argument("--ms", default=",".join(map(str, MS)), help="rows M to time (a subset for quick runs)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -312,7 +311,6 @@ def main() -> None:
                "torch": torch.__version__, "sms": props.multi_processor_count}
     print(results, flush=True)
     ms = [int(m) for m in args.ms.split(",")]
-    T.MMA_CHAINS = results["mma_chains"] = args.mma_chains
     T.USE_PDL = results["pdl"] = not args.no_pdl
     jobs = [(M, K, N, cfg, torch.bfloat16) for M, K, N, cfg in sweep_jobs(ms)]
     specs = [] if args.skip_correctness else correctness_specs()
