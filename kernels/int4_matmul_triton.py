@@ -692,15 +692,20 @@ def sass_configs() -> list[KernelConfig]:
             KernelConfig("mma", 32, 128, 128, 4, 4, 3)]
 
 
-def _pdl(extra: dict) -> dict:
-    """Launch options for a kernel compiled with ``extra``: programmatic launch where it waits on
-    griddepcontrol."""
-    return {"launch_pdl": True} if extra.get("USE_PDL") else {}
+def _is_16bit(x: torch.Tensor) -> bool:
+    return x.dtype in (torch.float16, torch.bfloat16)
 
 
-def _pdl_ok(x: torch.Tensor) -> bool:
+_PDL_DEVICES: dict[torch.device, bool] = {}
+
+
+def _pdl_ok(device: torch.device) -> bool:
     """Programmatic dependent launch: CUDA on sm_90 or newer, and not switched off."""
-    return USE_PDL and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    if not (USE_PDL and device.type == "cuda"):
+        return False
+    if device not in _PDL_DEVICES:
+        _PDL_DEVICES[device] = torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL_DEVICES[device]
 
 
 def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -721,37 +726,27 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
     grid_m = 1 if "gemv" in cfg.kind else triton.cdiv(M, cfg.block_m)
     part = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     counts = y if cfg.split_k == 1 else _counters(x.device, grid_m * grid_n)
-    kernel, extra = kernel_for(cfg, x.dtype in (torch.float16, torch.bfloat16), G, x.is_cuda, K % cfg.block_k == 0,
-                               _pdl_ok(x))
+    kernel, extra = kernel_for(cfg, _is_16bit(x), G, x.is_cuda, K % cfg.block_k == 0, _pdl_ok(x.device))
     k_iters = triton.cdiv(K, cfg.block_k) // cfg.split_k
+    args = [x, qweight, scales, scales if zeros is None else zeros, y if bias is None else bias,
+            y if residual is None else residual, y, part, counts]
+    sizes = [M, N, K, x.stride(0), y.stride(0), y.stride(0) if residual is None else residual.stride(0),
+             cfg.split_k, k_iters]
+    meta = dict(G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU=silu,
+                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps,
+                **extra, **({"launch_pdl": True} if extra.get("USE_PDL") else {}))
     if cfg.kind == "hgemv":
-        if M != 1 or G % cfg.block_k or K % cfg.block_k or x.dtype == torch.float32:
+        if M != 1 or G % cfg.block_k or K % cfg.block_k or not _is_16bit(x):
             raise ValueError(f"hgemv needs one 16-bit row and block_k dividing G and K: {tuple(x.shape)} {x.dtype}, "
                              f"G {G}, {cfg}")
         # per program: the split's f16x2 pairs (4 words per packed row) and one sum of x per tile
         scratch = torch.empty(grid_n * cfg.split_k * (k_iters * cfg.block_k // 2 + k_iters), dtype=torch.int32,
                               device=x.device)
-        kernel[(grid_n, cfg.split_k)](
-            x, qweight, scales, scales if zeros is None else zeros, y if bias is None else bias,
-            y if residual is None else residual, y, part, counts, scratch,
-            M, N, K,
-            x.stride(0), y.stride(0), y.stride(0) if residual is None else residual.stride(0),
-            cfg.split_k, k_iters,
-            G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-            SILU=silu, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1,
-            num_warps=cfg.num_warps, num_stages=1, **extra, **_pdl(extra),  # num_stages: tiles in flight (DEPTH)
-        )
-        return
-    kernel[(grid_m * grid_n, cfg.split_k)](
-        x, qweight, scales, scales if zeros is None else zeros, y if bias is None else bias,
-        y if residual is None else residual, y, part, counts,
-        M, N, K,
-        x.stride(0), y.stride(0), y.stride(0) if residual is None else residual.stride(0),
-        cfg.split_k, k_iters, ONE_BITS,
-        G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        SILU=silu, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **_pdl(extra),
-    )
+        # num_stages: hgemv's DEPTH is its own (tiles in flight); Triton's pipeliner has nothing to do
+        kernel[(grid_n, cfg.split_k)](*args, scratch, *sizes, num_stages=1, **meta)
+    else:
+        kernel[(grid_m * grid_n, cfg.split_k)](*args, *sizes, ONE_BITS, BLOCK_M=cfg.block_m,
+                                                num_stages=cfg.num_stages, **meta)
 
 
 def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run) -> KernelConfig:
@@ -760,7 +755,7 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run) -> Kerne
         return _CONFIG_CACHE[key]
     M, K = x.shape
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    cands = _candidates(M, N, K, silu, num_sms, G, x.dtype != torch.float32)
+    cands = _candidates(M, N, K, silu, num_sms, G, _is_16bit(x))
     if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
     times = [triton.testing.do_bench(lambda c=c: run(c), warmup=5, rep=20) for c in cands]
