@@ -21,6 +21,10 @@ import triton.language as tl
 
 MAX_SPLITS = 64
 _MIN_SPLIT_TOKENS = 128  # below this a split's fixed cost (Q load, partial write) outweighs its share
+# ...except when that leaves a short context in few splits: one sequence over 256 to 1024 tokens runs
+# fastest in up to 16 splits of 32-64 tokens (bench/kernels/decode_probe.py, H200: 512 tokens 13.0 us
+# with 5 splits of 64-token tiles, 10.9 us with 16 of 32).
+_SHORT_SPLITS, _SHORT_SPLIT_TOKENS = 16, 32
 # Programs of the default config (block_n=64, num_stages=3, D=128) resident per SM: 107 registers and
 # 39 KB of shared memory each (ptxas -v, sm_90a). Triton's pipeliner spends stages on the block-table
 # lookup that feeds each K/V address, so only one K/V tile per program is in flight below 5 stages;
@@ -99,7 +103,7 @@ def _paged_decode_kernel(
     stride_ls, stride_lb,
     num_splits,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LEN_OFFSET: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -113,7 +117,7 @@ def _paged_decode_kernel(
                 mask=g_mask[:, None], other=0.0)  # [BLOCK_G, D]
 
     # This split's slice, in whole tiles, from the device-side length (no host sync).
-    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b) + LEN_OFFSET
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
@@ -175,11 +179,14 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def pick_num_splits(num_programs: int, max_len: int, device: torch.device, programs_per_sm: int) -> int:
+def pick_num_splits(num_programs: int, max_len: int, device: torch.device, programs_per_sm: int,
+                    short_splits: int = 1) -> int:
     """Splits from shapes only: at most one full wave of resident programs (a partial second wave
-    leaves SMs idle), none shorter than _MIN_SPLIT_TOKENS."""
+    leaves SMs idle), none shorter than _MIN_SPLIT_TOKENS -- or than _SHORT_SPLIT_TOKENS while there are
+    at most ``short_splits``."""
     fill = programs_per_sm * _num_sms(device) // num_programs
-    return max(1, min(MAX_SPLITS, fill, max_len // _MIN_SPLIT_TOKENS))
+    by_len = max(max_len // _MIN_SPLIT_TOKENS, min(short_splits, max_len // _SHORT_SPLIT_TOKENS))
+    return max(1, min(MAX_SPLITS, fill, by_len))
 
 
 def use_triton_for(t: torch.Tensor, use_triton: bool | None) -> bool:
@@ -197,20 +204,25 @@ def paged_decode_attention(
     *,
     use_triton: bool | None = None,
     num_splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    len_offset: int = 0,
 ) -> torch.Tensor:  # [B, H, D]
-    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere."""
+    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere. Sequence ``b``
+    attends to ``seq_lens[b] + len_offset`` tokens: the model passes its context lengths and 1, which
+    saves a launch per layer for the addition."""
     if not use_triton_for(q, use_triton):
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
     B, H, D = q.shape
     _, P, Hkv, _ = k_cache.shape
     if (H % Hkv or D & (D - 1) or D < 16 or q.stride(-1) != 1 or k_cache.stride() != v_cache.stride()
             or k_cache.stride(-1) != 1):
         raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, kv {tuple(k_cache.shape)}")
     G = H // Hkv
-    S = num_splits or pick_num_splits(B * Hkv, block_tables.shape[1] * P, q.device, DECODE_PROGRAMS_PER_SM)
+    max_len = block_tables.shape[1] * P
+    S = num_splits or pick_num_splits(B * Hkv, max_len, q.device, DECODE_PROGRAMS_PER_SM, _SHORT_SPLITS)
+    block_n = block_n or (32 if max_len // S < 64 else 64)  # short splits: half tiles, twice the programs busy
     out = torch.empty_like(q)
     o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, B, H, D, dtype=torch.float32)  # [S, B, H, D]
     lse = q.new_empty(S, B, H, dtype=torch.float32)  # [S, B, H]
@@ -219,7 +231,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), S,
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
-        IS_SPLIT=S > 1, num_warps=num_warps, num_stages=num_stages)
+        IS_SPLIT=S > 1, LEN_OFFSET=len_offset, num_warps=num_warps, num_stages=num_stages)
     if S > 1:
         merge_splits(o_part, lse, out)
     return out

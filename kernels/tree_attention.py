@@ -209,7 +209,8 @@ def tree_attention(
     if not use_triton_for(q, use_triton):
         return tree_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits, scale)
     if is_decode:
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens + 1, scale, use_triton=True)
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton=True,
+                                      len_offset=1)
     (T, H, D), (_, P, Hkv, _), B = q.shape, k_cache.shape, context_lens.shape[0]
     if (H % Hkv or D & (D - 1) or D < 16 or q.stride(-1) != 1 or k_cache.stride() != v_cache.stride()
             or k_cache.stride(-1) != 1):

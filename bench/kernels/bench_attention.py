@@ -34,17 +34,30 @@ DEV = torch.device("cuda")
 
 
 _FLUSH: list[torch.Tensor] = []
+# How L2 is flushed before each timed call: "write" zeroes 256 MB (do_bench's way), which leaves L2 full
+# of dirty lines that the timed kernel then pays to write back; "read" reads 256 MB, leaving clean
+# lines, as the weight reads before attention in a forward do; "none" keeps L2 warm.
+FLUSH = "write"
+
+
+def flush_l2() -> None:
+    if FLUSH == "none":
+        return
+    if not _FLUSH:
+        _FLUSH.append(torch.empty(256 << 20, dtype=torch.int8, device=DEV))
+    if FLUSH == "write":
+        _FLUSH[0].zero_()
+    else:
+        _FLUSH[0].max()
 
 
 def time_us(fn, reps: int = 60) -> float:
-    """Median device time of one call replayed from a CUDA graph, L2 flushed before each replay.
+    """Median device time of one call replayed from a CUDA graph, L2 flushed (``FLUSH``) before each replay.
 
     Graphs are how the engine runs these kernels, and replay keeps the launchers' Python cost (two
     Triton launches here, against one C++ call for SDPA) out of the number; ``eager_us`` shows it.
     Falls back to do_bench when a callable cannot be captured.
     """
-    if not _FLUSH:
-        _FLUSH.append(torch.empty(256 << 20, dtype=torch.int8, device=DEV))
     fn()
     torch.cuda.synchronize()
     try:
@@ -60,7 +73,7 @@ def time_us(fn, reps: int = 60) -> float:
     for _ in range(3):
         run()
     for start, end in events:
-        _FLUSH[0].zero_()
+        flush_l2()
         start.record()
         run()
         end.record()

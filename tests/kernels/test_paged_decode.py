@@ -107,3 +107,15 @@ def test_gpu_cuda_graph_replay_follows_new_lengths():
     graph.replay()
     ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, 0.1)
     assert rel_err(out, ref) < 1e-2
+
+
+def test_short_contexts_split_finer():
+    """Up to 16 splits of 32 tokens for a short context, else 128-token splits, never past one wave."""
+    from kernels.paged_decode import pick_num_splits
+
+    cpu = torch.device("cpu")  # 8 "SMs" off CUDA: 4 programs per SM over 1 program fill 32 splits
+    assert pick_num_splits(1, 640, cpu, 4, short_splits=16) == 16  # 5 by the 128-token rule
+    assert pick_num_splits(1, 640, cpu, 4) == 5  # the tree kernel keeps the 128-token rule
+    assert pick_num_splits(1, 256, cpu, 4, short_splits=16) == 8
+    assert pick_num_splits(1, 4096, cpu, 4, short_splits=16) == 32  # long: the 128-token rule wins
+    assert pick_num_splits(16, 640, cpu, 4, short_splits=16) == 2  # one wave caps it
