@@ -86,8 +86,9 @@ def random_model(cfg: ModelConfig, int4: bool, seed: int = 0) -> tuple[Transform
     return Transformer(cfg, embed, layers, torch.ones(hid, **bf), Linear(head), torch.bfloat16), nbytes
 
 
-def step_ms(model: Transformer, nodes: int, context: int = 512, reps: int = 30) -> float:
-    """Median wall time of one replayed step: one sequence, a tree of ``nodes`` (a binary tree's bitmask)."""
+def tree_step(model: Transformer, nodes: int, context: int = 512):
+    """A replayable step of one sequence with a tree of ``nodes`` (a binary tree's bitmask) over
+    ``context`` cached tokens: a callable that replays the graph, input copies included."""
     cache = model.new_cache(context // 16 + 8, 16)
     runner = CudaGraphRunner(model, cache, max_blocks=context // 16 + 8, buckets=(1,))
     table = cache.new_table()
@@ -99,18 +100,51 @@ def step_ms(model: Transformer, nodes: int, context: int = 512, reps: int = 30) 
         depths.append(depths[parents[i]] + 1)
         bits.append(bits[parents[i]] | (1 << i))
     bits = [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # int64 two's complement for node 63
-    seg = lambda: Segment(table, context, [7] * nodes, positions=[context + d for d in depths],  # noqa: E731
-                          mask_bits=bits if nodes > 1 else None, logits="all")
-    batch = build_batch([seg()], cache, "cuda")
+    batch = build_batch([Segment(table, context, [7] * nodes, positions=[context + d for d in depths],
+                                 mask_bits=bits if nodes > 1 else None, logits="all")], cache, "cuda")
+    return lambda: runner.forward(batch, cache)
+
+
+def step_ms(model: Transformer, nodes: int, context: int = 512, reps: int = 30) -> float:
+    """Median wall time of one replayed step (``tree_step``), synchronised before and after."""
+    run = tree_step(model, nodes, context)
     times = []
     for i in range(reps + 3):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        runner.forward(batch, cache)
+        run()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    del runner, cache
     return sorted(times[3:])[reps // 2] * 1e3
+
+
+def kernel_profile(model: Transformer, nodes: int, reps: int = 10, top: int = 12) -> dict:
+    """Where a replayed step's device time goes: per kernel name, microseconds per step and launches
+    per step (torch.profiler over ``reps`` graph replays), the sum of kernel time, and the step's
+    wall time in the same window; their difference is time the GPU sat idle between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = tree_step(model, nodes)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / reps
+    per_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            agg = per_name.setdefault(e.name[:80], [0.0, 0])
+            agg[0] += e.device_time_total / reps
+            agg[1] += 1 / reps
+    rows = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    busy = sum(v[0] for _, v in rows)
+    return {"nodes": nodes, "wall_us": round(wall * 1e6, 1), "kernel_us": round(busy, 1),
+            "launches": round(sum(v[1] for _, v in rows)),
+            "kernels": [{"name": k, "us": round(v[0], 1), "per_step": round(v[1], 1)} for k, v in rows[:top]]}
 
 
 def engine_tok_s(model: Transformer, new_tokens: int = 128) -> float:
@@ -143,7 +177,7 @@ def hf_static_tok_s(hf_model, input_ids: torch.Tensor, new_tokens: int) -> float
     return (out.shape[1] - input_ids.shape[1]) * input_ids.shape[0] / (time.perf_counter() - t0)
 
 
-def synthetic(res: dict, verify_only: bool = False) -> None:
+def synthetic(res: dict, verify_only: bool = False, profile: bool = False) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     target, tbytes = random_model(model_config(LLAMA3_8B), int4=True)
@@ -152,6 +186,18 @@ def synthetic(res: dict, verify_only: bool = False) -> None:
     verify = {str(n): round(step_ms(target, n), 3) for n in NODES}
     res["step_ms_m1"], res["verify_ms"] = verify["1"], verify
     log(f"8B INT4: floor {res['floor_ms']} ms, step {verify}")
+    if profile:
+        from kernels import int4_matmul_triton as T
+
+        res["kernel_profile"] = [kernel_profile(target, n) for n in (1, 16)]
+        # the INT4 config the tuner chose per (M bucket, N, K, ...): a bad pick shows here first
+        res["int4_configs"] = {str(k[:3] + k[6:7] + k[8:]): str(v) for k, v in T._CONFIG_CACHE.items()}
+        for k, v in res["int4_configs"].items():
+            log(f"  int4 {k}: {v}")
+        for p in res["kernel_profile"]:
+            log(f"N={p['nodes']}: wall {p['wall_us']} us, kernels {p['kernel_us']} us, {p['launches']} launches")
+            for k in p["kernels"]:
+                log(f"  {k['us']:8.1f} us  x{k['per_step']:<5} {k['name']}")
     if verify_only:
         return
     res["engine_nospec_8b_tok_s"] = round(engine_tok_s(target), 1)
@@ -297,7 +343,8 @@ def plot(res: dict, path: Path) -> None:
             ax.plot(nodes, [prev["verify_ms"][str(n)] for n in nodes], "s--", alpha=0.6,
                     label=f"{prev['commit']} ({prev['date']} run)")
         ax.axhline(res["floor_ms"], color="k", ls=":", label=f"floor {res['floor_ms']} ms (INT4 + lm_head at copy BW)")
-        ax.axhline(res["draft_step_ms"], color="g", ls="--", label=f"1B-shape draft step {res['draft_step_ms']} ms")
+        if "draft_step_ms" in res:  # absent from --verify-only runs
+            ax.axhline(res["draft_step_ms"], color="g", ls="--", label=f"1B-shape draft step {res['draft_step_ms']} ms")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tree nodes verified (one sequence)")
         ax.set_ylabel("ms per step")
@@ -331,6 +378,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(HERE / "results" / "engine.json"))
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON")
     ap.add_argument("--verify-only", action="store_true", help="--synthetic: the target's step times alone")
+    ap.add_argument("--profile", action="store_true", help="--synthetic: per-kernel device time of the N=1 and N=16 steps")
     args = ap.parse_args()
     if args.plot_only:
         return plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
@@ -338,7 +386,7 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
                  "torch": torch.__version__, "copy_tbps": round(copy_tbps(), 3)}
     if args.synthetic:
-        synthetic(res, args.verify_only)
+        synthetic(res, args.verify_only, args.profile)
     if args.real:
         real(res, args.real, args.draft, args.new_tokens, [int(b) for b in args.batches.split(",")], args.prompts_file)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
