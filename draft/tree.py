@@ -24,40 +24,53 @@ MAX_TREE_NODES = 64  # the ancestor mask is one int64 bit per node
 
 @dataclass(slots=True)
 class TokenTree:
-    """One sequence's draft tree. ``tokens``, ``parents`` and ``depths`` are int64 host tensors (the engine
-    and the verifier walk them in Python, so keeping them on the host costs no device syncs);
-    ``draft_probs`` lives where the draft scored them."""
+    """One sequence's draft tree. The engine and the verifier walk every tree of every step in Python, so
+    a tree is its host lists (``host``); ``tokens``, ``parents`` and ``depths`` are int64 tensors built
+    from them on first use (stochastic verification and tests read them; a plain decode's one-node tree
+    never does, which saves a tensor per sequence per step). ``draft_probs`` lives where the draft
+    scored them."""
 
-    tokens: torch.Tensor  # [N] token ids; tokens[0] is the root
-    parents: torch.Tensor  # [N] parent node index; parents[0] == -1
-    depths: torch.Tensor  # [N] depth; depths[0] == 0
+    lists: tuple[list[int], list[int], list[int]]  # tokens, parents, depths; tokens[0] is the root
     draft_probs: torch.Tensor | None = None  # [N, V] float32, the draft's distribution of each node's children
-    lists: tuple[list[int], list[int], list[int]] | None = None  # host lists of the three; see ``host``
+    device: torch.device | str = "cpu"  # where ``tokens`` / ``parents`` / ``depths`` are built
+    _rows: torch.Tensor | None = None  # [3, N] int64, built lazily
 
     def __post_init__(self) -> None:
-        n = self.tokens.shape[0]
+        n = len(self.lists[0])
         if n < 1 or n > MAX_TREE_NODES:
             raise ValueError(f"a tree has 1..{MAX_TREE_NODES} nodes, got {n}")
-        if self.parents.shape != (n,) or self.depths.shape != (n,):
-            raise ValueError("tokens, parents and depths must all have shape [N]")
+        if len(self.lists[1]) != n or len(self.lists[2]) != n:
+            raise ValueError("tokens, parents and depths must all have N entries")
 
     @property
     def num_nodes(self) -> int:
-        return self.tokens.shape[0]
+        return len(self.lists[0])
 
     def host(self) -> tuple[list[int], list[int], list[int]]:
-        """(tokens, parents, depths) as Python lists, shared: read them, never change them. The engine and
-        the verifier walk every tree of every step in Python; a tree built from lists keeps them, so the
-        per-step path converts nothing."""
-        if self.lists is None:
-            self.lists = (self.tokens.tolist(), self.parents.tolist(), self.depths.tolist())
+        """(tokens, parents, depths) as Python lists, shared: read them, never change them."""
         return self.lists
+
+    def _tensor(self) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = torch.tensor(self.lists, dtype=torch.int64, device=self.device)  # one tensor per tree
+        return self._rows
+
+    @property
+    def tokens(self) -> torch.Tensor:  # [N] token ids
+        return self._tensor()[0]
+
+    @property
+    def parents(self) -> torch.Tensor:  # [N] parent node index; parents[0] == -1
+        return self._tensor()[1]
+
+    @property
+    def depths(self) -> torch.Tensor:  # [N] depth; depths[0] == 0
+        return self._tensor()[2]
 
     @staticmethod
     def root_only(token: int, device: torch.device | str = "cpu") -> "TokenTree":
         """The one-node tree: plain decoding of the pending token."""
-        t = torch.tensor([[token], [-1], [0]], dtype=torch.int64, device=device)  # one tensor: three rows
-        return TokenTree(tokens=t[0], parents=t[1], depths=t[2], lists=([token], [-1], [0]))
+        return TokenTree(([token], [-1], [0]), device=device)
 
     @staticmethod
     def from_lists(tokens: list[int], parents: list[int], device: torch.device | str = "cpu",
@@ -70,13 +83,12 @@ class TokenTree:
             if not 0 <= p < i:
                 raise ValueError(f"node {i}: parent {p} must be an earlier node")
             depths.append(depths[p] + 1)
-        t = torch.tensor([tokens, parents, depths], dtype=torch.int64, device=device)  # one tensor per tree
-        return TokenTree(t[0], t[1], t[2], draft_probs, (list(tokens), list(parents), depths))
+        return TokenTree((list(tokens), list(parents), depths), draft_probs, device)
 
     def ancestor_mask(self) -> torch.Tensor:
         """[N, N] bool: mask[i, j] is True when j is i itself or an ancestor of i."""
         n = self.num_nodes
-        mask = torch.eye(n, dtype=torch.bool, device=self.tokens.device)
+        mask = torch.eye(n, dtype=torch.bool, device=self.device)
         parents = self.host()[1]
         for i in range(1, n):
             mask[i] |= mask[parents[i]]
@@ -84,7 +96,7 @@ class TokenTree:
 
     def ancestor_bits(self) -> torch.Tensor:
         """[N] int64: bit j of entry i is set when node j is i or an ancestor of i (the kernels' format)."""
-        return torch.tensor(self.ancestor_bit_list(), dtype=torch.int64, device=self.tokens.device)
+        return torch.tensor(self.ancestor_bit_list(), dtype=torch.int64, device=self.device)
 
     def ancestor_bit_list(self) -> list[int]:
         """``ancestor_bits`` as Python ints, computed on the host without tensor ops (the per-step path)."""

@@ -181,6 +181,8 @@ def accept_greedy(tree: TokenTree, target_logits: torch.Tensor) -> AcceptResult:
 
 def _walk_greedy(tree: TokenTree, best: list[int]) -> AcceptResult:
     """The greedy walk over host ids: ``best[i]`` is the target's choice after node i."""
+    if tree.num_nodes == 1:  # plain decoding, most sequences of a busy step: nothing to walk
+        return _result(tree.host()[0], [0], best[0])
     tokens, children = _tree_lists(tree)
     nodes = [0]
     while True:
