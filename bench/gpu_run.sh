@@ -3,7 +3,8 @@
 #   bash bench/gpu_run.sh setup      install the wheels the GPU image lacks (carried in .whl/)
 #   bash bench/gpu_run.sh tests      the CUDA-only tests
 #   bash bench/gpu_run.sh profile    bench/step_profile.py: where a step's time goes (SmolLM2 shapes, random weights)
-#   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair
+#   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair, with the per-kernel profile and the INT4 picks
+#   bash bench/gpu_run.sh probe      bench/kernels/decode_probe.py (L2 flush modes, short-context splits) and attn_layout.py
 #   bash bench/gpu_run.sh int4       the INT4 matmul: CUDA tests, then bench/results/int4_matmul.json
 #   bash bench/gpu_run.sh pdl        the 8B verify steps with programmatic dependent launch off / on / off
 #                                    (each arm builds, captures and tunes from cold: over 120 s on a fresh machine)
@@ -26,7 +27,11 @@ for stage in "$@"; do
              tests/target/test_model_cuda.py tests/kernels/test_fused_norm_rope.py tests/draft/test_tree_loop.py 2>&1 | tail -15 ;;
     profile) timeout 300 python bench/step_profile.py --batches 1,16 --tokens 96 --trees "1,1,1,1/2,2,2,1/3,3,3,2,2,1" \
                --out "$OUT/step_profile.json" 2>&1 | grep -v '^{' | tail -10 ;;
-    synthetic) timeout 300 python bench/engine.py --synthetic --out "$OUT/engine_synthetic.json" 2>&1 | tail -40 ;;
+    synthetic) timeout 300 python bench/engine.py --synthetic --profile --out "$OUT/engine_synthetic.json" 2>&1 \
+                 | grep -v '^ \|^{\|^}' | tail -40 ;;
+    probe)
+      timeout 150 python bench/kernels/decode_probe.py --out "$OUT" 2>&1 | tail -24
+      timeout 150 python bench/kernels/attn_layout.py --out "$OUT" 2>&1 | tail -16 ;;
     int4)
       python -m pytest -x -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py -k "gpu or hgemv" 2>&1 | tail -4
       timeout 330 python bench/kernels/bench_int4_matmul.py --out "$OUT" --commit "${BENCH_COMMIT:-unknown}" 2>&1 \
