@@ -78,8 +78,9 @@ class Generation:
                     store.observe_first_token(self.sub.arm, event.time - self.arrival, event.time)
             else:
                 per_token = (event.time - self.last_time) / n  # a speculative event carries several tokens
+                series = self.metrics.per_token.labels(self.label)
                 for _ in range(n):
-                    self.metrics.per_token.labels(self.label).observe(per_token)
+                    series.observe(per_token)
                 if store is not None:
                     store.observe_token_gaps(self.sub.arm, per_token, n, event.time)
             self.last_time = event.time

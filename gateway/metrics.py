@@ -11,6 +11,8 @@ live in one process.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -42,6 +44,7 @@ def spec_label(is_speculative: bool) -> str:
 class Metrics:
     def __init__(self) -> None:
         disable_created_metrics()  # the *_created series double the page and no dashboard reads them
+        self._series: dict[Arm, SimpleNamespace] = {}
         r = self.registry = CollectorRegistry()
         spec = ["speculation"]
         self.requests = Counter("specgate_requests", "HTTP requests by route and final status "
@@ -110,23 +113,37 @@ class Metrics:
         steps = delta.steps
         if steps <= 0:
             return
-        label = arm.speculation
-        self.steps.labels(label).inc(steps)
-        self.drafted.labels(label).inc(delta.drafted_tokens)
-        self.accepted.labels(label).inc(delta.accepted_tokens)
-        self.accepted_length.labels(label).observe((delta.accepted_tokens + steps) / steps)
+        c = self._arm_series(arm)
+        c.steps.inc(steps)
+        c.drafted.inc(delta.drafted_tokens)
+        c.accepted.inc(delta.accepted_tokens)
+        c.accepted_length.observe((delta.accepted_tokens + steps) / steps)
         for depth, count in enumerate(delta.accepted_by_depth, start=1):
             if count > 0:
                 self.accepted_by_depth.labels(str(depth)).inc(count)
-        labels = (arm.speculation, arm.drafter, arm.tree)
-        self.accepted_depth.labels(*labels).observe(delta.accepted_tokens / steps)
+        c.accepted_depth.observe(delta.accepted_tokens / steps)
         for rank, count in enumerate(delta.accepted_by_rank):
             for _ in range(count):
-                self.accepted_rank.labels(*labels).observe(rank)
-        self.verified_nodes.labels(*labels).inc(delta.verified_nodes)
-        self.kept_nodes.labels(*labels).inc(delta.kept_nodes)
-        self.utilisation.labels(*labels).observe(delta.utilisation)
-        self.wasted.labels(*labels).observe(delta.wasted_nodes / steps)
+                c.accepted_rank.observe(rank)
+        c.verified_nodes.inc(delta.verified_nodes)
+        c.kept_nodes.inc(delta.kept_nodes)
+        c.utilisation.observe(delta.utilisation)
+        c.wasted.observe(delta.wasted_nodes / steps)
+
+    def _arm_series(self, arm: Arm) -> SimpleNamespace:
+        """The labelled children ``observe_step`` feeds, looked up once per arm: ``labels()`` validates and
+        locks on every call, and every live request calls here once per engine step (arms are bounded:
+        ``stats.ArmLabeller``)."""
+        c = self._series.get(arm)
+        if c is None:
+            spec, full = (arm.speculation,), (arm.speculation, arm.drafter, arm.tree)
+            c = self._series[arm] = SimpleNamespace(
+                steps=self.steps.labels(*spec), drafted=self.drafted.labels(*spec),
+                accepted=self.accepted.labels(*spec), accepted_length=self.accepted_length.labels(*spec),
+                accepted_depth=self.accepted_depth.labels(*full), accepted_rank=self.accepted_rank.labels(*full),
+                verified_nodes=self.verified_nodes.labels(*full), kept_nodes=self.kept_nodes.labels(*full),
+                utilisation=self.utilisation.labels(*full), wasted=self.wasted.labels(*full))
+        return c
 
     def observe_engine(self, waiting: int, running: int, kv_used: int, kv_free: int) -> None:
         self.queue_depth.set(waiting)

@@ -1,0 +1,151 @@
+"""Host time of the whole gateway under streaming load, with the model's forwards stubbed out.
+
+``bench/host_step.py`` times the engine's Python alone. A served token costs more than that: the
+runner's metrics, the hand-off to the event loop, detokenization, the SSE chunk and the socket write,
+all under one GIL with the engine thread. This bench serves a tiny random engine whose forwards return
+logits from a fixed rule (next token = 7 t + 1, past the tokenizer's specials) behind the real app and
+uvicorn, opens N concurrent streams of ``--tokens`` tokens each (speculation off, ``ignore_eos``) and
+reports chunks per second. Commits are compared in one run, as in host_step.py: each ref runs from its
+own git worktree in its own server process; refs alternate within every repetition, and each figure
+is the best repetition.
+
+    python bench/gateway_host.py --refs 93ee9a6,HEAD --out bench/results/gateway_host_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = r"""
+import sys
+import torch
+torch.set_num_threads(1)
+import uvicorn
+from engine_util import tiny_engine
+from gateway_util import make_app, make_tokenizer
+
+tok = make_tokenizer()
+V = len(tok)
+
+
+def rule(batch, cache):
+    rows = batch.logits_indices.shape[0]
+    out = torch.zeros(rows, V)
+    out[torch.arange(rows), (batch.tokens[batch.logits_indices] * 7 + 1) % (V - 10) + 10] = 5.0
+    return out
+
+
+engine = tiny_engine(vocab=V, num_blocks=8192, page_size=16, max_running=128)
+engine.target.forward = rule
+uvicorn.run(make_app(tok, engine=engine), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+async def stream_load(port: int, streams: int, tokens: int) -> float:
+    """Chunks per second over ``streams`` concurrent completions of ``tokens`` tokens."""
+    import httpx
+
+    async def one(client, i: int) -> int:
+        body = {"model": "tiny", "prompt": f"Hello world {i}", "max_tokens": tokens, "stream": True,
+                "ignore_eos": True, "temperature": 0, "speculation": {"enabled": False}}
+        n = 0
+        async with client.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                n += line.startswith("data: ") and line != "data: [DONE]"
+        return n
+
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=streams + 4)) as client:
+        await one(client, 0)
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(client, i) for i in range(streams)))
+        return sum(counts) / (time.perf_counter() - t0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(tree: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{tree}:{tree / 'tests'}:{tree / 'tests' / 'gateway'}"}
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], cwd=tree, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    import httpx
+
+    for _ in range(240):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"server at {tree} exited: {proc.stderr.read().decode()[-2000:]}")
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server at {tree} never became ready")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--refs", default="HEAD", help="commits to compare, comma-separated")
+    ap.add_argument("--streams", default="1,16,64")
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    refs, levels = args.refs.split(","), [int(s) for s in args.streams.split(",")]
+    best: dict[str, dict[int, float]] = {ref: {} for ref in refs}
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {}
+        for ref in refs:
+            tree = Path(tmp) / ref.replace("/", "_")
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref], check=True,
+                           capture_output=True)
+            trees[ref] = tree
+        try:
+            for rep in range(args.reps):
+                for ref in refs:
+                    port = free_port()
+                    proc = serve(trees[ref], port)
+                    try:
+                        for n in levels:
+                            rate = asyncio.run(stream_load(port, n, args.tokens))
+                            best[ref][n] = max(best[ref].get(n, 0.0), rate)
+                            print(f"rep {rep} {ref} {n} streams: {rate:.0f} chunks/s", flush=True)
+                    finally:
+                        proc.kill()
+                        proc.wait()
+        finally:
+            for tree in trees.values():
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    rows = [{"streams": n, **{f"chunks_per_s_{ref}": round(best[ref][n]) for ref in refs}} for n in levels]
+    if len(refs) == 2:
+        for row in rows:
+            row["ratio_last_over_first"] = round(row[f"chunks_per_s_{refs[1]}"] / row[f"chunks_per_s_{refs[0]}"], 2)
+    for row in rows:
+        print(row)
+    if args.out:
+        git = lambda *a: subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+        Path(args.out).write_text(json.dumps({
+            "device": f"cpu ({platform.machine()}, {os.cpu_count()} cpus; server, client and engine share them)",
+            "date": datetime.date.today().isoformat(), "commit": git("rev-parse", "--short", "HEAD"),
+            "refs": {ref: git("rev-parse", "--short", ref) for ref in refs}, "reps": args.reps,
+            "tokens_per_stream": args.tokens, "command": "python bench/gateway_host.py " + " ".join(sys.argv[1:]),
+            "notes": __doc__.split("\n\n", 1)[1].strip(), "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
