@@ -268,13 +268,13 @@ class Engine:
         new = result.tokens
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-        stops = set(seq.sampling.stop_token_ids)
-        if not seq.sampling.ignore_eos:
-            stops |= set(self.eos_token_ids)
         keep, reason = len(new), None
-        hit = next((i for i, t in enumerate(new) if t in stops), None)
-        if hit is not None:
-            keep, reason = hit + 1, "stop"
+        if seq.sampling.stop_token_ids or not seq.sampling.ignore_eos:
+            stops = set(seq.sampling.stop_token_ids)
+            if not seq.sampling.ignore_eos:
+                stops.update(self.eos_token_ids)
+            if not stops.isdisjoint(new):  # the scan below runs only on a hit
+                keep, reason = next(i for i, t in enumerate(new) if t in stops) + 1, "stop"
         allowed = seq.sampling.max_tokens - len(seq.output_ids)
         if keep > allowed or (keep == allowed and reason is None):
             keep, reason = allowed, "length"
