@@ -773,7 +773,7 @@ def _time_configs(run, cands: list[KernelConfig], device: torch.device) -> list[
     Not ``triton.testing.do_bench``: its flush zero-fills 256 MB, and the dirty lines that leaves in L2
     are written back during the timed call -- tens of MB of writes, more traffic than a 7 us GEMV's own.
     Which candidate absorbs the most of it varied from run to run, and the tuner picked the MMA path
-    at M = 1 at 1.5-3x hgemv's time (bench/results/norm_fold_ab.json). A read leaves clean lines, as
+    at M = 1 at ~1.4-1.5x hgemv's time (bench/results/norm_fold_ab.json). A read leaves clean lines, as
     the weight reads before a matmul in a forward do."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
     for c in cands:  # compile, and the first launch's one-time costs
