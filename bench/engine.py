@@ -191,7 +191,7 @@ def synthetic(res: dict, verify_only: bool = False, profile: bool = False) -> No
 
         res["kernel_profile"] = [kernel_profile(target, n) for n in (1, 16)]
         # the INT4 config the tuner chose per (M bucket, N, K, ...): a bad pick shows here first
-        res["int4_configs"] = {str(k[:3] + k[6:7] + k[8:]): str(v) for k, v in T._CONFIG_CACHE.items()}
+        res["int4_configs"] = {str(k[:3] + k[6:7]): str(v) for k, v in T._CONFIG_CACHE.items()}  # (M, N, K, silu)
         for k, v in res["int4_configs"].items():
             log(f"  int4 {k}: {v}")
         for p in res["kernel_profile"]:

@@ -23,11 +23,11 @@ import platform
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from worktrees import short, worktrees  # bench/, this script's own directory
+
 SERVER = r"""
 import sys
 import torch
@@ -108,29 +108,19 @@ def main() -> None:
     args = ap.parse_args()
     refs, levels = args.refs.split(","), [int(s) for s in args.streams.split(",")]
     best: dict[str, dict[int, float]] = {ref: {} for ref in refs}
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = {}
-        for ref in refs:
-            tree = Path(tmp) / ref.replace("/", "_")
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref], check=True,
-                           capture_output=True)
-            trees[ref] = tree
-        try:
-            for rep in range(args.reps):
-                for ref in refs:
-                    port = free_port()
-                    proc = serve(trees[ref], port)
-                    try:
-                        for n in levels:
-                            rate = asyncio.run(stream_load(port, n, args.tokens))
-                            best[ref][n] = max(best[ref].get(n, 0.0), rate)
-                            print(f"rep {rep} {ref} {n} streams: {rate:.0f} chunks/s", flush=True)
-                    finally:
-                        proc.kill()
-                        proc.wait()
-        finally:
-            for tree in trees.values():
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    with worktrees(refs) as trees:
+        for rep in range(args.reps):
+            for ref in refs:
+                port = free_port()
+                proc = serve(trees[ref], port)
+                try:
+                    for n in levels:
+                        rate = asyncio.run(stream_load(port, n, args.tokens))
+                        best[ref][n] = max(best[ref].get(n, 0.0), rate)
+                        print(f"rep {rep} {ref} {n} streams: {rate:.0f} chunks/s", flush=True)
+                finally:
+                    proc.kill()
+                    proc.wait()
     rows = [{"streams": n, **{f"chunks_per_s_{ref}": round(best[ref][n]) for ref in refs}} for n in levels]
     if len(refs) == 2:
         for row in rows:
@@ -138,11 +128,10 @@ def main() -> None:
     for row in rows:
         print(row)
     if args.out:
-        git = lambda *a: subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
         Path(args.out).write_text(json.dumps({
             "device": f"cpu ({platform.machine()}, {os.cpu_count()} cpus; server, client and engine share them)",
-            "date": datetime.date.today().isoformat(), "commit": git("rev-parse", "--short", "HEAD"),
-            "refs": {ref: git("rev-parse", "--short", ref) for ref in refs}, "reps": args.reps,
+            "date": datetime.date.today().isoformat(), "commit": short("HEAD"),
+            "refs": {ref: short(ref) for ref in refs}, "reps": args.reps,
             "tokens_per_stream": args.tokens, "command": "python bench/gateway_host.py " + " ".join(sys.argv[1:]),
             "notes": __doc__.split("\n\n", 1)[1].strip(), "rows": rows}, indent=2) + "\n")
 

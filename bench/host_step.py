@@ -21,11 +21,9 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16)]
 VOCAB = 512
 
@@ -76,27 +74,19 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(args.steps)))
         return
+    from worktrees import short, worktrees  # bench/, this script's own directory
+
     refs = args.refs.split(",")
     best: dict[str, dict[str, float]] = {ref: {} for ref in refs}
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = {}
-        for ref in refs:
-            tree = Path(tmp) / ref.replace("/", "_")
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), ref], check=True,
-                           capture_output=True)
-            trees[ref] = tree
-        try:
-            for _ in range(args.reps):
-                for ref in refs:
-                    env_path = f"{trees[ref]}:{trees[ref] / 'tests'}"
-                    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", "--steps",
-                                          str(args.steps)], check=True, capture_output=True, text=True,
-                                         cwd=trees[ref], env={**os.environ, "PYTHONPATH": env_path})
-                    for name, sec in json.loads(out.stdout.strip().splitlines()[-1]).items():
-                        best[ref][name] = min(best[ref].get(name, sec), sec)
-        finally:
-            for tree in trees.values():
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    with worktrees(refs) as trees:
+        for _ in range(args.reps):
+            for ref in refs:
+                env_path = f"{trees[ref]}:{trees[ref] / 'tests'}"
+                out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", "--steps",
+                                      str(args.steps)], check=True, capture_output=True, text=True,
+                                     cwd=trees[ref], env={**os.environ, "PYTHONPATH": env_path})
+                for name, sec in json.loads(out.stdout.strip().splitlines()[-1]).items():
+                    best[ref][name] = min(best[ref].get(name, sec), sec)
     rows = [{"config": name, **{f"ms_{ref}": round(best[ref][name] * 1e3, 3) for ref in refs}} for name in best[refs[0]]]
     if len(refs) == 2:
         for row in rows:
@@ -104,10 +94,8 @@ def main() -> None:
     for row in rows:
         print(row)
     if args.out:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
-        resolved = {ref: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", ref], capture_output=True,
-                                        text=True).stdout.strip() for ref in refs}
+        head = short("HEAD")
+        resolved = {ref: short(ref) for ref in refs}
         Path(args.out).write_text(json.dumps({
             "device": f"cpu ({platform.machine()}, 1 thread per process)", "date": datetime.date.today().isoformat(),
             "commit": head, "refs": resolved, "reps": args.reps, "steps": args.steps,

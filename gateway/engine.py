@@ -128,8 +128,9 @@ class Engine:
             raise ValueError(f"unknown drafter {drafter!r}: available are {sorted(self.drafters)}")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting")
+        stops = frozenset(sampling.stop_token_ids) | frozenset(() if sampling.ignore_eos else self.eos_token_ids)
         seq = Sequence(request_id, list(prompt_ids), sampling, speculation,
-                       make_generator(sampling, self.target.device), drafter, priority)
+                       make_generator(sampling, self.target.device), drafter, priority, stop_ids=stops)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -269,12 +270,8 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         keep, reason = len(new), None
-        if seq.sampling.stop_token_ids or not seq.sampling.ignore_eos:
-            stops = set(seq.sampling.stop_token_ids)
-            if not seq.sampling.ignore_eos:
-                stops.update(self.eos_token_ids)
-            if not stops.isdisjoint(new):  # the scan below runs only on a hit
-                keep, reason = next(i for i, t in enumerate(new) if t in stops) + 1, "stop"
+        if not seq.stop_ids.isdisjoint(new):  # the scan below runs only on a hit
+            keep, reason = next(i for i, t in enumerate(new) if t in seq.stop_ids) + 1, "stop"
         allowed = seq.sampling.max_tokens - len(seq.output_ids)
         if keep > allowed or (keep == allowed and reason is None):
             keep, reason = allowed, "length"

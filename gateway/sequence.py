@@ -133,6 +133,7 @@ class Sequence:
     num_preemptions: int = 0
     acceptance: AcceptanceEMA = field(default_factory=AcceptanceEMA)  # live per-depth acceptance
     steps_without_draft: int = 0  # decode steps since the last drafted tree (adaptive fallback)
+    stop_ids: frozenset[int] = frozenset()  # tokens that end the request (its stop ids, EOS unless ignored)
 
     @property
     def token_ids(self) -> list[int]:

@@ -9,7 +9,6 @@ trees pass ``context_len + depth``.
 from __future__ import annotations
 
 import array
-
 from dataclasses import dataclass
 
 import torch
