@@ -482,7 +482,7 @@ def _int4_matmul_kernel(
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, SCALE_DOT: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split. The M tiles of an N tile are
     neighbours in the grid, so a weight tile comes from HBM once and from L2 for the others.
@@ -509,11 +509,25 @@ def _int4_matmul_kernel(
     q_ptrs = qw_ptr + offs_k8[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
     m_mask = offs_m < M
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    # FACTORED: the next tile's scales and zero points load a trip ahead (Triton's pipeliner overlaps
-    # only the loads that feed a dot; these would stall every trip on an HBM round trip).
     k_lo = pid_k * K_ITERS * BLOCK_K
-    s_next = tl.load(scales_ptr + (k_lo // G) * N + cols, mask=n_mask, other=0.0)
-    z_next = tl.load(zeros_ptr + (k_lo // G) * N + cols, mask=n_mask & HAS_ZEROS, other=0.0)
+    if SCALE_DOT:
+        # FACTORED: a tile's scales (row 0) and zero points (row 1) travel as a [16, BLOCK_N] tile that
+        # feeds two one-hot dots, so Triton's pipeliner fetches them with the weights (cp.async, stages
+        # ahead; rows 2-15 are masked and never fetched) and the dots hand them over in the
+        # accumulator's layout, exact (x 1.0, fp32 sums). Loaded as plain [BLOCK_N] vectors instead,
+        # they arrive in another layout: a shared-memory round trip with two barriers per trip.
+        r16 = tl.arange(0, 16)
+        sz_off = cols[None, :] + 0 * r16[:, None]
+        sz_ptrs = tl.where(r16[:, None] == 0, scales_ptr + sz_off, zeros_ptr + sz_off)  # [16, BLOCK_N]
+        sz_mask = ((r16 == 0) | ((r16 == 1) & HAS_ZEROS))[:, None] & n_mask[None, :]
+        pick = tl.arange(0, BLOCK_M)[:, None] * 0 + r16[None, :]  # [BLOCK_M, 16]: column index
+        e0 = (pick == 0).to(x_ptr.dtype.element_ty)
+        e1 = (pick == 1).to(x_ptr.dtype.element_ty)
+    else:
+        # FACTORED: the next tile's scales and zero points load a trip ahead (Triton's pipeliner
+        # overlaps only the loads that feed a dot; these would stall every trip on an HBM round trip).
+        s_next = tl.load(scales_ptr + (k_lo // G) * N + cols, mask=n_mask, other=0.0)
+        z_next = tl.load(zeros_ptr + (k_lo // G) * N + cols, mask=n_mask & HAS_ZEROS, other=0.0)
     for i in range(K_ITERS):
         k0 = (pid_k * K_ITERS + i) * BLOCK_K  # K may be ragged (not a multiple of BLOCK_K): mask rows
         if EVEN_K:
@@ -538,15 +552,23 @@ def _int4_matmul_kernel(
             for j in tl.static_range(8):
                 t = tl.dot(xj[j], _codes_plus_magic(q, j, x.dtype, USE_ASM), t)
                 u = tl.dot(xj[j], ones, u)
-            s = s_next.to(tl.float32)[None, :]
-            if HAS_ZEROS:
-                z = z_next.to(tl.float32)[None, :]
+            if SCALE_DOT:
+                sz = tl.load(sz_ptrs + (k0 // G) * N, mask=sz_mask, other=0.0).to(x.dtype)  # [16, BLOCK_N]
+                s = tl.dot(e0, sz)
+                if HAS_ZEROS:
+                    z = tl.dot(e1, sz)
+                else:
+                    z = 8.0
             else:
-                z = 8.0
-            nxt = n_mask & (i + 1 < K_ITERS)
-            g_next = (k0 + BLOCK_K) // G * N
-            s_next = tl.load(scales_ptr + g_next + cols, mask=nxt, other=0.0)
-            z_next = tl.load(zeros_ptr + g_next + cols, mask=nxt & HAS_ZEROS, other=0.0)
+                s = s_next.to(tl.float32)[None, :]
+                if HAS_ZEROS:
+                    z = z_next.to(tl.float32)[None, :]
+                else:
+                    z = 8.0
+                nxt = n_mask & (i + 1 < K_ITERS)
+                g_next = (k0 + BLOCK_K) // G * N
+                s_next = tl.load(scales_ptr + g_next + cols, mask=nxt, other=0.0)
+                z_next = tl.load(zeros_ptr + g_next + cols, mask=nxt & HAS_ZEROS, other=0.0)
             acc += t * s - u * (s * (MAGIC + z))
         else:
             s16, sz16 = _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G, BLOCK_K, HAS_ZEROS)
@@ -604,6 +626,11 @@ class KernelConfig:
 # before touching x or any buffer. Hides the launch gap and the tail of the kernel before.
 # SPECGATE_INT4_PDL=0 turns it off.
 USE_PDL = os.environ.get("SPECGATE_INT4_PDL", "1") != "0"
+# The MMA path's scales and zero points ride the dot pipeline at block_m 16 (see _int4_matmul_kernel):
+# H200, one run (bench/results/mma_probe.json), M=16 78.8 -> 73.8 us per layer, M=2 71.8 -> 71.0. At
+# block_m 32 the two [BLOCK_M, BLOCK_N] fp32 tiles they arrive as spill registers (M=32 102 -> 123 us),
+# so that size keeps vectors. SPECGATE_INT4_SCALE_DOT=0 keeps vectors everywhere.
+SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "1") != "0"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
@@ -677,7 +704,7 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
         return _int4_gemv_kernel, {"FIX_R": max(1, min(8, 4096 // cfg.block_n))}
     factored = x_16bit and G % cfg.block_k == 0
     return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
-                                 "USE_PDL": pdl}
+                                 "USE_PDL": pdl, "SCALE_DOT": factored and SCALE_DOT and cfg.block_m == 16}
 
 
 def sass_configs() -> list[KernelConfig]:
