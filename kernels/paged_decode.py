@@ -2,8 +2,7 @@
 
 Split-KV with a log-sum-exp merge (FlashDecoding; vLLM's paged attention v2): program
 ``(b, kv_head, split)`` walks one slice of sequence ``b``'s pages with an online softmax and writes a
-partial output and its log-sum-exp; the last split of a ``(b, kv_head)`` to finish merges them, in the
-same launch (``merge_own_splits``, shared with the tree kernel). The ``G = H / Hkv``
+partial output and its log-sum-exp; ``_merge_splits_kernel`` combines the slices. The ``G = H / Hkv``
 query heads of a KV head share one tile (GQA packing as in FlashInfer's and vLLM's decode kernels), so
 each K/V page is read once per KV head.
 
@@ -93,54 +92,19 @@ def _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq
     return _softmax_step(acc, l_i, m_i, s, v)
 
 
-@triton.jit
-def merge_own_splits(part_ptr, lse_ptr, out_ptr, part_rows, lse_rows, out_rows, row_ok, num_splits,
-                     stride_ps, stride_ls, HEAD_DIM: tl.constexpr, MERGE_R: tl.constexpr):
-    """out[row] = sum_s w_s * part[s, row] with w = softmax over splits of their log-sum-exps, for the
-    rows (offset vectors into each buffer) of one program's tile. Run by the last split of the tile to
-    finish; MERGE_R splits per step, so their L2 round trips overlap."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    r = tl.arange(0, MERGE_R)
-    m = tl.full(row_ok.shape, float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, MERGE_R):
-        ok = (s0 + r < num_splits)[:, None] & row_ok[None, :]
-        lse = tl.load(lse_ptr + (s0 + r)[:, None] * stride_ls + lse_rows[None, :], mask=ok, other=float("-inf"),
-                      cache_modifier=".cg")  # [MERGE_R, ROWS]
-        m = tl.maximum(m, tl.max(lse, 0))
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, output 0
-    num = tl.zeros([row_ok.shape[0], HEAD_DIM], tl.float32)
-    den = tl.zeros(row_ok.shape, tl.float32)
-    for s0 in range(0, num_splits, MERGE_R):
-        ok = (s0 + r < num_splits)[:, None] & row_ok[None, :]
-        lse = tl.load(lse_ptr + (s0 + r)[:, None] * stride_ls + lse_rows[None, :], mask=ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        w = tl.exp2(lse - m[None, :])  # [MERGE_R, ROWS]
-        o = tl.load(part_ptr + (s0 + r)[:, None, None] * stride_ps + part_rows[None, :, None] + offs_d[None, None, :],
-                    mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # [MERGE_R, ROWS, D]
-        num += tl.sum(w[:, :, None] * o, 0)
-        den += tl.sum(w, 0)
-    out = num / tl.where(den == 0.0, 1.0, den)[:, None]
-    tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
 @triton.jit(do_not_specialize=["stride_btb", "stride_ls", "num_splits"])  # batch-dependent: see tree_attention
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr, out_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     qk_scale,
     stride_qb, stride_qh,
     stride_kb, stride_kp, stride_kh,
     stride_btb,
     stride_os, stride_ob, stride_oh,
     stride_ls, stride_lb,
-    stride_outb, stride_outh,
     num_splits,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LEN_OFFSET: tl.constexpr,
-    MERGE_G: tl.constexpr, MERGE_R: tl.constexpr,
 ):
-    """Program (b, kv_head, split). Split programs write a partial output and its log-sum-exp; the last
-    of a (b, kv_head) to finish merges them into ``out`` (the INT4 kernels' serial split-K fix-up, here
-    for FlashDecoding's merge): no second launch per layer."""
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -177,27 +141,37 @@ def _paged_decode_kernel(
     if IS_SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.maximum(l_i, 1e-30)))  # log2 domain
         tl.store(lse_ptr + split * stride_ls + b * stride_lb + head, lse, mask=g_mask)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        tile = b * tl.num_programs(1) + kv_head
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == num_splits - 1:
-            mh = kv_head * GROUP + tl.arange(0, MERGE_G)  # this KV head's query heads, unpadded
-            merge_own_splits(o_ptr, lse_ptr, out_ptr, b * stride_ob + mh * stride_oh, b * stride_lb + mh,
-                             b * stride_outb + mh * stride_outh, tl.arange(0, MERGE_G) < GROUP, num_splits,
-                             stride_os, stride_ls, HEAD_DIM, MERGE_R)
-            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (and graph replay)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+@triton.jit(do_not_specialize=["stride_ls", "num_splits"])
+def _merge_splits_kernel(
+    o_part_ptr, lse_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ph,
+    stride_ls, stride_lt,
+    stride_ot, stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """out[t, h] = sum_s w_s * o_part[s, t, h] with w = softmax over splits of their log-sum-exps."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    lse = tl.load(lse_ptr + offs_s * stride_ls + t * stride_lt + h, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # [BLOCK_S]; empty splits carry -inf and weigh 0
+    o = tl.load(o_part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
+                mask=s_mask[:, None], other=0.0)  # [BLOCK_S, D] fp32
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for in-kernel split merges, one per (sequence, KV head) of a launch.
-    Each merge resets its own, so launches that share the buffer must be ordered: one stream, or graphs
-    replayed on one stream (as for the INT4 kernels' split-K counters)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
-    return buf
+def merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge ``o_part`` [S, T, H, D] fp32 and ``lse`` [S, T, H] (log2) into ``out`` [T, H, D]."""
+    S, T, H, D = o_part.shape
+    _merge_splits_kernel[(T, H)](
+        o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), S, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(S))
 
 
 @functools.lru_cache
@@ -252,14 +226,12 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, B, H, D, dtype=torch.float32)  # [S, B, H, D]
     lse = q.new_empty(S, B, H, dtype=torch.float32)  # [S, B, H]
-    counts = split_counters(q.device, B * Hkv)
-    merge_g = triton.next_power_of_2(G)
     _paged_decode_kernel[(B, Hkv, S)](
-        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse, out, counts, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, seq_lens, o_part, lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
-        out.stride(1), S,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), S,
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
-        IS_SPLIT=S > 1, LEN_OFFSET=len_offset, MERGE_G=merge_g, MERGE_R=max(1, min(8, 16 // merge_g)),
-        num_warps=num_warps, num_stages=num_stages)
+        IS_SPLIT=S > 1, LEN_OFFSET=len_offset, num_warps=num_warps, num_stages=num_stages)
+    if S > 1:
+        merge_splits(o_part, lse, out)
     return out

@@ -19,8 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_decode import (LOG2E, _softmax_step, merge_own_splits, paged_decode_attention, pick_num_splits,
-                                  split_counters, use_triton_for)
+from kernels.paged_decode import LOG2E, _softmax_step, merge_splits, paged_decode_attention, pick_num_splits, use_triton_for
 
 # Programs of the default configs resident per SM at D=128: 180 to 213 registers and 74 to 99 KB of
 # shared memory each (ptxas -v, sm_90a); 128-row tiles (8 warps) fit only one, which measured the same.
@@ -108,20 +107,17 @@ def _tree_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, ctx, 
 # serving. None of them feeds a vectorised address.
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_btb", "stride_ls"])
 def _tree_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, bits_ptr, o_ptr, lse_ptr, out_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, bits_ptr, o_ptr, lse_ptr,
     qk_scale, num_seqs, num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_kp, stride_kh,
     stride_btb,
     stride_os, stride_ot, stride_oh,
     stride_ls, stride_lt,
-    stride_outt, stride_outh,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, IS_SPLIT: tl.constexpr,
     HAS_BITS: tl.constexpr,
 ):
-    """Program (query tile slot, kv_head, split). With splits, the last split of a (tile, kv_head) to
-    finish merges the partials into ``out`` in the same launch (as the decode kernel does)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -186,13 +182,6 @@ def _tree_attention_kernel(
     if IS_SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.maximum(l_i, 1e-30)))  # log2 domain
         tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_mask)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        slot = tile * tl.num_programs(1) + kv_head
-        if tl.atomic_add(count_ptr + slot, 1, sem="acq_rel") == num_splits - 1:
-            merge_own_splits(o_ptr, lse_ptr, out_ptr, t * stride_ot + head * stride_oh, t * stride_lt + head,
-                             t * stride_outt + head * stride_outh, row_mask, num_splits, stride_os, stride_ls,
-                             HEAD_DIM, 1)
-            tl.atomic_xchg(count_ptr + slot, 0)  # ready for the next launch (and graph replay)
 
 
 def tree_attention(
@@ -245,12 +234,13 @@ def tree_attention(
     lse = q.new_empty(S, T, H, dtype=torch.float32)  # [S, T, H]
     _tree_attention_kernel[(num_slots, Hkv, S)](
         q, k_cache, v_cache, block_tables, context_lens, query_start, q if mask_bits is None else mask_bits,
-        o_part, lse, out, split_counters(q.device, num_slots * Hkv), scale * LOG2E, B, S,
+        o_part, lse, scale * LOG2E, B, S,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
-        out.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n,
         # BLOCK_B has a floor: one compiled variant for every batch up to 64 sequences
         BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None,
         num_warps=num_warps or (4 if block_q * block_g <= 64 else 8), num_stages=num_stages)
+    if S > 1:
+        merge_splits(o_part, lse, out)
     return out

@@ -67,22 +67,6 @@ def test_more_splits_than_tiles():
     assert run_case([5, 70], 16, 4, 2, 64, torch.float16, 8, seed=2) < 5e-3
 
 
-def test_in_kernel_merge_leaves_counters_zeroed_for_the_next_launch():
-    """The last split of each (sequence, KV head) merges and resets its counter: a second launch over
-    new queries (and more splits than one sequence has tiles) merges as correctly as the first."""
-    from kernels.paged_decode import split_counters
-
-    gen = torch.Generator().manual_seed(6)
-    k_cache, v_cache, block_tables = make_paged([3, 200, 64], 16, 2, 64, torch.float16, gen)
-    lens = torch.tensor([3, 200, 64], dtype=torch.int32, device=DEVICE)
-    for _ in range(2):
-        q = torch.randn(3, 8, 64, generator=gen).to(torch.float16).to(DEVICE)
-        out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, 0.125, use_triton=True, num_splits=5)
-        ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, 0.125)
-        assert rel_err(out, ref) < 5e-3
-        assert not split_counters(DEVICE, 6)[:6].any()
-
-
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
 def test_ref_matches_dense_sdpa(num_heads, num_kv_heads):
     gen = torch.Generator().manual_seed(3)
