@@ -105,17 +105,22 @@ def tree_step(model: Transformer, nodes: int, context: int = 512):
     return lambda: runner.forward(batch, cache)
 
 
-def step_ms(model: Transformer, nodes: int, context: int = 512, reps: int = 30) -> float:
-    """Median wall time of one replayed step (``tree_step``), synchronised before and after."""
-    run = tree_step(model, nodes, context)
-    times = []
+def step_ms(model: Transformer, nodes: list[int], context: int = 512, reps: int = 40) -> dict[int, float]:
+    """Median wall time of one replayed step (``tree_step``) per tree size, synchronised before and after.
+    Sizes are timed round-robin, so drift over the run (clocks, a neighbour) hits every size alike and
+    the ratios between them hold (verify-16 against M=1 moved by up to 8% between back-to-back runs
+    when each size was timed in one stretch)."""
+    runs = {n: tree_step(model, n, context) for n in nodes}
+    times: dict[int, list[float]] = {n: [] for n in nodes}
     for i in range(reps + 3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sorted(times[3:])[reps // 2] * 1e3
+        for n, run in runs.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            if i >= 3:
+                times[n].append(time.perf_counter() - t0)
+    return {n: sorted(t)[reps // 2] * 1e3 for n, t in times.items()}
 
 
 def kernel_profile(model: Transformer, nodes: int, reps: int = 10, top: int = 12) -> dict:
@@ -183,17 +188,17 @@ def synthetic(res: dict, verify_only: bool = False, profile: bool = False) -> No
     target, tbytes = random_model(model_config(LLAMA3_8B), int4=True)
     res["floor_ms"] = round(tbytes / (res["copy_tbps"] * 1e12) * 1e3, 3)
     res["target_bytes"] = tbytes
-    verify = {str(n): round(step_ms(target, n), 3) for n in NODES}
+    verify = {str(n): round(ms, 3) for n, ms in step_ms(target, NODES).items()}
     res["step_ms_m1"], res["verify_ms"] = verify["1"], verify
     log(f"8B INT4: floor {res['floor_ms']} ms, step {verify}")
-    if profile:
-        from kernels import int4_matmul_triton as T
+    from kernels import int4_matmul_triton as T
 
+    # the INT4 config the tuner chose per (M bucket, N, K, silu): a bad pick shows here first
+    res["int4_configs"] = {str(k[:3] + k[6:7]): str(v) for k, v in T._CONFIG_CACHE.items()}
+    for k, v in res["int4_configs"].items():
+        log(f"  int4 {k}: {v}")
+    if profile:
         res["kernel_profile"] = [kernel_profile(target, n) for n in (1, 16)]
-        # the INT4 config the tuner chose per (M bucket, N, K, ...): a bad pick shows here first
-        res["int4_configs"] = {str(k[:3] + k[6:7]): str(v) for k, v in T._CONFIG_CACHE.items()}  # (M, N, K, silu)
-        for k, v in res["int4_configs"].items():
-            log(f"  int4 {k}: {v}")
         for p in res["kernel_profile"]:
             log(f"N={p['nodes']}: wall {p['wall_us']} us, kernels {p['kernel_us']} us, {p['launches']} launches")
             for k in p["kernels"]:
@@ -205,7 +210,7 @@ def synthetic(res: dict, verify_only: bool = False, profile: bool = False) -> No
     gc.collect()
     torch.cuda.empty_cache()
     draft, _ = random_model(model_config(LLAMA32_1B), int4=False, seed=1)
-    res["draft_step_ms"] = round(step_ms(draft, 1), 3)
+    res["draft_step_ms"] = round(step_ms(draft, [1])[1], 3)
     res["draft_to_target_step"] = round(res["draft_step_ms"] / res["step_ms_m1"], 3)
     del draft
     gc.collect()

@@ -626,11 +626,12 @@ class KernelConfig:
 # before touching x or any buffer. Hides the launch gap and the tail of the kernel before.
 # SPECGATE_INT4_PDL=0 turns it off.
 USE_PDL = os.environ.get("SPECGATE_INT4_PDL", "1") != "0"
-# The MMA path's scales and zero points ride the dot pipeline at block_m 16 (see _int4_matmul_kernel):
-# H200, one run (bench/results/mma_probe.json), M=16 78.8 -> 73.8 us per layer, M=2 71.8 -> 71.0. At
-# block_m 32 the two [BLOCK_M, BLOCK_N] fp32 tiles they arrive as spill registers (M=32 102 -> 123 us),
-# so that size keeps vectors. SPECGATE_INT4_SCALE_DOT=0 keeps vectors everywhere.
-SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "1") != "0"
+# SPECGATE_INT4_SCALE_DOT=1: at block_m 16 the MMA path's scales and zero points ride the dot pipeline
+# (see _int4_matmul_kernel). Off by default: alone, on the four 8B shapes, it is faster (H200, one run,
+# bench/results/mma_probe.json: M=16 78.8 -> 73.8 us per layer); inside the 8B verify step it is slower
+# (bench/results/scale_dot_engine_ab.json: 16 nodes 3.64 -> 3.73 ms, mean of 5 runs per arm, alternated).
+# At block_m 32 its two [BLOCK_M, BLOCK_N] fp32 tiles spill (M=32 102 -> 123 us), so it never applies there.
+SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "0") == "1"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True

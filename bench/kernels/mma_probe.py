@@ -37,7 +37,7 @@ def configs(M: int, K: int, N: int, sms: int, extra_stage: bool) -> list[T.Kerne
 
 
 def set_arm(scale_dot: bool) -> None:
-    os.environ["SPECGATE_INT4_SCALE_DOT"] = "1" if scale_dot else "0"  # spawned compile workers
+    os.environ["SPECGATE_INT4_SCALE_DOT"] = "1" if scale_dot else "0"  # spawned compile workers too
     T.SCALE_DOT = scale_dot
 
 
