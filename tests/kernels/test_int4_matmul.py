@@ -119,6 +119,26 @@ def test_every_kernel_matches_ref(M, N, K, G, dtype):
         assert _rel_err(y, ref) < TOL[dtype], cfg
 
 
+@pytest.mark.parametrize("use_zero_point", [True, False])
+@pytest.mark.parametrize("M,N,split_k,silu", [(3, 200, 1, False), (16, 96, 4, True), (13, 320, 2, False)])
+def test_mma_scale_dot_matches_ref(monkeypatch, M, N, split_k, silu, use_zero_point):
+    """SPECGATE_INT4_SCALE_DOT's path (off by default): scales and zero points through one-hot dots.
+    Ragged N masks the scale tile's columns; split-K starts a program mid-K, at a later group."""
+    monkeypatch.setattr(T, "SCALE_DOT", True)
+    K, G = 512, 128
+    w = _weight(N, K, G, use_zero_point, torch.float16)
+    x, bias = _x(M, K, torch.float16), _x(1, N, torch.float16, seed=2)[0]
+    cfg = T.KernelConfig("mma", 16, 64, 128, split_k, 4, 2)
+    assert T.kernel_for(cfg, True, G, False)[1]["SCALE_DOT"]
+    if silu:
+        gate, up = _ref(x, w, bias).chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+    else:
+        ref = _ref(x, w, bias)
+    y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, bias=bias, silu=silu, config=cfg)
+    assert _rel_err(y, ref) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("N,K,G,use_zero_point,split_k", [(1000, 576, 64, True, 3), (300, 1024, 32, False, 1),
                                                           (2048, 4096, 128, True, 8), (96, 512, 128, False, 2),
