@@ -41,7 +41,7 @@ from starlette.routing import Route
 from draft.params import SpeculationParams
 from gateway.audit import AuditConfig, Auditor
 from gateway.engine import Engine, QueueFull
-from gateway.generation import Generation
+from gateway.generation import Choices, Generation
 from gateway.guard import ApiKeyMiddleware, read_body
 from gateway.metrics import CONTENT_TYPE, Metrics, spec_label
 from gateway.openapi import openapi_schema
@@ -206,21 +206,26 @@ class Gateway:
         route = request.url.path
         label = "unknown"
         gen = None
+        held = 1  # admission slots: one per choice, each given back when its Generation closes
         self.in_flight += 1
         try:
             self._admit()
             raw = await read_body(request.headers.get("content-length"), request.stream(), self.config.max_body_bytes)
             req = parse_request(raw, is_chat, request.headers.get("x-speculation"))
             label = spec_label(req.speculation.enabled)
+            if req.n > 1:  # every choice takes a slot: admit the whole request or none of it
+                self.in_flight += req.n - 1
+                held = req.n
+                self._admit()
             gen = await self._start(req, route, arrival)
         except ApiError as exc:
             self.metrics.requests.labels(route, str(exc.status), label).inc()
             return error_response(exc)
         finally:
-            if gen is None:  # refused or cancelled before a Generation took over the slot
-                self.in_flight -= 1
+            if gen is None:  # refused or cancelled before the Generations took over the slots
+                self.in_flight -= held
         gen.on_close = self._release
-        headers = {"X-Request-Id": gen.sub.request_id}
+        headers = {"X-Request-Id": gen.request_id}
         if req.stream:
             return _event_source(gen, headers)
         body = await self._collect_watching(request, gen)
@@ -241,7 +246,7 @@ class Gateway:
     def _release(self) -> None:
         self.in_flight -= 1
 
-    async def _start(self, req: GenerateRequest, route: str, arrival: float) -> Generation:
+    async def _start(self, req: GenerateRequest, route: str, arrival: float) -> Generation | Choices:
         if req.max_tokens is not None and req.max_tokens > self.max_model_len:
             raise ApiError(400, f"max_tokens must be <= {self.max_model_len} (the context), got {req.max_tokens}",
                            param="max_tokens")
@@ -249,13 +254,25 @@ class Gateway:
             raise ApiError(404, f"model {req.model!r} does not exist: this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
         prompt_ids = self._encode(req)
-        sampling = req.sampling_params(self.max_model_len - len(prompt_ids))
+        context_left = self.max_model_len - len(prompt_ids)
+        samplings = [req.sampling_params(context_left, i) for i in range(req.n)]
         prefix = "chatcmpl-" if req.is_chat else "cmpl-"
         request_id = prefix + uuid.uuid4().hex
         self._log_request(request_id, req, prompt_ids)
-        sub = await self._submit(request_id, prompt_ids, sampling, req)
         shape = Shape(req.is_chat, request_id, int(time.time()), self.config.model_name)
-        return Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route)
+        if req.n == 1:
+            sub = await self._submit(request_id, prompt_ids, samplings[0], req)
+            return Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route)
+        subs: list[Submission] = []
+        try:  # choice i is engine request "<id>-<i>"; a refusal takes back the ones already in
+            for i, sampling in enumerate(samplings):
+                subs.append(await self._submit(f"{request_id}-{i}", prompt_ids, sampling, req))
+        except BaseException:
+            for sub in subs:
+                self.runner.abort(sub.request_id)
+            raise
+        return Choices([Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics,
+                                   route, index=i) for i, sub in enumerate(subs)])
 
     async def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                       req: GenerateRequest) -> Submission:
@@ -270,7 +287,7 @@ class Gateway:
         except ValueError as exc:
             raise _engine_refusal(str(exc), req.is_chat) from None
 
-    async def _collect_watching(self, request: Request, gen: Generation) -> dict[str, Any] | ApiError | None:
+    async def _collect_watching(self, request: Request, gen: Generation | Choices) -> dict[str, Any] | ApiError | None:
         """Collect a non-stream body, cancelling it if the client disconnects first (which aborts it)."""
         collect = asyncio.ensure_future(gen.collect())
         watch = asyncio.ensure_future(_disconnected(request))
@@ -319,7 +336,7 @@ class Gateway:
                  req.max_tokens, req.stream, spec_label(req.speculation.enabled), text)
 
 
-def _event_source(gen: Generation, headers: dict[str, str]) -> EventSourceResponse:
+def _event_source(gen: Generation | Choices, headers: dict[str, str]) -> EventSourceResponse:
     """SSE for one generation. sse-starlette runs the stream, the disconnect listener and the shutdown
     listener as sibling tasks; whichever ends first cancels the others. On shutdown it sets ``shutdown``
     and waits a grace period: ``interrupt`` aborts the request so the stream ends itself with an error

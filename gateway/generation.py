@@ -1,4 +1,5 @@
-"""One request on the event loop: engine events -> text pieces -> an OpenAI body or SSE chunks.
+"""One request on the event loop (``Generation``; ``Choices`` when it asks for n > 1): engine events ->
+text pieces -> an OpenAI body or SSE chunks.
 
 Owns the request's timing (TTFT, per-token latency, decode rate), its request-level metrics and stats
 (``runner.stats``, under the request's arm), and
@@ -8,6 +9,7 @@ every exit (finished, stop string, engine failure, client gone, cancellation) an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -30,10 +32,13 @@ class EngineFailure(Exception):
 
 
 class Generation:
+    """One choice: one sequence in the engine. A request with ``n > 1`` is ``Choices`` over n of these."""
+
     def __init__(self, runner: EngineRunner, sub: Submission, req: GenerateRequest, shape: Shape,
-                 tokenizer: Decoder, prompt_ids: list[int], arrival: float, metrics: Metrics, route: str) -> None:
+                 tokenizer: Decoder, prompt_ids: list[int], arrival: float, metrics: Metrics, route: str,
+                 index: int = 0) -> None:
         self.runner, self.sub, self.req, self.shape, self.metrics = runner, sub, req, shape, metrics
-        self.route, self.arrival = route, arrival
+        self.route, self.arrival, self.index = route, arrival, index
         self.label = spec_label(sub.is_speculative)
         self.assembler = TextAssembler(tokenizer, prompt_ids, req.stop)
         self.stats = SpecStats()
@@ -107,44 +112,30 @@ class Generation:
 
     # --- the two response forms -------------------------------------------------------------------
 
+    @property
+    def request_id(self) -> str:
+        return self.sub.request_id
+
+    async def text(self) -> str:
+        """The whole completion. Raises EngineFailure when the engine fails the request."""
+        return "".join([piece async for piece in self.pieces()])
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """This choice's stream chunks: role (chat), text, finish. Raises EngineFailure."""
+        if self.shape.is_chat:
+            yield self.shape.chunk("", role=True, usage=self._chunk_usage(), index=self.index)
+        async for text in self.pieces():
+            if text:
+                yield self.shape.chunk(text, usage=self._chunk_usage(), index=self.index)
+        yield self.shape.chunk(None, self.finish_reason, usage=self._chunk_usage(), index=self.index)
+
     async def collect(self) -> dict[str, Any]:
         """The non-stream body. Raises ApiError when the engine fails the request."""
-        status = "499"  # stays if we are cancelled: the client went away
-        try:
-            text = "".join([piece async for piece in self.pieces()])
-            status = "200"
-            return self.shape.response(text, self.finish_reason, self.usage())
-        except EngineFailure as exc:
-            status = str(exc.status)
-            raise ApiError(exc.status, f"generation failed: {exc}", type="server_error") from None
-        finally:
-            self.close(status)
+        return await _collect(self, [self])
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    def stream(self) -> AsyncIterator[bytes]:
         """SSE bytes: role chunk (chat), text chunks, finish chunk, usage chunk, ``[DONE]``."""
-        status = "499"
-        try:
-            if self.shape.is_chat:
-                yield sse(self.shape.chunk("", role=True, usage=self._chunk_usage()))
-            async for text in self.pieces():
-                if text:
-                    yield sse(self.shape.chunk(text, usage=self._chunk_usage()))
-            yield sse(self.shape.chunk(None, self.finish_reason, usage=self._chunk_usage()))
-            if self.req.include_usage:
-                yield sse(self.shape.usage_chunk(self.usage()))
-            yield SSE_DONE
-            status = "200"
-        except EngineFailure as exc:
-            status = str(exc.status)
-            yield sse(error_body(f"generation failed: {exc}", "server_error"))
-            yield SSE_DONE
-        except Exception:  # noqa: BLE001 -- headers are sent: end the stream cleanly, keep the details in the log
-            log.exception("stream of %s failed", self.sub.request_id)
-            status = "500"
-            yield sse(error_body("internal server error", "server_error"))
-            yield SSE_DONE
-        finally:
-            self.close(status)
+        return _stream(self, self.chunks())
 
     def interrupt(self, reason: str) -> None:
         """Abort from the server's side: the engine's abort event then ends ``pieces`` with ``reason``."""
@@ -170,3 +161,119 @@ class Generation:
             m.e2e.labels(label).observe(self.last_time - self.arrival)
         if self.runner.stats is not None:
             self.runner.stats.observe_request(self.sub.arm, status == "200")
+
+
+class Choices:
+    """A request with ``n > 1``: n Generations (one engine sequence each, seeds ``seed + i``) answered as one
+    body with n choices or one SSE stream whose chunks carry each choice's index. Usage counts the prompt
+    once and sums the completions; ``usage.speculation`` lists each choice's report. A failure of any
+    choice fails the request and aborts the others; every exit closes all of them. The metrics count each
+    choice as a request: each is one in the engine."""
+
+    def __init__(self, gens: list[Generation]) -> None:
+        self.gens = gens
+        self.req, self.shape = gens[0].req, gens[0].shape
+
+    @property
+    def request_id(self) -> str:
+        return self.shape.id
+
+    @property
+    def on_close(self) -> Callable[[], None] | None:
+        return self.gens[0].on_close
+
+    @on_close.setter
+    def on_close(self, fn: Callable[[], None] | None) -> None:
+        for g in self.gens:  # each choice holds one admission slot and gives it back once
+            g.on_close = fn
+
+    def usage(self) -> dict[str, Any]:
+        parts = [g.usage() for g in self.gens]
+        return usage(parts[0]["prompt_tokens"], sum(p["completion_tokens"] for p in parts),
+                     [p["speculation"] for p in parts])
+
+    async def collect(self) -> dict[str, Any]:
+        return await _collect(self, self.gens)
+
+    def stream(self) -> AsyncIterator[bytes]:
+        return _stream(self, _merged(self.gens))
+
+    def interrupt(self, reason: str) -> None:
+        for g in self.gens:
+            g.interrupt(reason)
+
+    def close(self, status: str = "499") -> None:
+        for g in self.gens:
+            g.close(status)
+
+
+async def _merged(gens: list[Generation]) -> AsyncIterator[dict[str, Any]]:
+    """Every choice's chunks, in the order they are ready. One task per choice feeds a queue; the first
+    failure is raised here, and leaving (failure, cancellation, a closed stream) cancels the feeders."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def feed(g: Generation) -> None:
+        try:
+            async for chunk in g.chunks():
+                await queue.put(chunk)
+            await queue.put(None)
+        except Exception as exc:  # noqa: BLE001 -- handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(feed(g)) for g in gens]
+    try:
+        running = len(gens)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _collect(owner: Generation | Choices, gens: list[Generation]) -> dict[str, Any]:
+    """The non-stream body of ``owner`` (one Generation, or Choices over ``gens``)."""
+    status = "499"  # stays if we are cancelled: the client went away
+    tasks = [asyncio.ensure_future(g.text()) for g in gens]
+    try:
+        texts = await asyncio.gather(*tasks)
+        status = "200"
+        return owner.shape.response([(t, g.finish_reason) for t, g in zip(texts, gens)], owner.usage())
+    except EngineFailure as exc:
+        status = str(exc.status)
+        raise ApiError(exc.status, f"generation failed: {exc}", type="server_error") from None
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        owner.close(status)
+
+
+async def _stream(owner: Generation | Choices, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """SSE bytes of ``owner``: its ``chunks``, then the usage chunk (when asked for) and ``[DONE]``."""
+    status = "499"
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+        if owner.req.include_usage:
+            yield sse(owner.shape.usage_chunk(owner.usage()))
+        yield SSE_DONE
+        status = "200"
+    except EngineFailure as exc:
+        status = str(exc.status)
+        yield sse(error_body(f"generation failed: {exc}", "server_error"))
+        yield SSE_DONE
+    except Exception:  # noqa: BLE001 -- headers are sent: end the stream cleanly, keep the details in the log
+        log.exception("stream of %s failed", owner.request_id)
+        status = "500"
+        yield sse(error_body("internal server error", "server_error"))
+        yield SSE_DONE
+    finally:
+        await chunks.aclose()
+        owner.close(status)

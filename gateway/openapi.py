@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.protocol import (
+    MAX_CHOICES,
     MAX_MESSAGES,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -51,8 +52,8 @@ def _common(max_model_len: int) -> dict[str, Any]:
         "stream": {"type": ["boolean", "null"]},
         "stream_options": {"type": ["object", "null"], "properties": {
             "include_usage": {"type": ["boolean", "null"]}, "continuous_usage_stats": {"type": ["boolean", "null"]}}},
-        "n": {"type": ["integer", "null"], "enum": [1, None]},
-        "best_of": {"type": ["integer", "null"], "enum": [1, None]},
+        "n": _num(1, MAX_CHOICES, "integer", description="choices; each is a sequence of its own, seeds seed + i"),
+        "best_of": {"type": ["integer", "null"], "description": "must equal n"},
         "logprobs": {"enum": [False, None], "description": "not supported"},
         "logit_bias": {"type": ["object", "null"], "maxProperties": 0, "description": "not supported"},
         "speculation": {"$ref": "#/components/schemas/Speculation"},

@@ -19,6 +19,7 @@ from verify.sampling import SamplingParams
 
 # Limits that bound the work one request can ask for; gateway/openapi.py publishes them.
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16  # n: each choice is a sequence of its own (its own KV), so one request can fill a batch
 MAX_STOP_CHARS = 256  # per stop string: the matcher holds back up to this much text
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 256
@@ -72,13 +73,18 @@ class GenerateRequest:
     speculation: SpeculationParams = SpeculationParams()
     stop: tuple[str, ...] = ()
     stream: bool = False
+    n: int = 1  # choices: independent sequences of one prompt (sampled ones differ; seeds go seed, seed + 1, ...)
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
 
-    def sampling_params(self, context_left: int) -> SamplingParams:
+    def sampling_params(self, context_left: int, choice: int = 0) -> SamplingParams:
+        """Choice ``i`` of ``n`` draws with ``seed + i``, so choices differ and each one replays alone."""
         max_tokens = self.max_tokens or (max(context_left, 1) if self.is_chat else 16)
+        sampling = self.sampling
+        if choice and sampling.get("seed") is not None:
+            sampling = sampling | {"seed": sampling["seed"] + choice}
         try:
-            return SamplingParams(max_tokens=max_tokens, **self.sampling)
+            return SamplingParams(max_tokens=max_tokens, **sampling)
         except ValueError as exc:  # SamplingParams messages start with the field's name
             raise ApiError(400, str(exc), param=str(exc).split()[0]) from None
 
@@ -101,7 +107,7 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
         is_chat=is_chat, model=_get(body, "model", str, None),
         messages=_messages(body) if is_chat else None, prompt=None if is_chat else _prompt(body),
         max_tokens=max_tokens, sampling=_sampling(body), speculation=_speculation(body, spec_header),
-        stop=_stop(body), stream=stream,
+        stop=_stop(body), stream=stream, n=_choices(body),
         include_usage=stream and _get(options, "include_usage", bool, False, "stream_options.include_usage"),
         continuous_usage=stream and _get(options, "continuous_usage_stats", bool, False,
                                          "stream_options.continuous_usage_stats"))
@@ -125,13 +131,19 @@ def _get(body: dict, name: str, kind: type, default: Any, param: str | None = No
     return value
 
 
-def _refuse_unsupported(body: dict, is_chat: bool) -> None:
+def _choices(body: dict) -> int:
+    """``n``: independent completions of one prompt, each its own sequence in the engine."""
     n = _get(body, "n", int, 1)
-    if n != 1:
-        raise ApiError(400, f"n must be 1: this server returns one choice per request, got {n}", param="n")
-    best_of = _get(body, "best_of", int, 1)
-    if best_of != 1:
-        raise ApiError(400, f"best_of must be 1, got {best_of}", param="best_of")
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be between 1 and {MAX_CHOICES}, got {n}", param="n")
+    best_of = _get(body, "best_of", int, n)
+    if best_of != n:
+        raise ApiError(400, f"best_of must equal n ({n}): this server returns every choice it generates, "
+                            f"got {best_of}", param="best_of")
+    return n
+
+
+def _refuse_unsupported(body: dict, is_chat: bool) -> None:
     wants_logprobs = body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None
     if wants_logprobs:
         raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
@@ -287,7 +299,9 @@ def speculation_report(is_speculative: bool, stats: SpecStats, ttft_s: float | N
             "decode_tokens_per_s": None if decode_tokens_per_s is None else round(decode_tokens_per_s, 3)}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, speculation: dict[str, Any] | None = None) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int,
+          speculation: dict[str, Any] | list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """OpenAI's usage, with ``speculation``: the request's report, or one per choice when n > 1."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                            "total_tokens": prompt_tokens + completion_tokens}
     if speculation is not None:
@@ -308,19 +322,22 @@ class Shape:
         kind = "chat.completion" if self.is_chat else "text_completion"
         return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
 
-    def response(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.is_chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
-        return self._head("") | {"choices": [choice], "usage": usage}
+    def response(self, choices: list[tuple[str, str]], usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-stream body: ``choices`` is (text, finish_reason) per choice, in index order."""
+        out = []
+        for index, (text, finish_reason) in enumerate(choices):
+            choice: dict[str, Any] = {"index": index}
+            if self.is_chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            out.append(choice | {"logprobs": None, "finish_reason": finish_reason})
+        return self._head("") | {"choices": out, "usage": usage}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              usage: dict[str, Any] | None | bool = False) -> dict[str, Any]:
+              usage: dict[str, Any] | None | bool = False, index: int = 0) -> dict[str, Any]:
         """One stream chunk; ``usage=False`` leaves the field out, ``None`` writes null (include_usage)."""
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:

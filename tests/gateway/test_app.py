@@ -124,6 +124,71 @@ def test_stop_string_cuts_text_and_frees_the_request(tokenizer, stream: bool) ->
     assert (text, reason) == (want, "stop")
 
 
+def test_n_choices_are_the_single_requests_of_seed_plus_i(tokenizer) -> None:
+    body = CHAT | {"temperature": 1.0, "seed": 11, "max_tokens": 12}
+
+    async def go(client, app):
+        many = await client.post("/v1/chat/completions", json=body | {"n": 3})
+        singles = [await client.post("/v1/chat/completions", json=body | {"seed": 11 + i}) for i in range(3)]
+        engine = app.state.gateway.engine
+        await asyncio.to_thread(wait_until, lambda: pool_is_full(engine) and not engine.has_work())
+        return many, [r.json() for r in singles], app.state.gateway.in_flight
+
+    many, singles, in_flight = run(tokenizer, go)
+    assert many.status_code == 200, many.text
+    body = many.json()
+    assert body["id"] == many.headers["x-request-id"]
+    texts = [c["message"]["content"] for c in body["choices"]]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert texts == [s["choices"][0]["message"]["content"] for s in singles]
+    assert len(set(texts)) > 1  # sampled choices differ
+    assert all(c["finish_reason"] == "length" for c in body["choices"])
+    u = body["usage"]
+    assert u["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"] and u["completion_tokens"] == 36
+    assert u["total_tokens"] == u["prompt_tokens"] + 36
+    assert [r["steps"] >= 1 for r in u["speculation"]] == [True] * 3
+    assert in_flight == 0  # every choice gave its admission slot back
+
+
+def test_n_choices_stream_by_index_then_one_usage_chunk_and_done(tokenizer) -> None:
+    body = CHAT | {"n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 10}
+
+    async def go(client, app):
+        full = await client.post("/v1/chat/completions", json=body)
+        stream = await client.post("/v1/chat/completions",
+                                   json=body | {"stream": True, "stream_options": {"include_usage": True}})
+        comp = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 6, "n": 2,
+                                                          "stream": True, "ignore_eos": True})
+        return full.json(), events(stream.text), events(comp.text)
+
+    full, chunks, comp = run(tokenizer, go)
+    assert chunks.count("[DONE]") == 1
+    *choice_chunks, usage_chunk, _ = chunks
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 20
+    assert len(usage_chunk["usage"]["speculation"]) == 2
+    for i in (0, 1):
+        mine = [c["choices"][0] for c in choice_chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert mine[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in mine[:-1])
+        text = "".join(c["delta"].get("content", "") for c in mine)
+        assert text == full["choices"][i]["message"]["content"]
+    comp_chunks = comp[:-1]
+    assert {c["choices"][0]["index"] for c in comp_chunks} == {0, 1}
+    assert sum(c["choices"][0]["finish_reason"] == "length" for c in comp_chunks) == 2
+
+
+def test_n_choices_take_one_admission_slot_each(tokenizer) -> None:
+    async def go(client, app):
+        too_many = await client.post("/v1/chat/completions", json=CHAT | {"n": 3})
+        fits = await client.post("/v1/chat/completions", json=CHAT | {"n": 2})
+        return too_many, fits, app.state.gateway.in_flight
+
+    too_many, fits, in_flight = run(tokenizer, go, max_in_flight=2)
+    assert too_many.status_code == 429 and too_many.json()["error"]["code"] == "queue_full"
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 2
+    assert in_flight == 0
+
+
 def test_completions_accept_token_ids_and_report_usage(tokenizer) -> None:
     async def go(client, app):
         return await client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 5,

@@ -95,9 +95,16 @@ def test_prompt_too_long_is_400(tokenizer) -> None:
     assert check(r, 400, "prompt", "context")["code"] == "context_length_exceeded"
 
 
-@pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", True), ("top_logprobs", 2), ("tools", [{}])])
+@pytest.mark.parametrize("field, value", [("logprobs", True), ("top_logprobs", 2), ("tools", [{}])])
 def test_unsupported_features_are_refused(tokenizer, field, value) -> None:
     check(post(tokenizer, CHAT | {field: value}), 400, "logprobs" if field == "top_logprobs" else field)
+
+
+@pytest.mark.parametrize("body, param, words", [({"n": 0}, "n", ("between 1 and 16", "0")),
+                                                 ({"n": 17}, "n", ("17",)),
+                                                 ({"n": 2, "best_of": 3}, "best_of", ("equal n",))])
+def test_choices_out_of_range_are_refused(tokenizer, body, param, words) -> None:
+    check(post(tokenizer, CHAT | body), 400, param, *words)
 
 
 def test_queue_full_is_429_with_retry_after(tokenizer) -> None:

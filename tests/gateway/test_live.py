@@ -53,8 +53,11 @@ def test_openai_sdk_completions_models_and_errors(live) -> None:
         stream = c.completions.create(model=MODEL, prompt="Hello", stream=True, **ngram)
         streamed = "".join(ch.choices[0].text for ch in stream if ch.choices)
         assert [m.id for m in c.models.list()] == [MODEL]
-        with pytest.raises(openai.BadRequestError, match="n must be 1"):
-            c.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)
+        two = c.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, seed=3, temperature=1, max_tokens=4,
+                                        extra_body={"ignore_eos": True})
+        assert [ch.index for ch in two.choices] == [0, 1] and two.usage.completion_tokens == 8
+        with pytest.raises(openai.BadRequestError, match="n must be between 1 and 16"):
+            c.chat.completions.create(model=MODEL, messages=MESSAGES, n=17)
         with pytest.raises(openai.NotFoundError):
             c.chat.completions.create(model="other", messages=MESSAGES)
     with openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0) as bad:
@@ -101,6 +104,28 @@ def test_client_dropping_mid_stream_aborts_and_frees_kv(tokenizer) -> None:
     assert any('"content"' in line for line in got)
     assert 'specgate_request_finish_total{reason="abort",speculation="on"} 1.0' in metrics
     assert 'route="/v1/chat/completions",speculation="on",status="499"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_leaving_a_request_of_n_choices_aborts_them_all(tokenizer, stream: bool) -> None:
+    engine = slow_engine(tokenizer)
+    app = make_app(tokenizer, engine=engine)
+    body = LONG | {"n": 3, "temperature": 1.0, "max_tokens": 160}
+    with LiveServer(app) as live:
+        if stream:
+            with httpx.Client(timeout=30) as http:
+                with http.stream("POST", live.url + "/v1/chat/completions", json=body | {"stream": True}) as r:
+                    lines = r.iter_lines()
+                    got = [json.loads(line[6:]) for line in (next(lines) for _ in range(16)) if line]
+                    assert engine.has_work()
+            assert {c["choices"][0]["index"] for c in got} == {0, 1, 2}  # the choices stream side by side
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(live.url + "/v1/chat/completions", json=body, timeout=0.5)
+        wait_until(lambda: pool_is_full(engine) and not engine.has_work())
+        assert app.state.gateway.in_flight == 0
+        metrics = httpx.get(live.url + "/metrics").text
+    assert 'specgate_request_finish_total{reason="abort",speculation="on"} 3.0' in metrics
 
 
 def test_client_leaving_a_non_stream_request_aborts_it(tokenizer) -> None:
