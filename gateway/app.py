@@ -265,8 +265,9 @@ class Gateway:
             return Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route)
         subs: list[Submission] = []
         try:  # choice i is engine request "<id>-<i>"; a refusal takes back the ones already in
-            for i, sampling in enumerate(samplings):
-                subs.append(await self._submit(f"{request_id}-{i}", prompt_ids, sampling, req))
+            for i, sampling in enumerate(samplings):  # choices 1.. reuse choice 0's prompt KV
+                subs.append(await self._submit(f"{request_id}-{i}", prompt_ids, sampling, req,
+                                               prefix_of=f"{request_id}-0" if i else None))
         except BaseException:
             for sub in subs:
                 self.runner.abort(sub.request_id)
@@ -275,10 +276,10 @@ class Gateway:
                                    route, index=i) for i, sub in enumerate(subs)])
 
     async def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                      req: GenerateRequest) -> Submission:
+                      req: GenerateRequest, prefix_of: str | None = None) -> Submission:
         retry = {"Retry-After": str(self.config.retry_after_s)}
         try:
-            return await self.runner.submit(request_id, prompt_ids, sampling, req.speculation)
+            return await self.runner.submit(request_id, prompt_ids, sampling, req.speculation, prefix_of=prefix_of)
         except QueueFull as exc:
             raise ApiError(429, f"the server is at capacity ({exc}); retry later", code="queue_full",
                            type="rate_limit_error", headers=retry) from None

@@ -109,8 +109,13 @@ class Engine:
     # --- requests -------------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-            speculation: SpeculationParams = SpeculationParams(), priority: int = 0) -> Sequence:
-        """Validate and queue a request. Raises ValueError naming the bad field, QueueFull when full."""
+            speculation: SpeculationParams = SpeculationParams(), priority: int = 0,
+            prefix_of: str | None = None) -> Sequence:
+        """Validate and queue a request. Raises ValueError naming the bad field, QueueFull when full.
+
+        ``prefix_of``: a live request with the same prompt (another choice of an n > 1 request). This one
+        then waits for that one's prompt to enter the prefix cache and prefills only the rest, instead of
+        computing the same prompt again beside it. Ignored when that request is gone or its prompt differs."""
         if request_id in self._seqs:
             raise ValueError(f"request_id {request_id!r} is already running")
         if not prompt_ids:
@@ -131,6 +136,9 @@ class Engine:
         stops = frozenset(sampling.stop_token_ids) | frozenset(() if sampling.ignore_eos else self.eos_token_ids)
         seq = Sequence(request_id, list(prompt_ids), sampling, speculation,
                        make_generator(sampling, self.target.device), drafter, priority, stop_ids=stops)
+        leader = self._seqs.get(prefix_of) if prefix_of is not None else None
+        if leader is not None and leader.prompt_ids == seq.prompt_ids:
+            seq.prefix_leader = leader
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         return seq

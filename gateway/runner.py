@@ -99,11 +99,13 @@ class EngineRunner:
         self._thread.start()
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                     speculation: SpeculationParams, record: bool = True) -> Submission:
+                     speculation: SpeculationParams, record: bool = True,
+                     prefix_of: str | None = None) -> Submission:
         """Queue a request. Raises what ``Engine.add`` raises (ValueError, QueueFull) or ShuttingDown.
-        ``record=False``: the server's own request (warm-up), kept out of metrics, stats and the audit."""
+        ``record=False``: the server's own request (warm-up), kept out of metrics, stats and the audit.
+        ``prefix_of``: as ``Engine.add``'s (a sibling choice reuses that request's prompt KV)."""
         future: asyncio.Future[Submission] = asyncio.get_running_loop().create_future()
-        self._post("add", (future, request_id, prompt_ids, sampling, speculation, record))
+        self._post("add", (future, request_id, prompt_ids, sampling, speculation, record, prefix_of))
         try:
             return await future
         except asyncio.CancelledError:
@@ -172,9 +174,9 @@ class EngineRunner:
             return commands
 
     def _add(self, future: asyncio.Future, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-             speculation: SpeculationParams, record: bool) -> None:
+             speculation: SpeculationParams, record: bool, prefix_of: str | None) -> None:
         try:
-            seq = self.engine.add(request_id, prompt_ids, sampling, speculation)
+            seq = self.engine.add(request_id, prompt_ids, sampling, speculation, prefix_of=prefix_of)
         except Exception as exc:  # noqa: BLE001 -- ValueError / QueueFull go back to the caller as they are
             self._to_loop(_settle, future, None, exc)
             return

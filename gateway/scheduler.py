@@ -157,7 +157,11 @@ class Scheduler:
         avail = free - sum(s.table.blocks_needed(s.num_tokens - 1) for s in candidates)
         now = self.clock()
         while self.waiting and len(self.running) < self.config.max_running:
-            seq = min(self.waiting, key=lambda s: self.urgency(s, now))
+            # a sibling waiting on its leader's prompt is not a candidate yet (and does not block the queue)
+            ready = [s for s in self.waiting if not s.waits_for_leader]
+            if not ready:
+                break
+            seq = min(ready, key=lambda s: self.urgency(s, now))
             need = -(-seq.num_tokens // P)
             if need > avail:  # no overtaking: the head waits until it fits
                 break

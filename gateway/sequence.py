@@ -134,6 +134,9 @@ class Sequence:
     acceptance: AcceptanceEMA = field(default_factory=AcceptanceEMA)  # live per-depth acceptance
     steps_without_draft: int = 0  # decode steps since the last drafted tree (adaptive fallback)
     stop_ids: frozenset[int] = frozenset()  # tokens that end the request (its stop ids, EOS unless ignored)
+    # A sibling with the same prompt (a choice of the same n > 1 request): this one is admitted only once
+    # the leader's prompt is in the prefix cache, and then prefills only what the cache does not hold.
+    prefix_leader: "Sequence | None" = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -146,6 +149,13 @@ class Sequence:
     @property
     def is_prefilling(self) -> bool:
         return self.num_cached < self.num_tokens - 1
+
+    @property
+    def waits_for_leader(self) -> bool:
+        """The leader is still to prefill its prompt (waiting, preempted, or prefilling)."""
+        leader = self.prefix_leader
+        return leader is not None and leader.status != Status.FINISHED and (
+            leader.status == Status.WAITING or leader.is_prefilling)
 
     @property
     def remaining_tokens(self) -> int:

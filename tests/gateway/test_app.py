@@ -125,16 +125,21 @@ def test_stop_string_cuts_text_and_frees_the_request(tokenizer, stream: bool) ->
 
 
 def test_n_choices_are_the_single_requests_of_seed_plus_i(tokenizer) -> None:
-    body = CHAT | {"temperature": 1.0, "seed": 11, "max_tokens": 12}
+    # a prompt no earlier request (the warm-up) has put in the prefix cache
+    body = CHAT | {"messages": [{"role": "user", "content": "Tell me a story about a hedgehog"}],
+                   "temperature": 1.0, "seed": 11, "max_tokens": 12}
 
     async def go(client, app):
+        pool = app.state.gateway.engine.cache.pool
+        hits = pool.prefix_hit_blocks
         many = await client.post("/v1/chat/completions", json=body | {"n": 3})
+        hits = pool.prefix_hit_blocks - hits
         singles = [await client.post("/v1/chat/completions", json=body | {"seed": 11 + i}) for i in range(3)]
         engine = app.state.gateway.engine
         await asyncio.to_thread(wait_until, lambda: pool_is_full(engine) and not engine.has_work())
-        return many, [r.json() for r in singles], app.state.gateway.in_flight
+        return many, [r.json() for r in singles], app.state.gateway.in_flight, hits, pool.page_size
 
-    many, singles, in_flight = run(tokenizer, go)
+    many, singles, in_flight, hits, page = run(tokenizer, go)
     assert many.status_code == 200, many.text
     body = many.json()
     assert body["id"] == many.headers["x-request-id"]
@@ -148,6 +153,9 @@ def test_n_choices_are_the_single_requests_of_seed_plus_i(tokenizer) -> None:
     assert u["total_tokens"] == u["prompt_tokens"] + 36
     assert [r["steps"] >= 1 for r in u["speculation"]] == [True] * 3
     assert in_flight == 0  # every choice gave its admission slot back
+    # choices 1 and 2 took every full block of choice 0's prompt from the cache (choice 0 may have found
+    # the chat template's first block there too, from the warm-up)
+    assert hits >= 2 * ((u["prompt_tokens"] - 1) // page)
 
 
 def test_n_choices_stream_by_index_then_one_usage_chunk_and_done(tokenizer) -> None:

@@ -217,6 +217,29 @@ def test_measured_step_cost_turns_an_accurate_but_slow_draft_off() -> None:
     assert fast.drafted_tokens > fast.steps  # most steps speculate again
 
 
+def test_sibling_waits_for_its_leaders_prompt_and_prefills_only_the_rest() -> None:
+    """prefix_of (the choices of an n > 1 request): added together, the sibling is admitted only once the
+    leader's prompt is cached, and takes every full block from the cache. Without it both compute it."""
+    prompt = list(range(1, 31))  # 29 prefilled tokens: 7 full blocks of 4
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=3)
+    for linked, want_hits in ((True, 7), (False, 0)):
+        eng = tiny_engine()
+        leader = eng.add("a", prompt, GREEDY, SpeculationParams(drafter="draft"))
+        sibling = eng.add("b", prompt, sampled, SpeculationParams(drafter="draft"), prefix_of="a" if linked else None)
+        got = {"a": [], "b": []}
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+        assert (sibling.status.value, leader.is_prefilling) == ("waiting" if linked else "running", False)
+        while eng.has_work():
+            for o in eng.step():
+                got[o.request_id] += o.new_token_ids
+        assert eng.cache.pool.prefix_hit_blocks == want_hits
+        assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+        alone = run_all(tiny_engine(), [("b", prompt, sampled, SpeculationParams(drafter="draft"))])
+        assert got["b"] == alone["b"]  # same seed, same tokens, whether it shared the prompt or not
+        assert got["a"] == reference([prompt])[0]
+
+
 def test_prefix_cache_reuses_blocks_and_keeps_output() -> None:
     shared = list(range(1, 30))  # 7 full blocks of 4
     ps = [shared + [40 + i] for i in range(4)]

@@ -113,7 +113,7 @@ def test_queue_full_is_429_with_retry_after(tokenizer) -> None:
             return
         real = engine.add
 
-        def full(*a):
+        def full(*a, **k):
             engine.add = real  # one refusal, then the check request is served
             raise QueueFull("256 requests are waiting")
 

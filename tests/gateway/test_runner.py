@@ -59,7 +59,7 @@ def test_refusals_come_back_to_the_caller() -> None:
     async def go(runner):
         with pytest.raises(ValueError, match="prompt is empty"):
             await runner.submit("a", [], GREEDY, SpeculationParams())
-        runner.engine.add = lambda *a: (_ for _ in ()).throw(QueueFull("full"))
+        runner.engine.add = lambda *a, **k: (_ for _ in ()).throw(QueueFull("full"))
         with pytest.raises(QueueFull):
             await runner.submit("b", [1], GREEDY, SpeculationParams())
 

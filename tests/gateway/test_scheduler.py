@@ -72,6 +72,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("arrive"), st.integers(1, 40), st.integers(1, 30), st.integers(0, 2)),
     st.tuples(st.just("cancel"), st.integers(0, 1000)),
     st.tuples(st.just("step"), st.integers(0, 3)),
+    st.tuples(st.just("sibling"), st.integers(0, 1000), st.integers(1, 30)),  # another choice of a request
 ), max_size=60)
 
 
@@ -99,6 +100,11 @@ def test_random_traffic_keeps_invariants(ops, num_blocks, max_running, step_toke
             if -(-op[1] // 4) <= num_blocks:  # the engine refuses prompts the pool can never hold
                 seqs.append(make_seq(len(seqs), op[1], op[2], op[3], clock.t))
                 sched.add(seqs[-1])
+        elif op[0] == "sibling" and seqs:
+            leader = seqs[op[1] % len(seqs)]
+            seqs.append(make_seq(len(seqs), len(leader.prompt_ids), op[2], leader.priority, clock.t))
+            seqs[-1].prefix_leader = leader  # waits for the leader's prompt, whatever became of the leader
+            sched.add(seqs[-1])
         elif op[0] == "cancel" and seqs:
             s = seqs[op[1] % len(seqs)]
             if s.request_id not in ended:
@@ -113,12 +119,13 @@ def test_random_traffic_keeps_invariants(ops, num_blocks, max_running, step_toke
     assert not sched.has_work(), "requests left behind"
     assert {s.request_id for s in seqs} == ended
     assert pool.num_free == num_blocks
-    # FIFO within a priority class: first admissions happen in arrival order
+    # FIFO within a priority class: first admissions happen in arrival order (siblings excepted: one may
+    # be overtaken while its leader prefills)
     first = {}
     for s in admitted_order:
         first.setdefault(s.request_id, s)
     for p in range(3):
-        cls = [s for s in first.values() if s.priority == p]
+        cls = [s for s in first.values() if s.priority == p and s.prefix_leader is None]
         assert [s.arrival_time for s in cls] == sorted(s.arrival_time for s in cls)
 
 
