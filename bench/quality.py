@@ -12,6 +12,7 @@ import json
 import math
 import platform
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -29,6 +30,63 @@ def logits_over(model: Transformer, ids: list[int]) -> torch.Tensor:
     cache = model.new_cache(-(-len(ids) // 16) + 1, 16)
     batch = build_batch([Segment(cache.new_table(), 0, ids, logits="all")], cache, model.device)
     return model.forward(batch, cache)
+
+
+def pydoc_text() -> str:
+    """English prose shipped with CPython (``pydoc_data.topics``, PSF licence): every topic in sorted key order,
+    joined by blank lines. Fixed for a given Python version (the topics change between releases)."""
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def perplexity_ids(spec: str, encode: Callable[[str], list[int]],
+                   max_tokens: int) -> tuple[list[int], str]:
+    """The held-out token ids for ``spec`` (``pydoc``, or ``file:PATH``), cut to the first ``max_tokens``, and a
+    description of where they came from. The whole text is tokenized before the cut, so the ids are a prefix of
+    its tokenization."""
+    if spec == "pydoc":
+        text, name = pydoc_text(), f"pydoc_data.topics (Python {platform.python_version()})"
+    elif spec.startswith("file:"):
+        text, name = Path(spec.removeprefix("file:")).read_text(), spec.removeprefix("file:")
+    else:
+        raise ValueError(f"unknown perplexity text {spec!r}: 'pydoc' or 'file:PATH'")
+    ids = encode(text)
+    if spec == "pydoc" and len(ids) < max_tokens:
+        raise ValueError(f"pydoc text has {len(ids)} tokens, fewer than the {max_tokens} asked for")
+    return ids[:max_tokens], name
+
+
+def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
+    """Sliding windows over ``n`` tokens: ``(begin, end, first)`` runs ``ids[begin:end]`` and scores targets
+    ``first .. end - 1`` (each predicted from the logits one position earlier). Every target 1 .. n - 1 is scored
+    exactly once; after the first window each has at least ``window - stride`` tokens of left context."""
+    if not 0 < stride <= window or window < 2:
+        raise ValueError(f"need 0 < stride <= window and window >= 2, got window {window}, stride {stride}")
+    out, begin, first = [], 0, 1
+    while first < n:
+        end = min(begin + window, n)
+        out.append((begin, end, first))
+        begin, first = begin + stride, end
+    return out
+
+
+def windowed_log_probs(model: Transformer, ids: list[int], window: int = 1024,
+                       stride: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per window of ``windows``: fp32 next-token log-probs ``[k, V]`` of its scored targets, and the targets
+    ``[k]``. Each window is its own prefill from position 0 (``logits_over``)."""
+    for begin, end, first in windows(len(ids), window, stride):
+        lg = logits_over(model, ids[begin:end]).float()[first - 1 - begin : end - 1 - begin]
+        yield lg.log_softmax(-1), torch.tensor(ids[first:end])
+
+
+def windowed_nll(model: Transformer, ids: list[int], window: int = 1024, stride: int = 512) -> tuple[float, int]:
+    """Summed negative log-likelihood (fp64 sum) of targets 1 .. len(ids) - 1 over sliding windows, and their
+    count; perplexity is ``exp(nll / count)``."""
+    nll, count = 0.0, 0
+    for lp, tgt in windowed_log_probs(model, ids, window, stride):
+        nll -= float(lp.gather(-1, tgt[:, None]).double().sum())
+        count += len(tgt)
+    return nll, count
 
 
 def greedy(model: Transformer, ids: list[int], n: int) -> list[int]:

@@ -1,19 +1,29 @@
 """Dense against RTN and GPTQ INT4 on the embedded SmolLM2: perplexity on held-out text, greedy agreement
 with the dense model, and mean accepted length with one fixed drafter (ngram, tree 2,2,2,1, temperature 0).
 
-    python bench/quant.py [--model DIR] [--arms dense_fp32,rtn_g128,gptq_g128] [--out bench/results/quant.json]
+    python bench/quant.py [--model DIR] [--arms dense_fp32,rtn_g128,gptq_g128] [--ppl-text pydoc|file:PATH]
+                          [--ppl-tokens 16384] [--ppl-window 1024] [--ppl-stride 512] [--out FILE]
 
 Arms run one after another (see ``build_arm`` for their names); rows of arms not run this time stay in the
 output file, with the commit they were measured at, as long as it was measured the same way.
 
+Perplexity and kl_to_dense are over a held-out text: ``--ppl-text pydoc`` (default) is CPython's own
+documentation prose (``pydoc_data.topics``, topics in sorted key order joined by blank lines) cut to
+``--ppl-tokens`` tokens and written to bench/results/quant_pydoc.json; ``file:bench/data/ppl_text.txt`` is the
+older 348-token text behind bench/results/quant.json. Both are scored in sliding windows (``quality.windows``):
+``--ppl-window`` tokens per prefill, moved by ``--ppl-stride``, each token scored once, and after the first window
+with at least window - stride tokens of left context. A window of at least the text's length is one plain prefill
+(quant.json's rows were measured that way).
+
 Calibration is data-free: sequences sampled from the dense model (``target.gptq.sample_calibration``), so
-the held-out text (bench/data/ppl_text.txt) never feeds GPTQ. MT-bench first turns are the chat prompts.
+the held-out text never feeds GPTQ. MT-bench first turns are the chat prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import math
 import platform
@@ -30,7 +40,7 @@ from draft.ngram import NgramDrafter
 from draft.params import SpeculationParams
 from gateway.engine import Engine, EngineConfig
 from gateway.llm import LLM, Loaded, LoadConfig, resolve_model_path
-from quality import greedy, logits_over
+from quality import greedy, logits_over, perplexity_ids, windowed_log_probs, windows
 from target.gptq import quantize_gptq, sample_calibration
 from target.loader import LoadedCheckpoint, load_checkpoint
 from target.quant_formats import save_quantized
@@ -44,16 +54,22 @@ ARMS = ("dense_fp32", "dense_bf16", "rtn_g128", "gptq_g128", "gptq_g128_act_intz
         "gptq_g128_act_group", "gptq_g128_act_perm", "gptq_g128_act_mse", "gptq_g128_act_group_mse",
         "gptq_g128_act_perm_mse", "gptq_g128_act_mse_damp0.1", "rtn_g64", "gptq_g64_act_mse", "rtn_g32",
         "gptq_g32_act")
-NOTE = ("The embedded GGUF is itself Q4_1 (group 32, min-max grid): 'dense' is its dequantized float weights, so a "
-        "group-32 grid with fractional zeros (our format's default) holds them exactly and gptq_g32_act equals dense. "
-        "g128 falls back to g64 on the K=576 projections (576 is not a multiple of 128), so g128 and g64 differ only "
-        "in down_proj. Arm names: _act alone is act-order with static groups, _act_group group-aware reordering, "
-        "_act_perm true act-order stored with an input permutation; _mse searched group grids; _intzero integer zero "
-        "points, as GPTQ files store them; _damp0.1 Hessian damping 0.1 (else 0.01). _refit rows were measured at "
-        "cf9db6d with a least-squares grid refit that did not lower kl_to_dense and was removed. Perplexity over 348 "
-        "tokens moves by a few percent between arms of equal kl_to_dense: read kl_to_dense and greedy_agreement for "
-        "fidelity. Accepted lengths follow how repetitive each target's own greedy text is (RTN's is the most "
-        "repetitive), not its fidelity. quantize_seconds: one thread on a shared machine, indicative only.")
+ARMS_NOTE = ("The embedded GGUF is itself Q4_1 (group 32, min-max grid): 'dense' is its dequantized float weights, so "
+             "a group-32 grid with fractional zeros (our format's default) holds them exactly and gptq_g32_act equals "
+             "dense. g128 falls back to g64 on the K=576 projections (576 is not a multiple of 128), so g128 and g64 "
+             "differ only in down_proj. Arm names: _act alone is act-order with static groups, _act_group group-aware "
+             "reordering, _act_perm true act-order stored with an input permutation; _mse searched group grids; "
+             "_intzero integer zero points, as GPTQ files store them; _damp0.1 Hessian damping 0.1 (else 0.01). _refit"
+             " rows were measured at cf9db6d with a least-squares grid refit that did not lower kl_to_dense and was "
+             "removed. Accepted lengths follow how repetitive each target's own greedy text is (RTN's is the most "
+             "repetitive), not its fidelity. quantize_seconds: one thread on a shared machine, indicative only.")
+FILE_NOTE = ("Perplexity over 348 tokens moves by a few percent between arms of equal kl_to_dense: read kl_to_dense "
+             "and greedy_agreement for fidelity (bench/results/quant_pydoc.json scores a longer text). ")
+PYDOC_NOTE = ("Perplexity and kl_to_dense here are over {scored} tokens of CPython's pydoc_data.topics prose in "
+              "sliding windows (see perplexity_text), not over the 348-token bench/data/ppl_text.txt of quant.json, "
+              "whose perplexity moved by a few percent between arms of equal kl_to_dense; greedy agreement, accepted "
+              "lengths and calibration are measured as in quant.json. perplexity_ratio_to_dense_bf16 divides by the "
+              "dense_bf16 row of the same run. ")
 
 
 def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
@@ -112,17 +128,22 @@ def draft(dense: Transformer, num_layers: int) -> Drafter:
     return ModelDrafter("self", dense.truncated(num_layers), 512, 16)
 
 
-def evaluate(model: Transformer, ref: dict, text: list[int], prompts: list[list[int]], max_tokens: int) -> dict:
-    """Perplexity and KL to dense on ``text``; greedy agreement on dense's continuations; accepted length."""
-    lg = logits_over(model, text).float()[:-1]  # [T-1, V]
-    nll = F.cross_entropy(lg, torch.tensor(text[1:]))
-    kl = F.kl_div(lg.log_softmax(-1), ref["text_logits"].log_softmax(-1), log_target=True, reduction="batchmean")
+def evaluate(model: Transformer, ref: dict, text: list[int], prompts: list[list[int]], max_tokens: int,
+             window: int, stride: int) -> dict:
+    """Perplexity and KL to dense on ``text`` (sliding windows, each target once); greedy agreement on dense's
+    continuations; free-running common prefix."""
+    nll, kl, count = 0.0, 0.0, 0
+    scored = ref["text"] if model is ref["model"] else windowed_log_probs(model, text, window, stride)
+    for (lp, tgt), (ref_lp, _) in zip(scored, ref["text"], strict=True):
+        nll -= float(lp.gather(-1, tgt[:, None]).double().sum())
+        kl += float(F.kl_div(lp, ref_lp, log_target=True, reduction="sum"))  # KL(dense || model), summed
+        count += len(tgt)
     # teacher-forced: does this model's argmax match dense's greedy token at each of the 64 positions?
     agree = [logits_over(model, p + g).argmax(-1)[len(p) - 1:-1] == torch.tensor(g)
              for p, g in zip(prompts, ref["greedy"])]
     free = [greedy(model, p, max_tokens) for p in prompts]
     prefix = [next((i for i, (a, b) in enumerate(zip(f, g)) if a != b), len(g)) for f, g in zip(free, ref["greedy"])]
-    return {"perplexity": round(math.exp(float(nll)), 4), "kl_to_dense": round(max(float(kl), 0.0) + 0.0, 5),
+    return {"perplexity": round(math.exp(nll / count), 4), "kl_to_dense": round(max(kl / count, 0.0) + 0.0, 5),
             "greedy_agreement": round(float(torch.cat(agree).float().mean()), 4),
             "greedy_common_prefix_mean": round(sum(prefix) / len(prefix), 2)}
 
@@ -138,34 +159,68 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=20, help="layers of the fixed dense self-draft")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", default=str(HERE / "results" / "quant.json"))
+    ap.add_argument("--ppl-text", default="pydoc", help="held-out text: 'pydoc' or 'file:PATH'")
+    ap.add_argument("--ppl-tokens", type=int, default=16384, help="cut the held-out text to this many tokens")
+    ap.add_argument("--ppl-window", type=int, default=1024, help="tokens per perplexity prefill")
+    ap.add_argument("--ppl-stride", type=int, default=512, help="tokens each perplexity window moves by")
+    ap.add_argument("--out", default=None,
+                    help="default bench/results/quant_pydoc.json for --ppl-text pydoc, else bench/results/quant.json")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = str(HERE / "results" / ("quant_pydoc.json" if args.ppl_text == "pydoc" else "quant.json"))
     # the code this run measures: HEAD when it starts (a commit landing during a long run is not in it)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     torch.manual_seed(0)
     ck = load_checkpoint(resolve_model_path(LoadConfig(model=args.model)), torch.float32)
     dense = Transformer.from_weights(ck.config, ck.weights, torch.float32)
-    text = ck.tokenizer.encode((HERE / "data" / "ppl_text.txt").read_text())
+    text, text_name = perplexity_ids(args.ppl_text, ck.tokenizer.encode, args.ppl_tokens)
+    spans = windows(len(text), args.ppl_window, args.ppl_stride)
+    text_desc = describe_text(args, text, text_name, len(spans))
+    print(f"perplexity text: {text_desc}", flush=True)
     prompts = chat_ids(ck, [json.loads(l)["turns"][0] for l in MT_BENCH.open()][: args.prompts])
     t0 = time.perf_counter()
     calib = load_calibration(args, dense, ck)
     print(f"calibration: {len(calib)} x {args.calib_len} tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
     ref_greedy = [greedy(dense, p, args.max_tokens) for p in prompts]
-    ref = {"text_logits": logits_over(dense, text).float()[:-1], "greedy": ref_greedy}
+    t0 = time.perf_counter()
+    ref = {"model": dense, "greedy": ref_greedy,
+           "text": list(windowed_log_probs(dense, text, args.ppl_window, args.ppl_stride))}
+    print(f"dense reference over {len(spans)} windows ({time.perf_counter() - t0:.0f}s)", flush=True)
     # one fixed model draft for every arm: the dense model's first layers (the ngram draft ignores the target's
     # quality, but its acceptance follows how repetitive the target's text is)
     cache = Path(args.arm_cache) if args.arm_cache else None
     rows = []
     for arm in args.arms.split(","):
         model, build_s = build_arm(arm, dense, ck, calib, cache)
-        row = {"method": arm, **evaluate(model, ref, text, prompts, args.max_tokens),
+        row = {"method": arm, **evaluate(model, ref, text, prompts, args.max_tokens, args.ppl_window, args.ppl_stride),
                "mean_accepted_length": round(accepted_length(model, ck, prompts, args.max_tokens, NgramDrafter()), 4),
                "mean_accepted_length_model_draft": round(
                    accepted_length(model, ck, prompts, args.max_tokens, draft(dense, args.draft_layers)), 4),
                "quantize_seconds": None if build_s is None else round(build_s, 1)}
         rows.append(row)
         print(row, flush=True)
-    write(args, ck, rows, len(text), commit)
+        # after every arm, so a long run that stops keeps the rows it measured
+        write(args, ck, ratios(rows), text_desc, len(text) - 1, commit)
+
+
+def describe_text(args: argparse.Namespace, text: list[int], name: str, num_windows: int) -> str:
+    if len(text) <= args.ppl_window:  # one plain prefill: the description quant.json's rows carry
+        return f"{name} ({len(text)} tokens)"
+    digest = hashlib.sha256(json.dumps(text).encode()).hexdigest()[:12]
+    return (f"{name}: topics in sorted key order joined by blank lines, the first {len(text)} tokens of its "
+            f"tokenization (token ids sha256 {digest}); {num_windows} sliding windows of {args.ppl_window} tokens, "
+            f"stride {args.ppl_stride}, each a fresh prefill: {len(text) - 1} tokens scored, each once, with at "
+            f"least {args.ppl_window - args.ppl_stride} tokens of left context after the first window"
+            if args.ppl_text == "pydoc" else
+            f"{name}: {len(text)} tokens; {num_windows} sliding windows of {args.ppl_window} tokens, stride "
+            f"{args.ppl_stride}, each a fresh prefill: {len(text) - 1} tokens scored, each once")
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """``perplexity_ratio_to_dense_bf16`` on each row when this run measured dense_bf16."""
+    base = next((r["perplexity"] for r in rows if r["method"] == "dense_bf16"), None)
+    return rows if base is None else [{**r, "perplexity_ratio_to_dense_bf16": round(r["perplexity"] / base, 4)}
+                                      for r in rows]
 
 
 def load_calibration(args: argparse.Namespace, dense: Transformer, ck: LoadedCheckpoint) -> list[list[int]]:
@@ -180,13 +235,15 @@ def load_calibration(args: argparse.Namespace, dense: Transformer, ck: LoadedChe
     return calib
 
 
-def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text_tokens: int, commit: str) -> None:
+def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text_desc: str, scored: int,
+          commit: str) -> None:
     """Write ``args.out``, keeping the rows of arms this run did not measure when the file was measured the same
     way. Each row records the date and commit it was measured at."""
     date = datetime.date.today().isoformat()
     out = {"date": date, "commit": commit, "model": Path(ck.source).name,
            "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
-           "perplexity_text": f"bench/data/ppl_text.txt ({text_tokens} tokens)",
+           "perplexity_text": text_desc,
+           "perplexity_tokens_scored": scored,
            "greedy_agreement": f"teacher-forced top-1 agreement with dense fp32's greedy {args.max_tokens}-token "
                                f"continuations of {args.prompts} MT-bench first turns",
            "mean_accepted_length": f"ngram drafter, tree {','.join(map(str, TREE))}, temperature 0, "
@@ -194,7 +251,7 @@ def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text
            "mean_accepted_length_model_draft": f"the same, drafted by the dense fp32 model's first "
                                                f"{args.draft_layers} layers (one fixed draft for every arm)",
            "calibration": f"{args.calib_seqs} x {args.calib_len} tokens sampled from the dense model (seed 0)",
-           "note": NOTE,
+           "note": (PYDOC_NOTE.format(scored=scored) if args.ppl_text == "pydoc" else FILE_NOTE) + ARMS_NOTE,
            "rows": [{**r, "date": date, "commit": commit} for r in rows]}
     path = Path(args.out)
     old = json.loads(path.read_text()) if path.is_file() else {}
