@@ -59,9 +59,10 @@ def perplexity_ids(spec: str, encode: Callable[[str], list[int]],
 def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
     """Sliding windows over ``n`` tokens: ``(begin, end, first)`` runs ``ids[begin:end]`` and scores targets
     ``first .. end - 1`` (each predicted from the logits one position earlier). Every target 1 .. n - 1 is scored
-    exactly once; after the first window each has at least ``window - stride`` tokens of left context."""
-    if not 0 < stride <= window or window < 2:
-        raise ValueError(f"need 0 < stride <= window and window >= 2, got window {window}, stride {stride}")
+    exactly once; after the first window each has at least ``window - stride`` tokens of left context. Windows
+    must overlap (stride < window): a window's first scored target is predicted from the token before it."""
+    if not 0 < stride < window:
+        raise ValueError(f"need 0 < stride < window, got window {window}, stride {stride}")
     out, begin, first = [], 0, 1
     while first < n:
         end = min(begin + window, n)
