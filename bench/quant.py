@@ -27,6 +27,7 @@ import hashlib
 import json
 import math
 import platform
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -68,19 +69,22 @@ FILE_NOTE = ("Perplexity over 348 tokens moves by a few percent between arms of 
 PYDOC_NOTE = ("Perplexity and kl_to_dense here are over {scored} tokens of CPython's pydoc_data.topics prose in "
               "sliding windows (see perplexity_text), not over the 348-token bench/data/ppl_text.txt of quant.json, "
               "whose perplexity moved by a few percent between arms of equal kl_to_dense; greedy agreement, accepted "
-              "lengths and calibration are measured as in quant.json. perplexity_ratio_to_dense_bf16 divides by the "
-              "dense_bf16 row of the same run. ")
+              "lengths and calibration are measured as in quant.json (a row's own calibration field, where it has "
+              "one, replaces the file's). perplexity_ratio_to_dense_bf16 divides by this file's dense_bf16 row. ")
 
 
 def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
               cache: Path | None) -> tuple[Transformer, float | None]:
-    """``dense_fp32``, ``dense_bf16``, ``rtn_g{G}`` or ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}]``,
-    and the seconds quantizing took (None when ``cache`` already held the arm).
+    """``dense_fp32``, ``dense_bf16``, ``rtn_g{G}`` or
+    ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}][_calib{S}x{L}]``, and the seconds quantizing took
+    (None when ``cache`` already held the arm).
 
     GPTQ flags: ``act`` alone is act-order with static groups, ``act_group`` group-aware reordering, ``act_perm``
     true act-order stored with an input permutation (``target.gptq``'s ``act_order``); ``mse`` searches each
     group's grid; ``intzero`` gives the integer zero points a GPTQ-format file would hold (our format defaults to
-    fractional ones); ``damp{x}`` sets the Hessian damping (0.01 otherwise). No flag: natural order, min-max grids.
+    fractional ones); ``damp{x}`` sets the Hessian damping (0.01 otherwise); ``calib{S}x{L}`` names the calibration
+    set (S sequences of L tokens) ``main`` passes as ``calib`` instead of --calib-seqs x --calib-len. No flag:
+    natural order, min-max grids.
     (``_refit`` arms in quant.json were measured with a least-squares grid refit that did not pay and was removed.)
     """
     if name == "dense_fp32":
@@ -93,7 +97,8 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     method, group, *flags = name.split("_")
     G = int(group.removeprefix("g"))
     damps = [float(f.removeprefix("damp")) for f in flags if f.startswith("damp")]
-    unknown = set(flags) - {"act", "group", "perm", "mse", "intzero"} - {f for f in flags if f.startswith("damp")}
+    unknown = set(flags) - {"act", "group", "perm", "mse", "intzero"} - {f for f in flags if f.startswith("damp")} \
+        - {f for f in flags if calib_flag(f)}
     if method not in ("rtn", "gptq") or unknown or (method == "rtn" and flags):
         raise ValueError(f"unknown arm {name!r}")
     order = "off" if "act" not in flags else "perm" if "perm" in flags else "group" if "group" in flags else "static"
@@ -105,6 +110,20 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     if cache is not None:
         save_quantized(model, cache / name, ck.tokenizer, ck.chat_template, {"method": name})
     return model, secs
+
+
+def calib_flag(flag: str) -> tuple[int, int] | None:
+    """``calib256x512`` -> (256, 512); None for any other flag."""
+    m = re.fullmatch(r"calib(\d+)x(\d+)", flag)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def calib_size(arm: str, args: argparse.Namespace) -> tuple[int, int] | None:
+    """The calibration set a GPTQ arm quantizes with (sequences, tokens each); None for arms that need none."""
+    if not arm.startswith("gptq_"):
+        return None
+    sizes = [c for c in map(calib_flag, arm.split("_")) if c]
+    return sizes[-1] if sizes else (args.calib_seqs, args.calib_len)
 
 
 def chat_ids(ck: LoadedCheckpoint, prompts: list[str]) -> list[list[int]]:
@@ -178,9 +197,6 @@ def main() -> None:
     text_desc = describe_text(args, text, text_name, len(spans))
     print(f"perplexity text: {text_desc}", flush=True)
     prompts = chat_ids(ck, [json.loads(l)["turns"][0] for l in MT_BENCH.open()][: args.prompts])
-    t0 = time.perf_counter()
-    calib = load_calibration(args, dense, ck)
-    print(f"calibration: {len(calib)} x {args.calib_len} tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
     ref_greedy = [greedy(dense, p, args.max_tokens) for p in prompts]
     t0 = time.perf_counter()
     ref = {"model": dense, "greedy": ref_greedy,
@@ -189,18 +205,25 @@ def main() -> None:
     # one fixed model draft for every arm: the dense model's first layers (the ngram draft ignores the target's
     # quality, but its acceptance follows how repetitive the target's text is)
     cache = Path(args.arm_cache) if args.arm_cache else None
-    rows = []
+    rows, calibs = [], {}
     for arm in args.arms.split(","):
-        model, build_s = build_arm(arm, dense, ck, calib, cache)
+        size = calib_size(arm, args)
+        if size is not None and size not in calibs:
+            t0 = time.perf_counter()
+            calibs[size] = load_calibration(args, dense, ck, *size)
+            print(f"calibration: {size[0]} x {size[1]} tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
+        model, build_s = build_arm(arm, dense, ck, calibs.get(size, []), cache)
         row = {"method": arm, **evaluate(model, ref, text, prompts, args.max_tokens, args.ppl_window, args.ppl_stride),
                "mean_accepted_length": round(accepted_length(model, ck, prompts, args.max_tokens, NgramDrafter()), 4),
                "mean_accepted_length_model_draft": round(
                    accepted_length(model, ck, prompts, args.max_tokens, draft(dense, args.draft_layers)), 4),
                "quantize_seconds": None if build_s is None else round(build_s, 1)}
+        if size is not None and size != (args.calib_seqs, args.calib_len):
+            row["calibration"] = f"{size[0]} x {size[1]} tokens sampled from the dense model (seed 0)"
         rows.append(row)
         print(row, flush=True)
         # after every arm, so a long run that stops keeps the rows it measured
-        write(args, ck, ratios(rows), text_desc, len(text) - 1, commit)
+        write(args, ck, rows, text_desc, len(text) - 1, commit)
 
 
 def describe_text(args: argparse.Namespace, text: list[int], name: str, num_windows: int) -> str:
@@ -217,19 +240,24 @@ def describe_text(args: argparse.Namespace, text: list[int], name: str, num_wind
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """``perplexity_ratio_to_dense_bf16`` on each row when this run measured dense_bf16."""
+    """``perplexity_ratio_to_dense_bf16`` on each row when ``rows`` hold dense_bf16."""
     base = next((r["perplexity"] for r in rows if r["method"] == "dense_bf16"), None)
     return rows if base is None else [{**r, "perplexity_ratio_to_dense_bf16": round(r["perplexity"] / base, 4)}
                                       for r in rows]
 
 
-def load_calibration(args: argparse.Namespace, dense: Transformer, ck: LoadedCheckpoint) -> list[list[int]]:
+def load_calibration(args: argparse.Namespace, dense: Transformer, ck: LoadedCheckpoint, seqs: int,
+                     length: int) -> list[list[int]]:
+    """``seqs`` sequences of ``length`` tokens sampled from the dense model, kept in --calib-cache (with
+    ``.{seqs}x{length}`` before its suffix when that is not the --calib-seqs x --calib-len set)."""
     cache = Path(args.calib_cache) if args.calib_cache else None
+    if cache is not None and (seqs, length) != (args.calib_seqs, args.calib_len):
+        cache = cache.with_name(f"{cache.stem}.{seqs}x{length}{cache.suffix}")
     if cache is not None and cache.is_file():
         return json.loads(cache.read_text())
     specials = set(ck.tokenizer.all_special_ids)
     first = [i for i in range(ck.config.vocab_size) if i not in specials]
-    calib = sample_calibration(dense, args.calib_seqs, args.calib_len, first, seed=0)
+    calib = sample_calibration(dense, seqs, length, first, seed=0)
     if cache is not None:
         cache.write_text(json.dumps(calib))
     return calib
@@ -261,6 +289,7 @@ def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text
         stamp = {"date": old["date"], "commit": old["commit"]}  # rows written before rows carried their own
         kept = [new.pop(r["method"], {**stamp, **r}) for r in old["rows"]]
         out["rows"] = kept + list(new.values())
+    out["rows"] = ratios(out["rows"])
     path.write_text(json.dumps(out, indent=2) + "\n")
 
 
