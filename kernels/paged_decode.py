@@ -30,6 +30,8 @@ _SHORT_SPLITS, _SHORT_SPLIT_TOKENS = 16, 32
 # lookup that feeds each K/V address, so only one K/V tile per program is in flight below 5 stages;
 # deeper pipelines (num_stages 5 and 7) cost occupancy and measured slower on an H200.
 DECODE_PROGRAMS_PER_SM = 4
+DECODE_PREFETCH = False  # the hand-pipelined loop (_prefetched_tiles); see bench/kernels/decode_rp_probe.py
+PREFETCH_WARPS = 8
 LOG2E = 1.4426950408889634
 
 
@@ -92,6 +94,43 @@ def _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq
     return _softmax_step(acc, l_i, m_i, s, v)
 
 
+@triton.jit
+def _tile_offsets(bt_row, start, hi, kv_head_off, stride_kb, stride_kp, offs_n, PAGE: tl.constexpr):
+    """[BLOCK_N] element offsets of the K/V rows of the tile at ``start``; rows at or past ``hi`` point at
+    block 0 (their loads are masked). One block-table entry per token: one per page, broadcast by a
+    reshape, broke the K/V loads' 16-byte vectors in the sm_90 build (``bench/kernels/sass.py decode``)."""
+    pos = start + offs_n
+    blk = tl.load(bt_row + pos // PAGE, mask=pos < hi, other=0).to(tl.int64)
+    return blk * stride_kb + (pos % PAGE) * stride_kp + kv_head_off
+
+
+@triton.jit
+def _prefetched_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, lo, hi, qk_scale, stride_kb, stride_kp,
+                      offs_n, offs_d, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys ``[lo, hi)`` with the pipelining done by hand (launch with ``num_stages=1``): each trip issues
+    plain loads of the next tile's K and V into registers, and the block-table entries of the tile after
+    that, before it computes on the current tile, so a copy is in flight through the dots and the softmax.
+    Triton's own pipeliner spends its stages on the block-table lookup that feeds each address: its loop
+    waits on every outstanding copy at the top of each tile (sm_90 SASS)."""
+    n_tiles = (tl.maximum(hi, lo) - lo + BLOCK_N - 1) // BLOCK_N
+    off = _tile_offsets(bt_row, lo, hi, kv_head_off, stride_kb, stride_kp, offs_n, PAGE)
+    ok = (lo + offs_n < hi)[:, None]
+    k = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok, other=0.0)
+    v = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=ok, other=0.0)
+    off = _tile_offsets(bt_row, lo + BLOCK_N, hi, kv_head_off, stride_kb, stride_kp, offs_n, PAGE)
+    for t in range(0, n_tiles):
+        start = lo + t * BLOCK_N
+        ok_next = (start + BLOCK_N + offs_n < hi)[:, None]
+        k_next = tl.load(k_ptr + off[:, None] + offs_d[None, :], mask=ok_next, other=0.0)
+        v_next = tl.load(v_ptr + off[:, None] + offs_d[None, :], mask=ok_next, other=0.0)
+        off = _tile_offsets(bt_row, start + 2 * BLOCK_N, hi, kv_head_off, stride_kb, stride_kp, offs_n, PAGE)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_G, BLOCK_N] fp32, log2 domain
+        s = tl.where((start + offs_n < hi)[None, :], s, float("-inf"))
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v)
+        k, v = k_next, v_next
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=["stride_btb", "stride_ls", "num_splits"])  # batch-dependent: see tree_attention
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
@@ -104,6 +143,7 @@ def _paged_decode_kernel(
     num_splits,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LEN_OFFSET: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,12 +168,16 @@ def _paged_decode_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + b * stride_btb
     kv_head_off = kv_head * stride_kh
-    for start in range(lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len,
-                                     qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, False)
-    for start in range(full_hi, hi, BLOCK_N):
-        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len,
-                                     qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, True)
+    if PREFETCH:
+        acc, l_i, m_i = _prefetched_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, lo, hi, qk_scale,
+                                          stride_kb, stride_kp, offs_n, offs_d, PAGE, BLOCK_N)
+    else:
+        for start in range(lo, full_hi, BLOCK_N):
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len,
+                                         qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, False)
+        for start in range(full_hi, hi, BLOCK_N):
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len,
+                                         qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, True)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = o_ptr + split * stride_os + b * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
@@ -205,13 +249,15 @@ def paged_decode_attention(
     use_triton: bool | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 3,
     len_offset: int = 0,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere. Sequence ``b``
     attends to ``seq_lens[b] + len_offset`` tokens: the model passes its context lengths and 1, which
-    saves a launch per layer for the addition."""
+    saves a launch per layer for the addition. ``prefetch`` picks the hand-pipelined loop
+    (``_prefetched_tiles``, ``num_stages`` ignored) or Triton's pipeliner; None takes ``DECODE_PREFETCH``."""
     if not use_triton_for(q, use_triton):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
     B, H, D = q.shape
@@ -220,6 +266,7 @@ def paged_decode_attention(
             or k_cache.stride(-1) != 1):
         raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, kv {tuple(k_cache.shape)}")
     G = H // Hkv
+    prefetch = DECODE_PREFETCH if prefetch is None else prefetch
     max_len = block_tables.shape[1] * P
     S = num_splits or pick_num_splits(B * Hkv, max_len, q.device, DECODE_PROGRAMS_PER_SM, _SHORT_SPLITS)
     block_n = block_n or (32 if max_len // S < 64 else 64)  # short splits: half tiles, twice the programs busy
@@ -231,7 +278,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), S,
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
-        IS_SPLIT=S > 1, LEN_OFFSET=len_offset, num_warps=num_warps, num_stages=num_stages)
+        IS_SPLIT=S > 1, LEN_OFFSET=len_offset, PREFETCH=prefetch,
+        num_warps=num_warps or (PREFETCH_WARPS if prefetch else 4), num_stages=1 if prefetch else num_stages)
     if S > 1:
         merge_splits(o_part, lse, out)
     return out

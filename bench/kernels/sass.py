@@ -114,7 +114,29 @@ def int4_cases():
     return cases
 
 
-CASES = {"int4": int4_cases}
+def decode_cases():
+    """The paged decode kernel's pipelined loop at its default config, and its hand-prefetched loop at the
+    tiles ``bench/kernels/decode_rp_probe.py`` sweeps (bf16, 32 query / 8 KV heads, D = 128)."""
+    from bench.kernels import decode_rp_probe as RP
+    from kernels import paged_decode as PD
+
+    sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", o_ptr="*fp32",
+               lse_ptr="*fp32", qk_scale="fp32", stride_qb="i32", stride_qh="i32", stride_kb="i32",
+               stride_kp="i32", stride_kh="i32", stride_btb="i32", stride_os="i32", stride_ob="i32",
+               stride_oh="i32", stride_ls="i32", stride_lb="i32", num_splits="i32")
+    div16 = {"q_ptr", "k_ptr", "v_ptr", "bt_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_qb", "stride_qh",
+             "stride_kb", "stride_kp", "stride_kh", "stride_os", "stride_ob", "stride_oh", "stride_ls", "stride_lb"}
+    base = dict(GROUP=4, PAGE=16, HEAD_DIM=128, BLOCK_G=16, IS_SPLIT=True)
+    base = dict(base, LEN_OFFSET=0)
+    cases = [("decode_pipelined_n64_st3_w4", PD._paged_decode_kernel, sig, dict(base, BLOCK_N=64, PREFETCH=False),
+              div16, 4, 3, None)]
+    for bn, nw in RP.RP_TILES:
+        cases.append((f"decode_prefetch_n{bn}_w{nw}", PD._paged_decode_kernel, sig,
+                      dict(base, BLOCK_N=bn, PREFETCH=True), div16, nw, 1, None))
+    return cases
+
+
+CASES = {"int4": int4_cases, "decode": decode_cases}
 
 
 def main() -> None:
@@ -123,6 +145,7 @@ def main() -> None:
     ap.add_argument("--dump", help="folder for .sass / .ttgir / .ptx of each case")
     args = ap.parse_args()
     scratch = args.dump or os.environ.get("TMPDIR", "/tmp")
+    os.makedirs(scratch, exist_ok=True)
     for name, fn, sig, const, div16, warps, stages, wpt in CASES[args.which]():
         report(name, compile_sm90(fn, sig, const, div16, warps, stages), scratch, wpt, args.dump)
 

@@ -36,14 +36,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def run_case(seq_lens, page, num_heads, num_kv_heads, head_dim, dtype, num_splits, seed, device=DEVICE):
+def run_case(seq_lens, page, num_heads, num_kv_heads, head_dim, dtype, num_splits, seed, device=DEVICE,
+             prefetch=None, block_n=None, len_offset=0):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = make_paged(seq_lens, page, num_kv_heads, head_dim, dtype, gen, device)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype).to(device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, scale)
-    out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, use_triton=True, num_splits=num_splits)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens + len_offset, scale)
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, use_triton=True, num_splits=num_splits,
+                                 prefetch=prefetch, block_n=block_n, len_offset=len_offset)
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     return rel_err(out, ref)
@@ -52,10 +54,22 @@ def run_case(seq_lens, page, num_heads, num_kv_heads, head_dim, dtype, num_split
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (3, 1)])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_matches_ref_ragged_batch(page, num_heads, num_kv_heads, num_splits):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_matches_ref_ragged_batch(page, num_heads, num_kv_heads, num_splits, prefetch):
     # B=3: a single token, a ragged tail block, and a length spanning several tiles and splits.
-    err = run_case([1, 37, 150], page, num_heads, num_kv_heads, 64, torch.float16, num_splits, seed=page + num_heads)
+    err = run_case([1, 37, 150], page, num_heads, num_kv_heads, 64, torch.float16, num_splits, seed=page + num_heads,
+                   prefetch=prefetch)
     assert err < 5e-3
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_prefetch_loop_tiles_and_len_offset(block_n):
+    """The hand-pipelined loop: tiles smaller than a page and larger, a split of one tile, a split that
+    starts on the last (partial) tile, and the model's ``len_offset`` of 1."""
+    for lens, splits in (([1, 16, 17, 100], 3), ([33, 64], 1), ([48], 2)):
+        err = run_case(lens, 16, 4, 2, 32, torch.float16, splits, seed=block_n + len(lens), prefetch=True,
+                       block_n=block_n, len_offset=1)
+        assert err < 5e-3, (lens, splits, err)
 
 
 def test_batch_of_one_head_dim_128_auto_splits():
@@ -86,8 +100,10 @@ def test_ref_matches_dense_sdpa(num_heads, num_kv_heads):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("page", [16, 64])
-def test_gpu_bf16(page):
-    err = run_case([1, 700, 4000, 33], page, 32, 8, 128, torch.bfloat16, None, seed=4, device=torch.device("cuda"))
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_gpu_bf16(page, prefetch):
+    err = run_case([1, 700, 4000, 33], page, 32, 8, 128, torch.bfloat16, None, seed=4, device=torch.device("cuda"),
+                   prefetch=prefetch)
     assert err < 1e-2
 
 
