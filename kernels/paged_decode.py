@@ -30,7 +30,7 @@ _SHORT_SPLITS, _SHORT_SPLIT_TOKENS = 16, 32
 # lookup that feeds each K/V address, so only one K/V tile per program is in flight below 5 stages;
 # deeper pipelines (num_stages 5 and 7) cost occupancy and measured slower on an H200.
 DECODE_PROGRAMS_PER_SM = 4
-DECODE_PREFETCH = False  # the hand-pipelined loop (_prefetched_tiles); see bench/kernels/decode_rp_probe.py
+DECODE_PREFETCH = False  # the hand-pipelined loop (_prefetched_tiles); see bench/kernels/prefetch_probe.py
 PREFETCH_WARPS = 8
 LOG2E = 1.4426950408889634
 

@@ -19,11 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_decode import LOG2E, _softmax_step, merge_splits, paged_decode_attention, pick_num_splits, use_triton_for
+from kernels.paged_decode import (LOG2E, _prefetched_tiles, _softmax_step, merge_splits, paged_decode_attention,
+                                  pick_num_splits, use_triton_for)
 
 # Programs of the default configs resident per SM at D=128: 180 to 213 registers and 74 to 99 KB of
 # shared memory each (ptxas -v, sm_90a); 128-row tiles (8 warps) fit only one, which measured the same.
 TREE_PROGRAMS_PER_SM = 2
+TREE_PREFETCH = False  # see tree_attention's ``prefetch``
 
 
 def _visible(n: int, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -116,7 +118,7 @@ def _tree_attention_kernel(
     stride_ls, stride_lt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HAS_BITS: tl.constexpr,
+    HAS_BITS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -168,9 +170,13 @@ def _tree_attention_kernel(
     acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
     bt_row = bt_ptr + b * stride_btb
     kv_head_off = kv_head * stride_kh
-    for start in range(lo, full_hi, BLOCK_N):
-        acc, l_i, m_i = _tree_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, ctx, kv_hi, tok,
-                                   bits, qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, HAS_BITS, False)
+    if PREFETCH:  # the prefix's whole tiles, pipelined by hand (paged_decode._prefetched_tiles)
+        acc, l_i, m_i = _prefetched_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, lo, full_hi, qk_scale,
+                                          stride_kb, stride_kp, offs_n, offs_d, PAGE, BLOCK_N)
+    else:
+        for start in range(lo, full_hi, BLOCK_N):
+            acc, l_i, m_i = _tree_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, ctx, kv_hi, tok,
+                                       bits, qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, HAS_BITS, False)
     for start in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _tree_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, ctx, kv_hi, tok,
                                    bits, qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, HAS_BITS, True)
@@ -200,8 +206,11 @@ def tree_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere.
+    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere. ``prefetch`` runs the
+    prefix's whole tiles through the hand-pipelined loop of the decode kernel (then ``num_stages`` applies
+    to nothing: 1); None takes ``TREE_PREFETCH``.
 
     ``is_decode=True`` promises one new token per sequence (``query_start == arange(B + 1)``) and
     routes to the split-KV decode kernel; the promise is not checked (that would sync).
@@ -219,6 +228,7 @@ def tree_attention(
     if T == 0:
         return out
     G = H // Hkv
+    prefetch = TREE_PREFETCH if prefetch is None else prefetch
     block_g = triton.next_power_of_2(G)
     # One query tile per tree (up to 128 rows); chunked prefill takes several.
     block_q = min(triton.next_power_of_2(-(-T // B)), max(1, 128 // block_g))
@@ -239,8 +249,8 @@ def tree_attention(
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n,
         # BLOCK_B has a floor: one compiled variant for every batch up to 64 sequences
-        BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None,
-        num_warps=num_warps or (4 if block_q * block_g <= 64 else 8), num_stages=num_stages)
+        BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None, PREFETCH=prefetch,
+        num_warps=num_warps or (4 if block_q * block_g <= 64 else 8), num_stages=1 if prefetch else num_stages)
     if S > 1:
         merge_splits(o_part, lse, out)
     return out

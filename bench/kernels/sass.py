@@ -116,8 +116,8 @@ def int4_cases():
 
 def decode_cases():
     """The paged decode kernel's pipelined loop at its default config, and its hand-prefetched loop at the
-    tiles ``bench/kernels/decode_rp_probe.py`` sweeps (bf16, 32 query / 8 KV heads, D = 128)."""
-    from bench.kernels import decode_rp_probe as RP
+    tiles ``bench/kernels/prefetch_probe.py`` sweeps (bf16, 32 query / 8 KV heads, D = 128)."""
+    from bench.kernels import prefetch_probe as RP
     from kernels import paged_decode as PD
 
     sig = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32", o_ptr="*fp32",

@@ -1,5 +1,5 @@
-"""Paged decode with K/V prefetched a tile ahead into registers (``prefetch=True``), against the
-pipeliner's loop and SDPA.
+"""Paged decode and tree attention with K/V prefetched a tile ahead into registers (``prefetch=True``),
+against the pipeliner's loop (and SDPA for decode).
 
 The pipelined decode loop (``kernels/paged_decode.py``) leaves K/V loads to Triton's pipeliner, which
 spends its stages on the block-table lookup that feeds each address: the sm_90 SASS waits on every
@@ -10,8 +10,9 @@ loads of the *next* tile's K and V into registers (their block-table entries wer
 earlier still) before it computes on the current tile, so the copies stay in flight through the dots
 and the softmax.
 
-    python bench/kernels/decode_rp_probe.py --out DIR        # CUDA: correctness, then the timing table
-    TRITON_INTERPRET=1 python bench/kernels/decode_rp_probe.py --check   # CPU: correctness only
+    python bench/kernels/prefetch_probe.py --out DIR     # CUDA: correctness, then the timing tables
+
+(tests/kernels/test_paged_decode.py and test_tree_attention.py run both loops under the interpreter.)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from kernels.tree_attention import tree_attention  # noqa: E402
 
 
 RP_TILES = [(32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]  # (block_n, warps); 128 at 4 warps spills
@@ -62,11 +64,7 @@ def check(device: str, dtype: torch.dtype) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--check", action="store_true", help="correctness only (CPU under TRITON_INTERPRET=1)")
     args = ap.parse_args()
-    if args.check:
-        print(f"max rel err {check('cpu', torch.float16):.2e}")
-        return
     import bench.kernels.bench_attention as BA
     from bench.kernels.attn_layout import caches
 
@@ -102,7 +100,44 @@ def main() -> None:
             print(f"B={B:3d} ctx={ctx:6d} p{page:2d} {mode:5s}: SDPA {sdpa_us:6.1f}  shipped {times['shipped']:6.1f} "
                   f"(x{sdpa_us / times['shipped']:.3f})  best {best} {times[best]:6.1f} (x{sdpa_us / times[best]:.3f}, "
                   f"{100 * kv_bytes / times[best] / 1e6 / res['copy_tbps']:.0f}% copy)", flush=True)
-        with open(os.path.join(args.out, "decode_rp_probe.json"), "w") as f:
+        with open(os.path.join(args.out, "prefetch_probe.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    res["tree"] = []
+    n = 16
+    parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree
+    bits = []
+    for i in range(n):
+        m, j = 0, i
+        while j >= 0:
+            m |= 1 << j
+            j = parents[j]
+        bits.append(m)
+    for B, ctx in [(1, 4096), (16, 2048), (1, 512)]:
+        layouts, bt, _, _ = caches(B, ctx + n, 16, gen)
+        kc, vc = layouts["token_major"]
+        q = torch.randn(B * n, H, D, device=BA.DEV, dtype=BA.DT, generator=gen)
+        ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
+        qs = torch.arange(0, B * n + 1, n, dtype=torch.int32, device=BA.DEV)
+        mask = torch.tensor(bits * B, dtype=torch.int64, device=BA.DEV)
+        fns = {"shipped": lambda: tree_attention(q, kc, vc, bt, ctx_lens, qs, mask, D**-0.5, prefetch=False)}
+        for bn, nw in [(32, 4), (32, 8), (64, 4), (64, 8)]:
+            fns[f"rp_n{bn}_w{nw}"] = lambda bn=bn, nw=nw: tree_attention(q, kc, vc, bt, ctx_lens, qs, mask, D**-0.5,
+                                                                         block_n=bn, num_warps=nw, prefetch=True)
+        ref = fns["shipped"]().float()
+        for name, fn in fns.items():
+            err = BA.rel_err(fn(), ref)
+            if err > 1e-2:
+                raise SystemExit(f"tree B={B} ctx={ctx} {name}: error {err}")
+        for mode in ("read", "write"):
+            BA.FLUSH = mode
+            times = {name: BA.time_us(fn) for name, fn in fns.items()}
+            variants = {k_: t for k_, t in times.items() if k_ != "shipped"}
+            best = min(variants, key=variants.get)
+            res["tree"].append({"B": B, "ctx": ctx, "nodes": n, "flush": mode, "shipped_us": times["shipped"],
+                                "best": best, "best_us": times[best], "times": times})
+            print(f"tree{n} B={B:3d} ctx={ctx:6d} {mode:5s}: shipped {times['shipped']:6.1f}  best {best} "
+                  f"{times[best]:6.1f} (x{times['shipped'] / times[best]:.3f})", flush=True)
+        with open(os.path.join(args.out, "prefetch_probe.json"), "w") as f:
             json.dump(res, f, indent=1)
 
 
