@@ -99,8 +99,16 @@ def forward_seconds(model: Transformer, context: int = 128, batch: int = 1, reps
     cache = model.new_cache(batch * (context // 16 + 2), 16)
     tables = [cache.new_table() for _ in range(batch)]
     prompt = list(range(1000, 1000 + context))
-    model.forward(build_batch([Segment(t, 0, prompt) for t in tables], cache, model.device), cache)
-    forward = CudaGraphRunner(model, cache, context // 16 + 2).forward if graphs else model.forward
+    def feats(n: int):  # a feature draft's second input (draft/feature_drafter.py); its values cost nothing
+        return None if model.fc is None else torch.zeros(n, model.config.hidden_size, dtype=model.dtype,
+                                                         device=model.device)
+
+    model.forward(build_batch([Segment(t, 0, prompt) for t in tables], cache, model.device), cache, feats(batch * context))
+    run = CudaGraphRunner(model, cache, context // 16 + 2).forward if graphs else model.forward
+    step_feats = feats(batch)
+
+    def forward(b, c):
+        return run(b, c, step_feats)
     cuda = model.device.type == "cuda"
     times = []
     for _ in range(reps + 2):
@@ -141,7 +149,8 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
                 lookup_only = getattr(drafter, "lookup_only", 0)
                 gens = [g for i in range(0, len(qs), args.batch) for g in llm.generate(qs[i : i + args.batch], sampling, spec)]
                 steps, acc = sum(g.stats.steps for g in gens), sum(g.stats.accepted_tokens for g in gens)
-                rows.append({"drafter": {"draft": "distilled"}.get(arm, arm), "tree": list(tree), "temperature": temp,
+                name = "feature" if getattr(model, "fc", None) is not None else "distilled"
+                rows.append({"drafter": {"draft": name}.get(arm, arm), "tree": list(tree), "temperature": temp,
                              "mean_accepted_length": round((acc + steps) / steps, 4), "draft_cost_ratio": cost,
                              "draft_cost_ratio_graphs": cost_g})
                 if getattr(drafter, "lookup_first", False):  # request-steps the model sat out

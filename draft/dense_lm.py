@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from target.config import ModelConfig
+from target.config import FC_NAME, ModelConfig
 from kernels.fused_norm_rope import apply_rope
 from kernels.fused_norm_rope import rms_norm_ref as rms_norm
 from target.model import rope_inv_freq
@@ -37,7 +37,8 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 class DenseLM(nn.Module):
     """Trainable layers and final norm; embedding and LM head are frozen buffers (shared with the target)."""
 
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, head: torch.Tensor | None) -> None:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, head: torch.Tensor | None,
+                 feature: bool = False) -> None:
         super().__init__()
         if config.attention_bias:
             raise ValueError("distillation supports bias-free (Llama / Mistral) targets only")
@@ -51,6 +52,9 @@ class DenseLM(nn.Module):
             for suffix, shape in layer_shapes(config).items():
                 self.params[f"model.layers.{i}.{suffix}".replace(".", "__")] = nn.Parameter(torch.zeros(shape))
         self.params["model__norm__weight"] = nn.Parameter(torch.ones(config.hidden_size))
+        if feature:  # a feature draft's input projection (draft/feature_drafter.py)
+            self.params[FC_NAME.replace(".", "__")] = nn.Parameter(torch.zeros(config.hidden_size, 2 * config.hidden_size))
+        self.feature = feature
 
     def p(self, name: str) -> torch.Tensor:
         return self.params[name.replace(".", "__")]
@@ -64,8 +68,14 @@ class DenseLM(nn.Module):
             for name, t in weights.items():
                 self.p(name).copy_(t)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens ``[B, T]`` int64 (right-padded) -> logits ``[B, T, V]`` float32, causal."""
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens ``[B, T]`` int64 (right-padded) -> logits ``[B, T, V]`` float32, causal. A feature draft also
+        takes ``features`` ``[B, T, hidden]`` (the target's feature of the position before each token)."""
+        return self.forward_hidden(tokens, features)[0]
+
+    def forward_hidden(self, tokens: torch.Tensor,
+                       features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and the final-normed hidden state ``[B, T, hidden]`` (the feature the LM head reads)."""
         c = self.config
         B, T = tokens.shape
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
@@ -73,6 +83,10 @@ class DenseLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
         cos, sin = emb.cos(), emb.sin()
         h = self.embed[tokens]  # [B, T, hidden]
+        if self.feature:
+            if features is None:
+                raise ValueError("a feature draft needs the target's features")
+            h = F.linear(torch.cat((h, features.to(h.dtype)), dim=-1), self.p(FC_NAME))
         for i in range(c.num_layers):
             w = lambda s: self.p(f"model.layers.{i}.{s}.weight")  # noqa: E731
             x = rms_norm(h, w("input_layernorm"), c.rms_norm_eps)
@@ -85,7 +99,8 @@ class DenseLM(nn.Module):
             h = h + F.linear(attn.transpose(1, 2).reshape(B, T, H * D), w("self_attn.o_proj"))
             x = rms_norm(h, w("post_attention_layernorm"), c.rms_norm_eps)
             h = h + F.linear(F.silu(F.linear(x, w("mlp.gate_proj"))) * F.linear(x, w("mlp.up_proj")), w("mlp.down_proj"))
-        return F.linear(rms_norm(h, self.p("model.norm.weight"), c.rms_norm_eps), self.head).float()  # [B, T, V]
+        hn = rms_norm(h, self.p("model.norm.weight"), c.rms_norm_eps)
+        return F.linear(hn, self.head).float(), hn  # [B, T, V], [B, T, hidden]
 
 
 def teacher_from_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor]) -> DenseLM:
@@ -104,11 +119,13 @@ def pick_layers(num_target: int, num_draft: int) -> list[int]:
     return [round(i * (num_target - 1) / (num_draft - 1)) for i in range(num_draft)]
 
 
-def student_from_teacher(teacher: DenseLM, draft_config: ModelConfig) -> DenseLM:
+def student_from_teacher(teacher: DenseLM, draft_config: ModelConfig, feature: bool = False,
+                         seed: int = 0) -> DenseLM:
     """A ``draft_config``-shaped student initialised from the teacher's layers (MLP rows sliced when the
-    draft's intermediate size is smaller), sharing the teacher's frozen embedding and head."""
+    draft's intermediate size is smaller), sharing the teacher's frozen embedding and head. A feature
+    student's ``fc`` starts by passing the feature through, plus a small random share of the embedding."""
     tc = teacher.config
-    student = DenseLM(draft_config, teacher.embed, None if tc.tie_word_embeddings else teacher.head)
+    student = DenseLM(draft_config, teacher.embed, None if tc.tie_word_embeddings else teacher.head, feature)
     I = draft_config.intermediate_size
     init: dict[str, torch.Tensor] = {"model.norm.weight": teacher.p("model.norm.weight")}
     for j, i in enumerate(pick_layers(tc.num_layers, draft_config.num_layers)):
@@ -117,5 +134,9 @@ def student_from_teacher(teacher: DenseLM, draft_config: ModelConfig) -> DenseLM
             t = t[:I] if suffix in ("mlp.gate_proj.weight", "mlp.up_proj.weight") else t
             t = t[:, :I] if suffix == "mlp.down_proj.weight" else t
             init[f"model.layers.{j}.{suffix}"] = t
+    if feature:
+        H = tc.hidden_size
+        g = torch.Generator().manual_seed(seed)
+        init[FC_NAME] = torch.cat([torch.randn(H, H, generator=g) * H**-0.5 * 0.1, torch.eye(H)], dim=1)
     student.load_hf(init)
     return student

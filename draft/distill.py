@@ -8,6 +8,10 @@
    frozen, so the checkpoint holds only its own layers (config flag ``specgate_shared_embeddings``;
    ``gateway/llm.py`` attaches the target's tensors when it loads the draft).
 
+``--feature`` trains a feature draft instead (``draft/feature_drafter.py``, EAGLE-style): its input is
+``fc([embedding, target feature])``, the teacher runs beside it on every batch, and the loss adds a
+second, unrolled step on its own features (``distill_train.feature_loss``). One layer is the usual size.
+
 This command module is the one place in ``draft/`` that calls the gateway's Python API (the engine owns
 batched generation); tests/test_layering.py lists it as that exception.
 """
@@ -26,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from draft.dense_lm import student_from_teacher, teacher_from_checkpoint
-from draft.distill_train import save_draft, teacher_targets, train
+from draft.distill_train import Tokens, feature_loss, save_draft, teacher_targets, train
 from draft.params import SpeculationParams
 from gateway.engine import EngineConfig
 from gateway.llm import LLM, LoadConfig, resolve_model_path
@@ -60,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cpu", help="where the target samples and the draft trains: cpu or cuda")
     ap.add_argument("--sample-batch", type=int, default=32, help="sequences the engine decodes at once")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--feature", action="store_true", help="train a feature draft (EAGLE-style) instead of a small LM")
+    ap.add_argument("--feature-reg", type=float, default=0.1, help="weight of the feature regression (--feature)")
     return ap.parse_args(argv)
 
 
@@ -120,17 +126,25 @@ def main(argv: list[str] | None = None) -> Path:
     t_sample = time.perf_counter() - t0
     device = torch.device(args.device)
     teacher = teacher_from_checkpoint(ckpt.config, ckpt.weights).to(device)
-    data = teacher_targets(teacher, seqs, args.top_k)
-    student = student_from_teacher(teacher, cfg).to(device)
-    del teacher
     t1 = time.perf_counter()
-    losses = train(student, data, args.steps, args.lr, args.batch_size, args.seed)
+    if args.feature:  # the teacher runs beside the student: its features would not fit in memory up front
+        student = student_from_teacher(teacher, cfg, feature=True, seed=args.seed).to(device)
+        tokens = [Tokens(torch.tensor(s, dtype=torch.long, device=device)) for s in seqs]
+        losses = train(student, tokens, args.steps, args.lr, args.batch_size, args.seed,
+                       loss_fn=lambda st, b: feature_loss(st, teacher, b, args.top_k, args.feature_reg))
+    else:
+        data = teacher_targets(teacher, seqs, args.top_k)
+        student = student_from_teacher(teacher, cfg).to(device)
+        del teacher
+        t1 = time.perf_counter()
+        losses = train(student, data, args.steps, args.lr, args.batch_size, args.seed)
     meta = {"command": "python -m draft.distill " + " ".join(argv if argv is not None else sys.argv[1:]),
             "seed": args.seed, "target": Path(args.target).name, "sequences": len(seqs),
             "tokens": sum(len(s) for s in seqs), "sample_seconds": round(t_sample, 1),
             "train_seconds": round(time.perf_counter() - t1, 1),
             "kl_first_10": round(sum(losses[:10]) / len(losses[:10]), 4),
-            "kl_last_10": round(sum(losses[-10:]) / len(losses[-10:]), 4), "torch": torch.__version__}
+            "kl_last_10": round(sum(losses[-10:]) / len(losses[-10:]), 4), "torch": torch.__version__,
+            "kind": "feature" if args.feature else "lm"}  # feature: kl_* hold feature_loss (both steps, + reg)
     out = save_draft(student, ckpt.tokenizer, ckpt.chat_template, Path(args.out), meta)
     print(json.dumps(meta), file=sys.stderr)
     return out

@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from draft.dense_lm import DenseLM
-from target.loader import SHARED_EMBEDDINGS_KEY, save_tokenizer
+from target.loader import FEATURE_DRAFT_KEY, SHARED_EMBEDDINGS_KEY, save_tokenizer
 
 MAX_SHARD_BYTES = 15 * 2**20  # the device returns files of at most 16 MiB
 
@@ -72,10 +73,49 @@ def kl_loss(student: DenseLM, batch: list[TeacherTargets]) -> torch.Tensor:
     mask = pad([torch.ones(len(b.tokens), device=tokens.device) for b in batch])  # [B, T]
     with _autocast(tokens.device):
         logits = student(tokens)  # [B, T, V] float32
-    q_log = logits.log_softmax(-1).gather(-1, index)  # [B, T, k]
-    p = p_log.exp()  # padded rows are all zero
-    kl = (p * (p_log.nan_to_num(neginf=0.0) - q_log)).sum(-1)  # [B, T]
+    return _kl(p_log, index, logits, mask)  # padded rows' teacher mass is zero
+
+
+@dataclass(slots=True)
+class Tokens:
+    """One training sequence for a feature draft: the teacher runs alongside, so only its ids are kept."""
+
+    tokens: torch.Tensor  # [T] int64
+
+
+def _kl(p_log: torch.Tensor, index: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked mean KL(teacher top-k || student) over positions: ``p_log``/``index`` [B, T, k], ``logits`` [B, T, V]."""
+    q_log = logits.log_softmax(-1).gather(-1, index)
+    p = p_log.exp()
+    kl = (p * (p_log.nan_to_num(neginf=0.0) - q_log)).sum(-1)
     return (kl * mask).sum() / mask.sum()
+
+
+def feature_loss(student: DenseLM, teacher: DenseLM, batch: list[Tokens], k: int, reg: float = 0.1) -> torch.Tensor:
+    """A feature draft's loss on one batch (EAGLE's objective, with a second unrolled step as in EAGLE-3's
+    training-time test). Row ``p`` of the student reads token ``x_p`` and the teacher's feature ``f_{p-1}``
+    and is scored against the teacher's next-token distribution at ``p`` (top-k KL) and, with weight ``reg``,
+    against ``f_p`` itself (smooth L1). The second step reads the student's own first-step feature at
+    ``p - 1`` instead of the teacher's: what it sees at tree depth 2 and beyond."""
+    tokens = pad([b.tokens for b in batch])  # [B, T]
+    mask = pad([torch.ones(len(b.tokens), device=tokens.device) for b in batch])[:, 1:]  # [B, T - 1]
+    with torch.no_grad(), _autocast(tokens.device):
+        t_logits, t_feat = teacher.forward_hidden(tokens)
+        logp = t_logits.float().log_softmax(-1)
+        top, index = logp.topk(k, dim=-1)
+        top = top - top.logsumexp(-1, keepdim=True)
+    t_feat = t_feat.float()
+    x, f_in, f_out = tokens[:, 1:], t_feat[:, :-1], t_feat[:, 1:]
+    p_log, index = top[:, 1:], index[:, 1:]
+    loss = torch.zeros((), device=tokens.device)
+    for step in range(2):
+        with _autocast(tokens.device):
+            logits, h = student.forward_hidden(x, f_in)
+        h = h.float()
+        reg_l = (F.smooth_l1_loss(h, f_out, reduction="none").mean(-1) * mask).sum() / mask.sum()
+        loss = loss + _kl(p_log, index, logits, mask) + reg * reg_l
+        f_in = torch.cat((f_in[:, :1], h[:, :-1]), dim=1)  # step 2: the student's own features
+    return loss / 2
 
 
 def _autocast(device: torch.device):
@@ -83,9 +123,10 @@ def _autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def train(student: DenseLM, data: list[TeacherTargets], steps: int, lr: float, batch_size: int, seed: int,
-          warmup: int = 10) -> list[float]:
-    """AdamW with linear warmup and cosine decay over random length-bucketed batches; returns step losses."""
+def train(student: DenseLM, data: list[TeacherTargets] | list[Tokens], steps: int, lr: float, batch_size: int,
+          seed: int, warmup: int = 10, loss_fn=kl_loss) -> list[float]:
+    """AdamW with linear warmup and cosine decay over random length-bucketed batches; returns step losses.
+    ``loss_fn(student, batch)``: ``kl_loss`` on teacher targets, or a ``feature_loss`` closure on ``Tokens``."""
     gen = torch.Generator().manual_seed(seed)
     order = sorted(range(len(data)), key=lambda i: len(data[i].tokens))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -97,7 +138,7 @@ def train(student: DenseLM, data: list[TeacherTargets], steps: int, lr: float, b
     bar = tqdm(range(steps), desc="distill", unit="step")
     for _ in bar:
         pick = batches[int(torch.randint(len(batches), (1,), generator=gen))]
-        loss = kl_loss(student, [data[i] for i in pick])
+        loss = loss_fn(student, [data[i] for i in pick])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -115,6 +156,8 @@ def save_draft(student: DenseLM, tokenizer: Any, chat_template: str | None, out:
     ``MAX_SHARD_BYTES`` with an index when there is more than one, tokenizer files and ``meta``."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = student.config.to_hf() | {SHARED_EMBEDDINGS_KEY: True, "torch_dtype": str(dtype).removeprefix("torch.")}
+    if student.feature:
+        cfg[FEATURE_DRAFT_KEY] = True
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

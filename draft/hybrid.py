@@ -87,6 +87,13 @@ class HybridDrafter:
         cut = next((i for i, n in enumerate(accepted_nodes) if n >= own.num_nodes), len(accepted_nodes))
         self.draft.commit(seq_id, own, accepted_nodes[:cut])
 
+    @property
+    def wants_features(self) -> bool:
+        return getattr(self.draft, "wants_features", False)
+
+    def observe(self, seq_id: str, pos: int, features) -> None:
+        self.draft.observe(seq_id, pos, features)  # a feature draft's target features (FeatureDrafter)
+
     def flush(self) -> None:
         self.draft.flush()
 

@@ -54,6 +54,7 @@ class _Inputs:
     ctx: torch.Tensor  # [B] int64 root position; -1 for padding rows
     slots: torch.Tensor  # [B, N - 1] int64 cache slots of nodes 1..N-1
     block_tables: torch.Tensor  # [B, max_blocks] int32
+    root_hidden: torch.Tensor | None = None  # [B, hidden]: a feature draft's feature at each root
 
 
 class GreedyTreeLoop:
@@ -67,13 +68,20 @@ class GreedyTreeLoop:
         self._graphs: dict[tuple[int, tuple[int, ...]], tuple[torch.cuda.CUDAGraph, _Inputs, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.replays = 0
+        # A feature draft (Transformer.fc) feeds each node with its parent's feature (the root's comes from
+        # the catch-up step); see draft/feature_drafter.py.
+        self.features = model.fc is not None
 
     def grow(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable],
-             widths: tuple[int, ...]) -> list[tuple[list[int], list[int], list[float]]]:
+             widths: tuple[int, ...], root_hidden: torch.Tensor | None = None,
+             ) -> list[tuple[list[int], list[int], list[float]]]:
         """Tokens, parents and cumulative log-probabilities of each sequence's tree (node 0's token is left
         0: the caller knows its root).
         ``root_logits`` [G, V] are the draft's logits at each root, ``ctxs[g]`` the root's position;
-        ``widths`` is not empty. The tables get slots for every node."""
+        ``widths`` is not empty. ``root_hidden`` [G, hidden]: a feature draft's features at the roots.
+        The tables get slots for every node."""
+        if self.features and root_hidden is None:
+            raise ValueError("a feature draft's tree loop needs the roots' features")
         G, N = len(ctxs), 1 + sum(widths)
         slots = []
         for table, ctx in zip(tables, ctxs):
@@ -88,7 +96,7 @@ class GreedyTreeLoop:
         bt = bt.to(self.device, non_blocking=True)
         B = next((b for b in self.buckets if b >= G), None)
         if not self.graphs or B is None or cols > self.max_blocks:
-            out = self._levels(self._plan(G, widths), _Inputs(root_logits, ctx, slot_t, bt))
+            out = self._levels(self._plan(G, widths), _Inputs(root_logits, ctx, slot_t, bt, root_hidden))
         else:
             graph, static, out_all = self._graph(B, widths)
             scratch = self.cache.scratch_block
@@ -101,6 +109,9 @@ class GreedyTreeLoop:
             static.block_tables[:G, :cols].copy_(bt)
             static.block_tables[:G, cols:].fill_(scratch)
             static.block_tables[G:].fill_(scratch)
+            if static.root_hidden is not None:
+                static.root_hidden[:G].copy_(root_hidden)
+                static.root_hidden[G:].zero_()
             graph.replay()
             self.replays += 1
             out = out_all[:, :G]
@@ -161,6 +172,10 @@ class GreedyTreeLoop:
         positions = x.ctx[:, None] + plan.depth[None, :]  # [B, N - 1]
         context_lens = (x.ctx + 1).to(torch.int32)
         front = x.root_logits[:, None, :]  # [B, F, V]
+        node_h = None
+        if self.features:  # each node's output feature; node i is fed with its parent's
+            node_h = x.root_hidden.new_zeros(B, N, x.root_hidden.shape[-1])
+            node_h[:, 0] = x.root_hidden
         for d, w in enumerate(plan.widths):
             lo, hi = plan.levels[d]
             new_lo, new_hi = plan.levels[d + 1]
@@ -180,7 +195,13 @@ class GreedyTreeLoop:
                 slot_mapping=x.slots[:, :n].reshape(-1), block_tables=x.block_tables, context_lens=context_lens,
                 query_start=query_start, mask_bits=bits[:, 1 : 1 + n].reshape(-1), logits_indices=rows,
                 logits_start=[], query_lens=(n,) * B)
-            front = self.model.forward(batch, self.cache).view(B, new_hi - new_lo, -1)
+            if node_h is None:
+                front = self.model.forward(batch, self.cache).view(B, new_hi - new_lo, -1)
+                continue
+            feed = node_h.gather(1, par[:, 1 : 1 + n, None].expand(-1, -1, node_h.shape[-1]))  # [B, n, hidden]
+            logits, hidden = self.model.forward_hidden(batch, self.cache, feed.reshape(B * n, -1))
+            front = logits.view(B, new_hi - new_lo, -1)
+            node_h[:, new_lo:new_hi] = hidden.view(B, n, -1)[:, new_lo - 1 : new_hi - 1]
         return torch.stack((tok.double(), par.double(), cum.double()))
 
     def _graph(self, B: int, widths: tuple[int, ...]):
@@ -194,7 +215,9 @@ class GreedyTreeLoop:
             root_logits=torch.zeros(B, V, dtype=torch.float32, device=self.device),
             ctx=torch.full((B,), -1, dtype=torch.int64, device=self.device),
             slots=torch.full((B, N - 1), scratch * self.cache.page_size, dtype=torch.int64, device=self.device),
-            block_tables=torch.full((B, self.max_blocks), scratch, dtype=torch.int32, device=self.device))
+            block_tables=torch.full((B, self.max_blocks), scratch, dtype=torch.int32, device=self.device),
+            root_hidden=torch.zeros(B, self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
+            if self.features else None)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -74,12 +74,19 @@ class Engine:
         self.cache: KVCache = target.new_cache(config.num_blocks, config.page_size)
         self.max_model_len = min(config.scheduler.max_model_len, target.config.max_position_embeddings)
         self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), self.cache.pool)
+        # Feature drafters (EAGLE-style) are fed the target's feature at every verified position: the
+        # target's forward then also returns every row's final-normed hidden state.
+        self._feature_drafters = {n for n, d in drafters.items() if getattr(d, "wants_features", False)}
+        if self._feature_drafters and not hasattr(target, "forward_hidden"):
+            raise ValueError(f"drafters {sorted(self._feature_drafters)} read the target's features, which this "
+                             "target does not return (a tensor-parallel target): load another drafter")
         self.graphs: CudaGraphRunner | None = None
         if config.cuda_graphs and isinstance(target, Transformer) and target.device.type == "cuda":
             max_blocks = -(-(self.max_model_len + MAX_TREE_NODES) // config.page_size)
             # Trees never exceed the verify cap; longer segments are prefill chunks and run eagerly.
             max_nodes = min(MAX_TREE_NODES, config.scheduler.budget.max_verify_tokens)
-            self.graphs = CudaGraphRunner(target, self.cache, max_blocks, max_nodes=max_nodes)
+            self.graphs = CudaGraphRunner(target, self.cache, max_blocks, max_nodes=max_nodes,
+                                          hidden=bool(self._feature_drafters))
         if config.capture_at_start:
             self.capture_graphs()
         self._seqs: dict[str, Sequence] = {}
@@ -194,17 +201,24 @@ class Engine:
             segments.append(Segment(seq.table, ctx, tokens, positions=[ctx + d for d in depths],
                                     mask_bits=tree.ancestor_bit_list(), logits="all"))
         batch = build_batch(segments, self.cache, self.target.device)
-        forward = self.graphs.forward if self.graphs is not None else self.target.forward
-        logits = forward(batch, self.cache)  # [R, V] float32, on the device
+        runner = self.graphs if self.graphs is not None else self.target
+        hidden = None
+        if self._feature_drafters and any(s.drafter in self._feature_drafters
+                                           for s, _ in plan.prefills + plan.decodes):
+            logits, hidden = runner.forward_hidden(batch, self.cache)  # hidden: [T, hidden], every row
+        else:
+            logits = runner.forward(batch, self.cache)  # [R, V] float32, on the device
+        first = len(plan.prefills)
+        decoding = [seq for seq, _ in plan.decodes]
+        results = accept_batch(trees, logits, batch.logits_start[first:], [s.sampling for s in decoding],
+                               [s.generator for s in decoding], [self._penalty_state(s, logits.device) for s in decoding])
+        if hidden is not None:
+            self._feed_features(plan, batch.query_lens, results, hidden)
         for seq, n in plan.prefills:
             seq.num_cached += n
             seq.table.register_prefix(seq.token_ids, seq.num_cached)
         outputs = []
-        first = len(plan.prefills)
         moves: list[tuple[int, int]] = []
-        decoding = [seq for seq, _ in plan.decodes]
-        results = accept_batch(trees, logits, batch.logits_start[first:], [s.sampling for s in decoding],
-                               [s.generator for s in decoding], [self._penalty_state(s, logits.device) for s in decoding])
         for seq, tree, result in zip(decoding, trees, results):
             moves += self._commit(seq, tree, result)
         for drafter in self.drafters.values():
@@ -218,6 +232,31 @@ class Engine:
             if seq.table is not None:  # blocks past the next root's slot go back only after compaction read them
                 seq.table.truncate(seq.num_cached + 1)
         return outputs
+
+    def _feed_features(self, plan, query_lens: tuple[int, ...], results: list[AcceptResult],
+                       hidden: torch.Tensor) -> None:
+        """Hand each feature drafter the target's features of the positions this step verified: every token
+        of a prefill chunk, and the root and accepted nodes of a tree (one gather for the whole step)."""
+        rows: list[int] = []
+        spans: list[tuple[Sequence, int, int]] = []  # (sequence, first position, rows)
+        start = 0
+        for (seq, n), q in zip(plan.prefills, query_lens):
+            if seq.drafter in self._feature_drafters:
+                rows += range(start, start + n)
+                spans.append((seq, seq.num_cached, n))
+            start += q
+        for (seq, _), q, result in zip(plan.decodes, query_lens[len(plan.prefills):], results):
+            if seq.drafter in self._feature_drafters:
+                rows += [start + node for node in result.accepted_nodes]
+                spans.append((seq, seq.num_cached, len(result.accepted_nodes)))
+            start += q
+        if not rows:
+            return
+        picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True))
+        lo = 0
+        for seq, pos, n in spans:
+            self.drafters[seq.drafter].observe(seq.request_id, pos, picked[lo : lo + n])
+            lo += n
 
     def _template_of(self, seq: Sequence) -> tuple[tuple[int, ...], bool]:
         """The tree template, and whether the adaptive budget may cut it: a tree or node budget the

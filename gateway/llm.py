@@ -17,6 +17,7 @@ import torch
 
 from draft.base import Drafter
 from draft.hybrid import HybridDrafter
+from draft.feature_drafter import FeatureDrafter
 from draft.model_drafter import ModelDrafter
 from draft.ngram import NgramDrafter
 from draft.params import DEFAULT_TREE, SpeculationParams
@@ -176,8 +177,9 @@ def _load_draft_model(path: str, target_ckpt: LoadedCheckpoint, dtype: torch.dty
         raise ValueError(f"draft model {path} does not share the target's tokenizer")
     attach_shared_embeddings(ck, target_ckpt)  # a distilled draft stores only its own layers
     model = Transformer.from_weights(ck.config, ck.weights, dtype, device, ck.quantized)
-    return ModelDrafter("draft", model, engine_cfg.num_blocks, engine_cfg.page_size, engine_cfg.cuda_graphs,
-                        engine_cfg.scheduler.max_model_len)
+    kind = FeatureDrafter if model.fc is not None else ModelDrafter  # a feature draft reads the target's features
+    return kind("draft", model, engine_cfg.num_blocks, engine_cfg.page_size, engine_cfg.cuda_graphs,
+                engine_cfg.scheduler.max_model_len)
 
 
 @dataclass(slots=True)

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# A feature draft's input projection (draft/feature_drafter.py): [hidden, 2 * hidden] over
+# [token embedding, target feature]; the one tensor such a draft holds beyond a Llama layer stack.
+FC_NAME = "fc.weight"
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",

@@ -27,9 +27,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 class _Graph:
-    """One captured forward at (B, N): its static inputs and its output."""
+    """One captured forward at (B, N): its static inputs and its output(s)."""
 
-    def __init__(self, B: int, N: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, B: int, N: int, max_blocks: int, device: torch.device, features: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
         T = B * N
         i64 = dict(dtype=torch.int64, device=device)
         self.B, self.N = B, N
@@ -45,41 +46,62 @@ class _Graph:
             query_start=torch.arange(0, T + 1, N, dtype=torch.int32, device=device),
             mask_bits=self.mask_bits, logits_indices=torch.arange(T, **i64),
             logits_start=list(range(0, T + 1, N)), is_decode=N == 1, query_lens=(N,) * B)
+        # A feature draft's second input, [T, hidden] (``Transformer.fc``); padding rows keep zeros.
+        self.features = torch.zeros(T, features, device=device, dtype=dtype) if features else None
         self.graph = torch.cuda.CUDAGraph()
         self.out: torch.Tensor | None = None  # [T, V] float32
+        self.hidden: torch.Tensor | None = None  # [T, hidden] when the runner returns features
 
 
 class CudaGraphRunner:
-    """``forward(batch, cache)`` with the contract of ``Transformer.forward``, replaying a graph whenever
-    the step fits one. One runner per (model, cache): the graphs bake in the cache's tensors."""
+    """``forward(batch, cache)`` with the contract of ``Transformer.forward`` (and ``forward_hidden``, when
+    built with ``hidden=True``), replaying a graph whenever the step fits one. One runner per (model,
+    cache): the graphs bake in the cache's tensors."""
 
     def __init__(self, model: Transformer, cache: KVCache, max_blocks: int, max_nodes: int = 64,
-                 max_tokens: int = 1024, buckets: tuple[int, ...] = BATCH_BUCKETS) -> None:
+                 max_tokens: int = 1024, buckets: tuple[int, ...] = BATCH_BUCKETS, hidden: bool = False) -> None:
         if cache.k.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and its cache on a CUDA device")
         self.model, self.cache, self.max_blocks, self.max_nodes = model, cache, max_blocks, max_nodes
         self.max_tokens = max_tokens  # a graph's logits are [B * N, V] float32: bound what they pin
         self.buckets = tuple(sorted(buckets))
         self.device = cache.k.device
+        self.hidden = hidden  # graphs also return every row's feature (forward_hidden)
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0
         self.eager = 0
 
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: KVCache, features: torch.Tensor | None = None) -> torch.Tensor:
+        return self._forward(batch, cache, features)[0]
+
+    def forward_hidden(self, batch: ForwardBatch, cache: KVCache,
+                       features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.hidden:
+            raise ValueError("this runner was built without hidden=True")
+        logits, hidden = self._forward(batch, cache, features)
+        return logits, hidden  # type: ignore[return-value]
+
+    def _forward(self, batch: ForwardBatch, cache: KVCache,
+                 features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = self._key(batch, cache)
         if key is None:
             self.eager += 1
-            return self.model.forward(batch, cache)
+            if self.hidden:
+                return self.model.forward_hidden(batch, cache, features)
+            return self.model.forward(batch, cache, features), None
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(*key)
-        rows = self._load(g, batch)
+        rows, token_rows = self._load(g, batch, features)
         g.graph.replay()
         self.replays += 1
+        hidden = None
+        if g.hidden is not None:
+            hidden = g.hidden[: batch.num_tokens] if token_rows is None else g.hidden.index_select(0, token_rows)
         if rows is None:  # every row, in order: no gather
-            return g.out[: batch.num_tokens]
-        return g.out.index_select(0, rows)  # [R, V]
+            return g.out[: batch.num_tokens], hidden
+        return g.out.index_select(0, rows), hidden  # [R, V]
 
     def capture(self, max_batch: int, max_nodes: int | None = None) -> int:
         """Capture now every (batch bucket, nodes) graph up to ``max_batch`` sequences and ``max_nodes``
@@ -107,9 +129,11 @@ class CudaGraphRunner:
         B = next((b for b in self.buckets if b >= len(lens)), None)
         return None if B is None or B * N > self.max_tokens else (B, N)
 
-    def _load(self, g: _Graph, batch: ForwardBatch) -> torch.Tensor | None:
+    def _load(self, g: _Graph, batch: ForwardBatch,
+              features: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Copy the batch into the static inputs. Returns the graph rows of the batch's logits rows, or
-        None when they are simply the first ``T`` rows (every segment full, every row wanted)."""
+        None when they are simply the first ``T`` rows (every segment full, every row wanted); and the
+        graph rows of the batch's tokens, or None when they are the first ``T``."""
         T, B, N = batch.num_tokens, len(batch.query_lens), g.N
         scratch, P = self.cache.scratch_block, self.cache.page_size
         dense = all(n == N for n in batch.query_lens)
@@ -121,7 +145,10 @@ class CudaGraphRunner:
                 g.mask_bits[:T].copy_(batch.mask_bits)
             elif g.mask_bits is not None:
                 g.mask_bits[:T].zero_()  # 0 = causal
+            if g.features is not None and features is not None:
+                g.features[:T].copy_(features)
             pad_from = T
+            idx = None
         else:
             dst = [i * N + j for i, n in enumerate(batch.query_lens) for j in range(n)]
             idx = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -135,6 +162,8 @@ class CudaGraphRunner:
                 g.mask_bits.fill_(1)  # padding sees its segment's first node only: finite, and unused
                 bits = batch.mask_bits if batch.mask_bits is not None else torch.zeros_like(batch.tokens)
                 g.mask_bits.index_copy_(0, idx, bits)  # 0 = causal
+            if g.features is not None and features is not None:
+                g.features.index_copy_(0, idx, features.to(g.features.dtype))
             pad_from = B * N
         g.context_lens[:B].copy_(batch.context_lens)
         cols = batch.block_tables.shape[1]
@@ -149,7 +178,7 @@ class CudaGraphRunner:
         g.context_lens[B:].zero_()
         g.block_tables[B:].fill_(scratch)
         if dense and batch.logits_rows == tuple(range(T)):
-            return None
+            return None, idx
         starts = [0]
         for n in batch.query_lens:
             starts.append(starts[-1] + n)
@@ -159,10 +188,12 @@ class CudaGraphRunner:
             while r >= starts[seg + 1]:
                 seg += 1
             rows.append(seg * N + r - starts[seg])
-        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), idx
 
     def _capture(self, B: int, N: int) -> _Graph:
-        g = _Graph(B, N, self.max_blocks, self.device)
+        fc = self.model.fc
+        g = _Graph(B, N, self.max_blocks, self.device, 0 if fc is None else self.model.config.hidden_size,
+                   self.model.dtype)
         scratch, P = self.cache.scratch_block, self.cache.page_size
         g.slot_mapping.fill_(scratch * P)
         g.block_tables.fill_(scratch)
@@ -172,11 +203,16 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile and autotune every kernel outside the capture
-                self.model.forward(g.batch, self.cache)
+                self._run(g)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         with torch.cuda.graph(g.graph, pool=self.pool):
-            g.out = self.model.forward(g.batch, self.cache)
+            g.out, g.hidden = self._run(g)
         return g
+
+    def _run(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.hidden:
+            return self.model.forward_hidden(g.batch, self.cache, g.features)
+        return self.model.forward(g.batch, self.cache, g.features), None
 
     @property
     def num_graphs(self) -> int:

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import PreTrainedTokenizerFast
 
-from target.config import ModelConfig
+from target.config import FC_NAME, ModelConfig
 
 if TYPE_CHECKING:  # the model module pulls in the kernels; loading a dense checkpoint does not need them
     from target.model import Linear
@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # the model module pulls in the kernels; loading a dense chec
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SHARED_EMBEDDINGS_KEY = "specgate_shared_embeddings"
 SHARED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+# config.json key of a feature draft (draft/feature_drafter.py): it holds one more tensor, FC_NAME.
+FEATURE_DRAFT_KEY = "specgate_feature_draft"
 
 
 @dataclass(slots=True)
@@ -105,9 +107,9 @@ def select_weights(found: dict[str, torch.Tensor], config: ModelConfig, source: 
     return weights
 
 
-def check_no_extra_tensors(names: Iterable[str], config: ModelConfig, source: Path) -> None:
+def check_no_extra_tensors(names: Iterable[str], config: ModelConfig, source: Path, feature: bool = False) -> None:
     """Refuse tensors the transformer would silently ignore (an MLP bias, a fused qkv): its outputs would be wrong."""
-    wanted = expected_weights(config)
+    wanted = expected_weights(config) | ({FC_NAME: ()} if feature else {})
     for name in names:
         if name not in wanted and name != "lm_head.weight" and "rotary_emb" not in name:
             raise ValueError(f"{source}: unexpected tensor {name!r}: this model variant is not supported")
@@ -126,9 +128,12 @@ def _load_hf_dir(root: Path, dtype: torch.dtype) -> LoadedCheckpoint:
         weights, quantized = read_quantized(root, files, config, raw_config["quantization_config"], dtype)
         tokenizer, chat_template = _load_hf_tokenizer(root)
         return LoadedCheckpoint(config, weights, tokenizer, chat_template, str(root), quantized)
-    check_no_extra_tensors(files, config, root)
+    feature = bool(raw_config.get(FEATURE_DRAFT_KEY))
+    check_no_extra_tensors(files, config, root, feature)
     shared = bool(raw_config.get(SHARED_EMBEDDINGS_KEY))
     wanted = {n: s for n, s in expected_weights(config).items() if not (shared and n in SHARED_NAMES)}
+    if feature:
+        wanted[FC_NAME] = (config.hidden_size, 2 * config.hidden_size)
     for name in wanted:
         if name not in files:
             raise ValueError(f"{root}: checkpoint has no tensor {name!r}")

@@ -18,7 +18,7 @@ from kernels.fused_norm_rope import rope_and_cache
 from kernels.int4_matmul import Int4Weight, dequantize, int4_matmul, int4_matmul_silu_mul, quantize_rtn
 from kernels.tree_attention import tree_attention
 from target.batch import ForwardBatch
-from target.config import ModelConfig
+from target.config import FC_NAME, ModelConfig
 from target.kv_cache import KVCache
 
 
@@ -109,9 +109,12 @@ class Transformer:
     """Weights plus a forward over ``ForwardBatch``. Holds no per-sequence state: the cache does."""
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[Layer], norm: torch.Tensor,
-                 lm_head: Linear, dtype: torch.dtype) -> None:
+                 lm_head: Linear, dtype: torch.dtype, fc: Linear | None = None) -> None:
         self.config = config
         self.embed = embed  # [V, hidden]
+        # A feature draft (EAGLE, Li et al. 2024) reads, beside each token, the target's feature at the
+        # position before it: its input is fc([embedding, feature]) [hidden, 2 * hidden] -> [hidden].
+        self.fc = fc
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head
@@ -167,33 +170,53 @@ class Transformer:
             ))
         embed = get("model.embed_tokens.weight")
         head = embed if config.tie_word_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
-        return Transformer(config, embed, layers, get("model.norm.weight"), Linear(head), dtype)
+        fc = Linear(get(FC_NAME)) if FC_NAME in weights else None
+        return Transformer(config, embed, layers, get("model.norm.weight"), Linear(head), dtype, fc)
 
     def quantize(self, group_size: int = 128, use_zero_point: bool = True) -> "Transformer":
         """A copy whose projections are INT4 (RTN); embeddings, norms and lm_head stay dense."""
         layers = [replace(l, qkv=l.qkv.quantized(group_size, use_zero_point), o=l.o.quantized(group_size, use_zero_point),
                           gate_up=l.gate_up.quantized(group_size, use_zero_point),
                           down=l.down.quantized(group_size, use_zero_point)) for l in self.layers]
-        return Transformer(self.config, self.embed, layers, self.norm, self.lm_head, self.dtype)
+        return Transformer(self.config, self.embed, layers, self.norm, self.lm_head, self.dtype, self.fc)
 
     def truncated(self, num_layers: int) -> "Transformer":
         """The first ``num_layers`` layers plus the final norm and head (a layer-skip self-draft)."""
         if not 1 <= num_layers <= self.num_layers:
             raise ValueError(f"self-draft layers must be in 1..{self.num_layers}, got {num_layers}")
-        return Transformer(self.config, self.embed, self.layers[:num_layers], self.norm, self.lm_head, self.dtype)
+        return Transformer(self.config, self.embed, self.layers[:num_layers], self.norm, self.lm_head, self.dtype,
+                           self.fc)
 
     def new_cache(self, num_blocks: int, page_size: int) -> KVCache:
         c = self.config
         return KVCache(self.num_layers, num_blocks, page_size, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """Run every new token, write its K/V into ``cache``, return logits ``[R, V]`` float32."""
+    def forward(self, batch: ForwardBatch, cache: KVCache, features: torch.Tensor | None = None) -> torch.Tensor:
+        """Run every new token, write its K/V into ``cache``, return logits ``[R, V]`` float32.
+        ``features`` ``[T, hidden]``: a feature draft's second input (see ``fc``)."""
+        h = self._layers(batch, cache, features)
+        h = fused_rms_norm(h[batch.logits_indices], self.norm, self.config.rms_norm_eps)  # [R, hidden]
+        return self.lm_head(h).float()  # [R, V]
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch, cache: KVCache,
+                       features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits, and every token's feature ``[T, hidden]``: the final-normed hidden state the
+        LM head reads (what a feature draft is fed, and what it predicts)."""
+        hn = fused_rms_norm(self._layers(batch, cache, features), self.norm, self.config.rms_norm_eps)  # [T, hidden]
+        return self.lm_head(hn[batch.logits_indices]).float(), hn
+
+    def _layers(self, batch: ForwardBatch, cache: KVCache, features: torch.Tensor | None) -> torch.Tensor:
         c = self.config
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         T = batch.num_tokens
         scale = 1.0 / math.sqrt(D)
         h = self.embed[batch.tokens]  # [T, hidden]
+        if self.fc is not None:
+            if features is None:
+                raise ValueError("a feature draft's forward needs the target's features")
+            h = self.fc(torch.cat((h, features.to(h.dtype)), dim=-1))
         for i, layer in enumerate(self.layers):
             x = fused_rms_norm(h, layer.input_norm, c.rms_norm_eps)
             k_layer, v_layer = cache.k[i], cache.v[i]  # [num_blocks, P, Hkv, D]
@@ -204,5 +227,4 @@ class Transformer:
             h = layer.o(attn.reshape(T, H * D), residual=h)
             x = fused_rms_norm(h, layer.post_norm, c.rms_norm_eps)
             h = layer.down(layer.gate_up.silu_mul(x), residual=h)
-        h = fused_rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)  # [R, hidden]
-        return self.lm_head(h).float()  # [R, V]
+        return h  # [T, hidden], before the final norm

@@ -13,7 +13,8 @@ from transformers import PreTrainedTokenizerFast
 
 from draft.dense_lm import student_from_teacher, teacher_from_checkpoint
 from draft.distill import draft_config, main
-from draft.distill_train import teacher_targets, train
+from draft.distill_train import Tokens, feature_loss, teacher_targets, train
+from draft.feature_drafter import FeatureDrafter
 from draft.params import SpeculationParams
 from engine_util import random_weights, tiny_config
 from gateway.llm import LLM, LoadConfig
@@ -87,3 +88,57 @@ def test_distill_command_writes_a_loadable_lossless_draft(tmp_path: Path) -> Non
     on = llm.generate(asks, greedy, SpeculationParams(drafter="draft", tree=(2, 2, 1)))
     assert [g.token_ids for g in on] == [g.token_ids for g in off]
     assert sum(g.stats.drafted_tokens for g in on) > 0
+
+
+def test_dense_feature_student_matches_the_serving_forward() -> None:
+    """The trainer's feature draft and the serving Transformer built from its weights agree, features in."""
+    cfg = tiny_config(vocab=64, layers=2)
+    teacher = teacher_from_checkpoint(cfg, random_weights(cfg))
+    student = student_from_teacher(teacher, draft_config(cfg, 1, None, None), feature=True, seed=1)
+    tokens = [3, 17, 5, 60, 22, 9]
+    feats = torch.randn(len(tokens), cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    weights = student.hf_weights() | {"model.embed_tokens.weight": teacher.embed, "lm_head.weight": teacher.head}
+    serving = Transformer.from_weights(student.config, weights)
+    cache = serving.new_cache(8, 4)
+    batch = build_batch([Segment(cache.new_table(), 0, tokens, logits="all")], cache, "cpu")
+    ref_logits, ref_h = serving.forward_hidden(batch, cache, feats)
+    logits, h = student.forward_hidden(torch.tensor([tokens]), feats[None])
+    torch.testing.assert_close(logits[0], ref_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h[0], ref_h, rtol=1e-4, atol=1e-4)
+
+
+def test_a_few_feature_steps_lower_the_loss() -> None:
+    cfg = tiny_config(vocab=64, layers=4)
+    teacher = teacher_from_checkpoint(cfg, random_weights(cfg))
+    g = torch.Generator().manual_seed(0)
+    seqs = [Tokens(torch.randint(64, (int(n),), generator=g)) for n in torch.randint(8, 24, (16,), generator=g)]
+    student = student_from_teacher(teacher, draft_config(cfg, 1, None, None), feature=True)
+    losses = train(student, seqs, steps=40, lr=1e-2, batch_size=4, seed=0, warmup=2,
+                   loss_fn=lambda st, b: feature_loss(st, teacher, b, k=16))
+    assert all(l >= 0 for l in losses)
+    assert sum(losses[-5:]) / 5 < 0.6 * losses[0], losses
+
+
+def test_distill_feature_command_writes_a_feature_draft_that_speculates_losslessly(tmp_path: Path) -> None:
+    target = tiny_target(tmp_path)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Say hello.\nCount to five.\nName a colour.\nWrite a word.\n")
+    out = tmp_path / "feature"
+    main(["--target", str(target), "--out", str(out), "--layers", "1", "--steps", "4", "--feature",
+          "--max-tokens", "12", "--top-k", "8", "--batch-size", "2", "--prompts", str(prompts), "--seed", "3"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["specgate_feature_draft"] and config["specgate_shared_embeddings"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert "fc.weight" in f.keys() and not any("embed" in n or "lm_head" in n for n in f.keys())
+    assert json.loads((out / "distill.json").read_text())["kind"] == "feature"
+    llm = LLM.load(LoadConfig(model=str(target), draft=str(out), quantize="none"), log=lambda m: None)
+    drafter = llm.engine.drafters["draft"]
+    assert isinstance(drafter, FeatureDrafter) and llm.engine.drafters["hybrid"].wants_features
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    asks = ["Say hello.", "Hello world"]
+    off = llm.generate(asks, greedy, SpeculationParams(enabled=False))
+    for name in ("draft", "hybrid"):
+        on = llm.generate(asks, greedy, SpeculationParams(drafter=name, tree=(2, 2, 1)))
+        assert [g.token_ids for g in on] == [g.token_ids for g in off]
+        assert sum(g.stats.drafted_tokens for g in on) > 0
+    assert drafter.cache.pool.num_free == drafter.cache.pool.num_blocks and not drafter._feats
