@@ -13,6 +13,9 @@
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in two parts) and convert it once
 #   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
 #   bash bench/gpu_run.sh drafts     drafts.json with the new draft
+#   bash bench/gpu_run.sh feature    train a feature draft (EAGLE-style) for the embedded model into .cache/feature_draft
+#   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
+#   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
 #   bash bench/gpu_run.sh real       bench/engine.py's real pair
 #   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed
 # Results go to $OUT (the device tool brings them back).
@@ -26,7 +29,21 @@ for stage in "$@"; do
   case "$stage" in
     setup) python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2 ;;
     tests) PYTHONPATH=".:tests" python -m pytest -q --noconftest -p no:cacheprovider tests/target/test_graphs_cuda.py \
-             tests/target/test_model_cuda.py tests/kernels/test_fused_norm_rope.py tests/draft/test_tree_loop.py 2>&1 | tail -15 ;;
+             tests/target/test_model_cuda.py tests/kernels/test_fused_norm_rope.py tests/draft/test_tree_loop.py \
+             tests/draft/test_feature_drafter.py tests/kernels/test_paged_decode.py tests/kernels/test_tree_attention.py \
+             -k "cuda or gpu or graph" 2>&1 | tail -15 ;;
+    prefetch) timeout 420 python bench/kernels/prefetch_probe.py --out "$OUT" 2>&1 | tail -18 ;;
+    feature)
+      timeout 540 python -m draft.distill --target embedded --out .cache/feature_draft --layers 1 --feature --device cuda \
+        --samples 2 --temperature 0,0.9 --max-tokens 192 --sample-batch 128 --steps "${FEATURE_STEPS:-2000}" --batch-size 16 \
+        --lr 6e-4 --top-k 64 --seed 0 --corpus .cache/corpus.json 2>&1 | grep -v "it/s\]$" | tail -12
+      mkdir -p "$OUT/feature_draft" && cp .cache/feature_draft/* "$OUT/feature_draft/" ;;
+    fdrafts)
+      for d in .cache/feature_draft draft/weights/smollm2-135m-instruct; do
+        timeout 200 python bench/drafters.py --sweep --arms draft --prompts 16 --batch 8 --max-tokens 128 \
+          --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
+          --draft "$d" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts_$(basename $d).json" 2>&1 | tail -8
+      done ;;
     profile) timeout 300 python bench/step_profile.py --batches 1,16 --tokens 96 --trees "1,1,1,1/2,2,2,1/3,3,3,2,2,1" \
                --out "$OUT/step_profile.json" 2>&1 | grep -v '^{' | tail -10 ;;
     synthetic) timeout 300 python bench/engine.py --synthetic --profile --out "$OUT/engine_synthetic.json" 2>&1 \
