@@ -53,17 +53,26 @@ class FeatureDrafter(ModelDrafter):
 
     def _features(self, seq_id: str, lo: int, hi: int) -> torch.Tensor:
         """``[hi - lo, hidden]``: the target's features of positions ``lo - 1 .. hi - 2`` (what tokens
-        ``lo .. hi - 1`` are fed with); zeros where none arrived. Drops chunks no later call can need."""
-        H = self.model.config.hidden_size
-        out = torch.zeros(hi - lo, H, dtype=self.model.dtype, device=self.model.device)
+        ``lo .. hi - 1`` are fed with); zeros where none arrived. Drops chunks no later call can need.
+        A step's usual ask -- the previous step's root and accepted nodes -- is one chunk: a view, no copy."""
         chunks = self._feats.get(seq_id, [])
-        for start, f in chunks:  # later chunks overwrite earlier ones (a re-verified position)
-            a, b = max(start, lo - 1), min(start + f.shape[0], hi - 1)
-            if a < b:
-                out[a - lo + 1 : b - lo + 1] = f[a - start : b - start]
+        pieces, at = [], lo - 1  # position the next piece starts at
+        for start, f in sorted(chunks, key=lambda c: c[0]):
+            a, b = max(start, at), min(start + f.shape[0], hi - 1)
+            if a >= b:
+                continue
+            if a > at:
+                pieces.append(self._zeros(a - at))
+            pieces.append(f[a - start : b - start])
+            at = b
+        if at < hi - 1:
+            pieces.append(self._zeros(hi - 1 - at))
         # the next call starts at hi - 1 at the earliest (the root is re-fed only after a commit cut it)
         self._feats[seq_id] = [(s, f) for s, f in chunks if s + f.shape[0] > hi - 2]
-        return out
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, self.model.config.hidden_size, dtype=self.model.dtype, device=self.model.device)
 
     def _grow(self, reqs: list[DraftRequest]) -> list[TokenTree]:
         segs, feats = [], []
