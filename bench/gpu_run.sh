@@ -40,7 +40,8 @@ for stage in "$@"; do
       mkdir -p "$OUT/feature_draft" && cp .cache/feature_draft/* "$OUT/feature_draft/" ;;
     fdrafts)
       for d in .cache/feature_draft draft/weights/smollm2-135m-instruct; do
-        timeout 200 python bench/drafters.py --sweep --arms draft --prompts 16 --batch 8 --max-tokens 128 \
+        arms=draft; [ "$d" = .cache/feature_draft ] && arms=draft,ngram
+        timeout 200 python bench/drafters.py --sweep --arms "$arms" --prompts 16 --batch 8 --max-tokens 128 \
           --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
           --draft "$d" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts_$(basename $d).json" 2>&1 | tail -8
       done ;;
