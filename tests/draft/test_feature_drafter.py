@@ -123,7 +123,9 @@ def test_greedy_output_is_the_targets_and_features_line_up(max_step_tokens, devi
             if pos < 0:
                 assert fed[j].abs().max() == 0
             else:
-                torch.testing.assert_close(fed[j], ref[pos], rtol=1e-3, atol=1e-3)
+                # CUDA: Triton's fp32 dots run as TF32, and graphs pad rows (another tile config)
+                tol = 1e-4 if device == "cpu" else 1e-2
+                torch.testing.assert_close(fed[j], ref[pos], rtol=tol, atol=tol)
                 checked += 1
     assert checked > sum(len(p) for p in ps)  # the prompts and the generated positions
 
