@@ -54,8 +54,10 @@ def test_graph_matches_eager(nodes: int, batch: int) -> None:
         # takes fp32 operands as TF32), so the fp32 logits agree to TF32 accuracy, not bit for bit.
         torch.testing.assert_close(graphed, eager, rtol=2e-3, atol=2e-3)
         assert (graphed.argmax(-1) == eager.argmax(-1)).float().mean() >= 0.9
-        # the real rows' K/V writes are the same; the padded rows touched only the scratch block
-        torch.testing.assert_close(k_graphed[:, : cache.scratch_block], cache.k[:, : cache.scratch_block])
+        # the real rows' K/V writes agree (to TF32 accuracy: the qkv matmul ran at the padded M, another
+        # tile config; an H200 run saw 3.5e-4 at batch 5); the padded rows touched only the scratch block
+        torch.testing.assert_close(k_graphed[:, : cache.scratch_block], cache.k[:, : cache.scratch_block],
+                                   rtol=2e-3, atol=2e-3)
     assert runner.replays == 2 and runner.num_graphs == 1
 
 
