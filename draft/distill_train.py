@@ -57,8 +57,7 @@ def teacher_targets(teacher: DenseLM, seqs: list[list[int]], k: int, batch_size:
         toks = [torch.tensor(seqs[i], dtype=torch.long, device=device) for i in idx]
         with _autocast(device):
             logp = teacher(pad(toks)).log_softmax(-1)  # [B, T, V]
-        top, top_i = logp.topk(k, dim=-1)  # [B, T, k]
-        top = top - top.logsumexp(-1, keepdim=True)  # renormalise over the kept k
+        top, top_i = _top_k(logp, k)  # [B, T, k]
         for b, i in enumerate(idx):
             n = len(seqs[i])
             out[i] = TeacherTargets(toks[b], top[b, :n].half(), top_i[b, :n].int())
@@ -74,6 +73,12 @@ def kl_loss(student: DenseLM, batch: list[TeacherTargets]) -> torch.Tensor:
     with _autocast(tokens.device):
         logits = student(tokens)  # [B, T, V] float32
     return _kl(p_log, index, logits, mask)  # padded rows' teacher mass is zero
+
+
+def _top_k(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest log-probabilities per position, renormalised over those k, and their token ids."""
+    top, index = logp.topk(k, dim=-1)
+    return top - top.logsumexp(-1, keepdim=True), index
 
 
 @dataclass(slots=True)
@@ -101,9 +106,7 @@ def feature_loss(student: DenseLM, teacher: DenseLM, batch: list[Tokens], k: int
     mask = pad([torch.ones(len(b.tokens), device=tokens.device) for b in batch])[:, 1:]  # [B, T - 1]
     with torch.no_grad(), _autocast(tokens.device):
         t_logits, t_feat = teacher.forward_hidden(tokens)
-        logp = t_logits.float().log_softmax(-1)
-        top, index = logp.topk(k, dim=-1)
-        top = top - top.logsumexp(-1, keepdim=True)
+        top, index = _top_k(t_logits.float().log_softmax(-1), k)
     t_feat = t_feat.float()
     x, f_in, f_out = tokens[:, 1:], t_feat[:, :-1], t_feat[:, 1:]
     p_log, index = top[:, 1:], index[:, 1:]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from draft.base import DraftRequest, TreeBuilder, expand_all
-from draft.model_drafter import ModelDrafter, prune_tree
+from draft.model_drafter import ModelDrafter
 from draft.tree import TokenTree, mask_to_bits
 from target.batch import Segment, build_batch
 from target.model import Transformer
@@ -74,51 +74,21 @@ class FeatureDrafter(ModelDrafter):
     def _zeros(self, n: int) -> torch.Tensor:
         return torch.zeros(n, self.model.config.hidden_size, dtype=self.model.dtype, device=self.model.device)
 
-    def _grow(self, reqs: list[DraftRequest]) -> list[TokenTree]:
-        segs, feats = [], []
-        for r in reqs:
-            table = self._tables.setdefault(r.seq_id, self.cache.new_table())
-            start = self._cached.get(r.seq_id, 0)
-            segs.append(Segment(table, start, r.token_ids[start:], logits="last"))
-            feats.append(self._features(r.seq_id, start, len(r.token_ids)))
+    def _catch_up(self, reqs: list[DraftRequest], segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token is fed with the target's feature of the position before it; returns the roots' logits
+        and the roots' own output features ``[B, hidden]`` (what their children are fed)."""
+        feats = [self._features(r.seq_id, s.context_len, len(r.token_ids)) for r, s in zip(reqs, segs)]
         batch = build_batch(segs, self.cache, self.model.device)
         forward = self.graphs.forward_hidden if self.graphs is not None else self.model.forward_hidden
-        logits, hidden = forward(batch, self.cache, torch.cat(feats))  # [B, V] each root's row; [T, hidden]
-        ends, n = [], 0
-        for q in batch.query_lens:
-            n += q
-            ends.append(n - 1)  # each segment's last row: its root
-        root_rows = torch.tensor(ends, dtype=torch.int64)
-        root_hidden = hidden.index_select(0, root_rows.to(hidden.device, non_blocking=True))  # [B, hidden]
-        for r in reqs:
-            self._cached[r.seq_id] = len(r.token_ids)
-        trees: list[TokenTree | None] = [None] * len(reqs)
-        greedy = [i for i, r in enumerate(reqs) if r.sampling.is_greedy and self.device_loop]
-        if greedy:
-            depth = max(len(reqs[i].widths) for i in greedy)
-            W = tuple(max(reqs[i].widths[d] if d < len(reqs[i].widths) else 0 for i in greedy) for d in range(depth))
-            W = self.loop.cover(len(greedy), W)
-            sel = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
-            grown = self.loop.grow(logits.index_select(0, sel), [reqs[i].context_len for i in greedy],
-                                   [self._tables[reqs[i].seq_id] for i in greedy], W, root_hidden.index_select(0, sel))
-            for i, (tokens, parents, cum) in zip(greedy, grown):
-                tokens[0] = reqs[i].token_ids[-1]
-                if reqs[i].widths != W:
-                    tokens, parents, _ = prune_tree(tokens, parents, cum, W, reqs[i].widths)
-                trees[i] = TokenTree.from_lists(tokens, parents)
-        rest = [i for i, t in enumerate(trees) if t is None]
-        if rest:
-            built = self._grow_features_on_host([reqs[i] for i in rest], [logits[i : i + 1] for i in rest],
-                                                [root_hidden[i] for i in rest])
-            for i, tree in zip(rest, built):
-                trees[i] = tree
-        return trees  # type: ignore[return-value]
+        logits, hidden = forward(batch, self.cache, torch.cat(feats))  # [B, V]; [T, hidden]
+        return logits, hidden.index_select(0, batch.logits_indices)  # the logits rows are the roots
 
-    def _grow_features_on_host(self, reqs: list[DraftRequest], rows: list[torch.Tensor],
-                               root_hidden: list[torch.Tensor]) -> list[TokenTree]:
+    def _grow_on_host(self, reqs: list[DraftRequest], rows: list[torch.Tensor],
+                      roots: list[torch.Tensor] | None = None) -> list[TokenTree]:
         """Sampled trees, level by level from the host; node ``i`` is fed its parent's output feature."""
         builders = [TreeBuilder(r.token_ids[-1], r.widths, r.sampling, r.generator) for r in reqs]
-        node_h = [[h] for h in root_hidden]  # per sequence: each node's output feature, by node index
+        assert roots is not None
+        node_h = [[h] for h in roots]  # per sequence: each node's output feature, by node index
         for depth in range(max(len(r.widths) for r in reqs)):
             active = [i for i, r in enumerate(reqs) if depth < len(r.widths)]
             expand_all([builders[i] for i in active], depth, [rows[i] for i in active])

@@ -74,7 +74,7 @@ class ModelDrafter:
             table = self._tables.setdefault(r.seq_id, self.cache.new_table())
             start = self._cached.get(r.seq_id, 0)
             segs.append(Segment(table, start, r.token_ids[start:], logits="last"))
-        logits = self._forward(build_batch(segs, self.cache, self.model.device))  # [B, V]: each root's row
+        logits, roots = self._catch_up(reqs, segs)  # [B, V]: each root's row
         for r in reqs:
             self._cached[r.seq_id] = len(r.token_ids)
         trees: list[TokenTree | None] = [None] * len(reqs)
@@ -87,7 +87,8 @@ class ModelDrafter:
             W = tuple(max(reqs[i].widths[d] if d < len(reqs[i].widths) else 0 for i in greedy) for d in range(depth))
             W = self.loop.cover(len(greedy), W)
             grown = self.loop.grow(logits[greedy], [reqs[i].context_len for i in greedy],
-                                   [self._tables[reqs[i].seq_id] for i in greedy], W)
+                                   [self._tables[reqs[i].seq_id] for i in greedy], W,
+                                   None if roots is None else roots[greedy])
             for i, (tokens, parents, cum) in zip(greedy, grown):
                 tokens[0] = reqs[i].token_ids[-1]
                 if reqs[i].widths == W:
@@ -98,11 +99,19 @@ class ModelDrafter:
                 trees[i] = TokenTree.from_lists(tokens, parents)
         rest = [i for i, t in enumerate(trees) if t is None]
         if rest:
-            for i, tree in zip(rest, self._grow_on_host([reqs[i] for i in rest], [logits[i : i + 1] for i in rest])):
+            built = self._grow_on_host([reqs[i] for i in rest], [logits[i : i + 1] for i in rest],
+                                       None if roots is None else [roots[i] for i in rest])
+            for i, tree in zip(rest, built):
                 trees[i] = tree
         return trees  # type: ignore[return-value]
 
-    def _grow_on_host(self, reqs: list[DraftRequest], rows: list[torch.Tensor]) -> list[TokenTree]:
+    def _catch_up(self, reqs: list[DraftRequest], segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed each sequence's uncached tokens; the roots' logits ``[B, V]``, and whatever else the tree
+        growth needs of each root (a feature draft's features; None here)."""
+        return self._forward(build_batch(segs, self.cache, self.model.device)), None
+
+    def _grow_on_host(self, reqs: list[DraftRequest], rows: list[torch.Tensor],
+                      roots: list[torch.Tensor] | None = None) -> list[TokenTree]:
         """Sampled trees (children drawn from the draft's distribution), level by level from the host."""
         builders = [TreeBuilder(r.token_ids[-1], r.widths, r.sampling, r.generator) for r in reqs]
         for depth in range(max(len(r.widths) for r in reqs)):

@@ -237,22 +237,26 @@ class Engine:
                        hidden: torch.Tensor) -> None:
         """Hand each feature drafter the target's features of the positions this step verified: every token
         of a prefill chunk, and the root and accepted nodes of a tree (one gather for the whole step)."""
-        rows: list[int] = []
+        rows: list[torch.Tensor] = []  # host index pieces: each prefill chunk's rows, then every tree's
         spans: list[tuple[Sequence, int, int]] = []  # (sequence, first position, rows)
         start = 0
         for (seq, n), q in zip(plan.prefills, query_lens):
             if seq.drafter in self._feature_drafters:
-                rows += range(start, start + n)
+                rows.append(torch.arange(start, start + n))
                 spans.append((seq, seq.num_cached, n))
             start += q
+        tree_rows: list[int] = []
         for (seq, _), q, result in zip(plan.decodes, query_lens[len(plan.prefills):], results):
             if seq.drafter in self._feature_drafters:
-                rows += [start + node for node in result.accepted_nodes]
+                tree_rows += [start + node for node in result.accepted_nodes]
                 spans.append((seq, seq.num_cached, len(result.accepted_nodes)))
             start += q
+        if tree_rows:
+            rows.append(torch.tensor(tree_rows, dtype=torch.int64))
         if not rows:
             return
-        picked = hidden.index_select(0, torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True))
+        # a copy, not views: under a graph replay ``hidden`` is a static buffer the next step overwrites
+        picked = hidden.index_select(0, torch.cat(rows).to(hidden.device, non_blocking=True))
         lo = 0
         for seq, pos, n in spans:
             self.drafters[seq.drafter].observe(seq.request_id, pos, picked[lo : lo + n])

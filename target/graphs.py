@@ -73,21 +73,23 @@ class CudaGraphRunner:
         self.eager = 0
 
     def forward(self, batch: ForwardBatch, cache: KVCache, features: torch.Tensor | None = None) -> torch.Tensor:
-        return self._forward(batch, cache, features)[0]
+        return self._forward(batch, cache, features, False)[0]
 
     def forward_hidden(self, batch: ForwardBatch, cache: KVCache,
                        features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.hidden:
             raise ValueError("this runner was built without hidden=True")
-        logits, hidden = self._forward(batch, cache, features)
+        logits, hidden = self._forward(batch, cache, features, True)
         return logits, hidden  # type: ignore[return-value]
 
-    def _forward(self, batch: ForwardBatch, cache: KVCache,
-                 features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, batch: ForwardBatch, cache: KVCache, features: torch.Tensor | None,
+                 want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits, and the rows' features when ``want_hidden`` (a graph of a ``hidden`` runner computes them
+        either way). Graph outputs are views of static buffers: the next replay overwrites them."""
         key = self._key(batch, cache)
         if key is None:
             self.eager += 1
-            if self.hidden:
+            if want_hidden:
                 return self.model.forward_hidden(batch, cache, features)
             return self.model.forward(batch, cache, features), None
         g = self._graphs.get(key)
@@ -97,7 +99,7 @@ class CudaGraphRunner:
         g.graph.replay()
         self.replays += 1
         hidden = None
-        if g.hidden is not None:
+        if want_hidden and g.hidden is not None:
             hidden = g.hidden[: batch.num_tokens] if token_rows is None else g.hidden.index_select(0, token_rows)
         if rows is None:  # every row, in order: no gather
             return g.out[: batch.num_tokens], hidden

@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from pydoc_data.topics import topics
 
-from target.config import ModelConfig
-from target.loader import expected_weights
+from engine_util import random_weights, tiny_config
 from target.model import Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -27,12 +26,8 @@ def utf8(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny() -> Transformer:
-    cfg = ModelConfig(family="llama", vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=256)
-    g = torch.Generator().manual_seed(3)
-    weights = {name: (1 + 0.1 * torch.randn(shape, generator=g)) if name.endswith("norm.weight")
-               else 0.5 * torch.randn(shape, generator=g) for name, shape in expected_weights(cfg).items()}
-    return Transformer.from_weights(cfg, weights)
+    cfg = tiny_config(hidden_size=128, intermediate_size=256, layers=2, head_dim=32, max_position_embeddings=256)
+    return Transformer.from_weights(cfg, random_weights(cfg, seed=3, scale=0.5))
 
 
 def random_ids(n: int, seed: int) -> list[int]:

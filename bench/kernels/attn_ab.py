@@ -80,14 +80,7 @@ def main() -> None:
         q = torch.randn(B * n, H, D, device=BA.DEV, dtype=BA.DT, generator=gen)
         ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
         qs = torch.arange(0, B * n + 1, n, dtype=torch.int32, device=BA.DEV)
-        parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree
-        bits = []
-        for i in range(n):
-            m, j = 0, i
-            while j >= 0:
-                m |= 1 << j
-                j = parents[j]
-            bits.append(m)
+        bits, _ = BA.tree_bits(BA.binary_tree(n))
         mask = torch.tensor(bits * B, dtype=torch.int64, device=BA.DEV)
         fns = {a_name: lambda: TA.tree_attention(q, kc, vc, bt, ctx_lens, qs, mask, D**-0.5),
                b_name: lambda: TB.tree_attention(q, kc, vc, bt, ctx_lens, qs, mask, D**-0.5)}

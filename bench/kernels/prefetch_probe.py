@@ -104,14 +104,7 @@ def main() -> None:
             json.dump(res, f, indent=1)
     res["tree"] = []
     n = 16
-    parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree
-    bits = []
-    for i in range(n):
-        m, j = 0, i
-        while j >= 0:
-            m |= 1 << j
-            j = parents[j]
-        bits.append(m)
+    bits, _ = BA.tree_bits(BA.binary_tree(n))
     for B, ctx in [(1, 4096), (16, 2048), (1, 512)]:
         layouts, bt, _, _ = caches(B, ctx + n, 16, gen)
         kc, vc = layouts["token_major"]

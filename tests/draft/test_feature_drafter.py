@@ -20,12 +20,12 @@ from verify.sampling import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def feature_draft(target_weights: dict[str, torch.Tensor], seed: int = 3) -> Transformer:
+def feature_draft(target_weights: dict[str, torch.Tensor], seed: int = 3, device: str = "cpu") -> Transformer:
     """A one-layer random feature draft on the target's embedding and head. ``fc`` passes the feature
     through (plus noise), so the draft's guesses follow the target's features a little."""
     cfg = tiny_config(layers=1)
     g = torch.Generator().manual_seed(seed)
-    w = {k: v for k, v in random_weights(cfg, seed).items()}
+    w = random_weights(cfg, seed)
     w["model.embed_tokens.weight"] = target_weights["model.embed_tokens.weight"]
     w["lm_head.weight"] = target_weights["lm_head.weight"]
     H = cfg.hidden_size
@@ -33,22 +33,7 @@ def feature_draft(target_weights: dict[str, torch.Tensor], seed: int = 3) -> Tra
     for name in list(w):
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             w[name] = 0.05 * w[name]  # a layer that mostly keeps its input
-    return Transformer.from_weights(cfg, w)
-
-
-def feature_weights(model: Transformer) -> dict[str, torch.Tensor]:
-    """HF-named weights of a dense one-layer ``Transformer`` (to rebuild it on another device)."""
-    layer = model.layers[0]
-    q, k, v = layer.qkv.weight.split([model.config.num_heads * model.config.head_dim,
-                                      model.config.num_kv_heads * model.config.head_dim,
-                                      model.config.num_kv_heads * model.config.head_dim])
-    gate, up = layer.gate_up.weight.chunk(2)
-    p = "model.layers.0."
-    return {"model.embed_tokens.weight": model.embed, "lm_head.weight": model.lm_head.weight, "model.norm.weight": model.norm,
-            FC_NAME: model.fc.weight, p + "input_layernorm.weight": layer.input_norm,
-            p + "post_attention_layernorm.weight": layer.post_norm, p + "self_attn.q_proj.weight": q,
-            p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.o.weight,
-            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up, p + "mlp.down_proj.weight": layer.down.weight}
+    return Transformer.from_weights(cfg, w, device=device)
 
 
 class Recording(FeatureDrafter):
@@ -73,9 +58,7 @@ def make_engine(tree=(4, 4, 2), num_blocks=96, page_size=4, max_step_tokens=256,
     cfg = tiny_config()
     w = random_weights(cfg)
     target = Transformer.from_weights(cfg, w, device=device)
-    draft = feature_draft(w)
-    draft = Transformer.from_weights(draft.config, feature_weights(draft), device=device)
-    drafter = Recording("feature", draft, num_blocks, page_size)
+    drafter = Recording("feature", feature_draft(w, device=device), num_blocks, page_size)
     ecfg = EngineConfig(num_blocks=num_blocks, page_size=page_size,
                         scheduler=SchedulerConfig(max_running=8, max_step_tokens=max_step_tokens, max_model_len=512,
                                                   budget=BudgetConfig(max_verify_tokens=1024, cost_aware=False)),
