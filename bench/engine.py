@@ -20,6 +20,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -267,7 +268,11 @@ def hf_pair(model_dir: Path, draft_dir: Path | None):
     return tok, tgt, dm.cuda().eval()
 
 
-def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: list[int], prompts_file: str) -> None:
+def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: list[int], prompts_file: str,
+         arms: list[str] = ()) -> None:
+    """The real pair at each batch size: speculation on (the engine's default drafter) and off, then each
+    drafter of ``arms`` alone (``drafter_arms``: tokens/s and mean accepted length), each after a warm-up
+    with the same drafter, so the step-cost model has measured its depths at this batch size."""
     model = None if model == "embedded" else model
     draft = resolve_draft(LoadConfig(model=model, draft=draft))
     prompts = [json.loads(l)["turns"][0] for l in open(prompts_file)]
@@ -283,12 +288,20 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
         # Warm-up at this batch size on other prompts: the step-cost model measures each draft depth here
         # once, as a server in steady state already has.
         warm = [prompts[-1 - (i % 16)] for i in range(b)]
-        llm.generate(warm, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+        warm_sampling = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+        llm.generate(warm, warm_sampling)
         on, mal = generate_tok_s(llm, ps, greedy, SpeculationParams())
         off, _ = generate_tok_s(llm, ps, greedy, SpeculationParams(enabled=False))
-        rows.append({"batch": b, "spec_tok_s": round(on, 1), "nospec_tok_s": round(off, 1),
-                     "speedup": round(on / off, 3), "mean_accepted_length": round(mal, 3),
-                     "hf_static_tok_s": None, "hf_assisted_tok_s": None})
+        row = {"batch": b, "spec_tok_s": round(on, 1), "nospec_tok_s": round(off, 1),
+               "speedup": round(on / off, 3), "mean_accepted_length": round(mal, 3),
+               "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}}
+        for name in [a for a in arms if a in llm.engine.drafters]:
+            spec = SpeculationParams(drafter=name)
+            llm.generate(warm, warm_sampling, spec)
+            tok_s, arm_mal = generate_tok_s(llm, ps, greedy, spec)
+            row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),
+                                         "mean_accepted_length": round(arm_mal, 3)}
+        rows.append(row)
         log(str(rows[-1]))
     res["real_model"] = Path(resolve_model_path(LoadConfig(model=model))).name
     res["real_draft"] = Path(draft).name
@@ -380,6 +393,8 @@ def main() -> None:
     ap.add_argument("--prompts-file", default=str(MT_BENCH))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--arms", default="ngram,lookup-first,draft",
+                    help="--real: drafters also timed alone at each batch size ('' for none)")
     ap.add_argument("--out", default=str(HERE / "results" / "engine.json"))
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON")
     ap.add_argument("--verify-only", action="store_true", help="--synthetic: the target's step times alone")
@@ -387,13 +402,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.plot_only:
         return plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    # BENCH_COMMIT: the device's copy of .git can be stale, so the caller names the tree it sent
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                              capture_output=True, text=True, cwd=HERE).stdout.strip()
     res: dict = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
                  "torch": torch.__version__, "copy_tbps": round(copy_tbps(), 3)}
     if args.synthetic:
         synthetic(res, args.verify_only, args.profile)
     if args.real:
-        real(res, args.real, args.draft, args.new_tokens, [int(b) for b in args.batches.split(",")], args.prompts_file)
+        real(res, args.real, args.draft, args.new_tokens, [int(b) for b in args.batches.split(",")], args.prompts_file,
+             [a for a in args.arms.split(",") if a])
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     plot(res, Path(args.out).with_suffix(".png"))
     print(json.dumps(res, indent=2))

@@ -8,9 +8,11 @@ Model: the draft's token at depth ``d`` is accepted, given its parent was, with 
 
 Speculation must also pay for its own time. A draft level costs a draft forward whatever it yields,
 and on a small target or a large batch that can exceed what it saves. ``StepCosts`` measures this
-engine's own step times per (batch bucket, draft depth) and the scheduler caps the adaptive requests'
+engine's own step times per (batch bucket, draft depth, drafters in the step) and the scheduler caps the adaptive requests'
 depth at the one that maximises expected tokens per second -- depth 0 (plain decoding) included -- so
-speculation turns itself down where it does not pay, with no operator table. Depths not measured yet,
+speculation turns itself down where it does not pay, with no operator table. The drafters are part of
+the key because a level's price is theirs: an n-gram level costs a host lookup, a model level a draft
+forward, and one shared figure would price the free drafter out (or the model in). Depths not measured yet,
 or not for ``reprobe`` steps, are tried once; a figure's first observation (graph capture, kernel
 tuning) is dropped.
 
@@ -102,17 +104,23 @@ def batch_bucket(n: int) -> int:
 
 @dataclass(slots=True)
 class StepCosts:
-    """EMA of measured step seconds per (batch bucket, draft depth): what a draft level costs here."""
+    """EMA of measured step seconds per (batch bucket, draft depth, drafters): what a draft level costs here.
+    ``drafters`` names the drafters whose trees the step verified (sorted); plain steps (depth 0) have none,
+    so every drafter's cap compares against one shared plain-decoding figure."""
 
     decay: float = 0.8
     reprobe: int = 256
     steps: int = 0
-    _seen: dict[tuple[int, int], tuple[float | None, int]] = field(default_factory=dict)  # -> (ema, last step)
+    _seen: dict[tuple[int, int, tuple[str, ...]], tuple[float | None, int]] = field(default_factory=dict)
 
-    def observe(self, batch: int, depth: int, seconds: float) -> None:
+    @staticmethod
+    def _key(batch: int, depth: int, drafters: tuple[str, ...]) -> tuple[int, int, tuple[str, ...]]:
+        return batch_bucket(batch), depth, drafters if depth > 0 else ()
+
+    def observe(self, batch: int, depth: int, seconds: float, drafters: tuple[str, ...] = ()) -> None:
         """One decode-only step of ``batch`` sequences whose deepest tree had ``depth`` levels."""
         self.steps += 1
-        key = (batch_bucket(batch), depth)
+        key = self._key(batch, depth, drafters)
         old = self._seen.get(key)
         if old is None:  # the first step at a shape pays for graph capture and tuning: not a figure
             self._seen[key] = (None, self.steps)
@@ -121,18 +129,17 @@ class StepCosts:
         ema = seconds if stale else self.decay * old[0] + (1 - self.decay) * seconds
         self._seen[key] = (ema, self.steps)
 
-    def seconds(self, batch: int, depth: int) -> float | None:
-        seen = self._seen.get((batch_bucket(batch), depth))
+    def seconds(self, batch: int, depth: int, drafters: tuple[str, ...] = ()) -> float | None:
+        seen = self._seen.get(self._key(batch, depth, drafters))
         return None if seen is None else seen[0]
 
-    def best_depth(self, batch: int, gains: list[float], floor: int = 0) -> int:
+    def best_depth(self, batch: int, gains: list[float], floor: int = 0, drafters: tuple[str, ...] = ()) -> int:
         """The depth cap in ``floor..len(gains) - 1`` with the most expected tokens per second, where
         ``gains[c]`` is the step's expected tokens with the cap at ``c``. A depth with no fresh figure is
         returned first, so that it gets one (deepest first)."""
-        bucket = batch_bucket(batch)
         best, best_rate = len(gains) - 1, -1.0
         for c in range(len(gains) - 1, floor - 1, -1):
-            seen = self._seen.get((bucket, c))
+            seen = self._seen.get(self._key(batch, c, drafters))
             if seen is None or seen[0] is None or self.steps - seen[1] > self.reprobe:
                 return c
             rate = gains[c] / seen[0]

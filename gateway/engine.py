@@ -184,7 +184,8 @@ class Engine:
             return [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
         if not plan.prefills:  # the acceptance's host copy ended the step: this is its full time
             depth = max(len(w) for _, w in plan.decodes)
-            self.scheduler.costs.observe(len(plan.decodes), depth, time.perf_counter() - t0)
+            kinds = tuple(sorted({s.drafter for s, w in plan.decodes if w and s.drafter}))
+            self.scheduler.costs.observe(len(plan.decodes), depth, time.perf_counter() - t0, kinds)
         self.num_steps += 1
         return ended + outputs
 

@@ -138,7 +138,8 @@ class Scheduler:
         alphas = [s.acceptance.alpha for s in decoding]
         fixed = sum(expected_tokens(alphas[i], len(w)) for i, w in enumerate(widths) if i not in set(cut))
         gains = [fixed + sum(expected_tokens(alphas[i], min(c, len(widths[i]))) for i in cut) for c in range(top + 1)]
-        c = self.costs.best_depth(len(decoding), gains, floor)
+        kinds = tuple(sorted({decoding[i].drafter for i, (w, _) in enumerate(asked) if w and decoding[i].drafter}))
+        c = self.costs.best_depth(len(decoding), gains, floor, kinds)
         for i in cut:
             widths[i] = widths[i][:c]
         return widths

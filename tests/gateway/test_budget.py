@@ -80,3 +80,23 @@ def test_step_costs_reprobe_stale_depths_and_bucket_batches() -> None:
     assert costs.seconds(5, 0) is None  # bucket 8: nothing measured there
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
     assert expected_tokens(0.5, 0) == 1.0 and expected_tokens(0.5, 2) == 1.75
+
+
+def test_step_costs_price_each_drafters_levels_apart() -> None:
+    """A model draft's levels are dear and an n-gram lookup's nearly free: one figure per drafter set, so the
+    model's price does not turn the free drafter off. Plain steps share one figure across drafters."""
+    costs = StepCosts(reprobe=1000)
+    for _ in range(2):
+        costs.observe(1, 0, 1.0, ("draft",))  # plain: filed under no drafter whatever the caller passed
+        costs.observe(1, 2, 4.0, ("draft",))
+        costs.observe(1, 2, 1.1, ("ngram",))
+    assert costs.seconds(1, 0) == costs.seconds(1, 0, ("ngram",)) == 1.0
+    assert costs.seconds(1, 2, ("draft",)) == 4.0 and costs.seconds(1, 2, ("ngram",)) == 1.1
+    assert costs.seconds(1, 2) is None
+    gains = [1.0, 1.4, 1.6]
+    for kinds in (("draft",), ("ngram",)):  # depth 1 is unmeasured for both: tried first
+        assert costs.best_depth(1, gains, drafters=kinds) == 1
+        costs.observe(1, 1, {"draft": 2.5, "ngram": 1.05}[kinds[0]], kinds)
+        costs.observe(1, 1, {"draft": 2.5, "ngram": 1.05}[kinds[0]], kinds)
+    assert costs.best_depth(1, gains, drafters=("draft",)) == 0  # 1.0 / 1.0 beats 1.4 / 2.5 and 1.6 / 4.0
+    assert costs.best_depth(1, gains, drafters=("ngram",)) == 2  # 1.6 / 1.1 beats 1.4 / 1.05 and 1.0 / 1.0

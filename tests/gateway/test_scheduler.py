@@ -175,12 +175,12 @@ def test_measured_step_costs_turn_speculation_down_and_keep_fixed_trees() -> Non
         seq.table.ensure(seq.num_cached + n)
         seq.num_cached += n
     for depth in (3, 3, 2, 2, 1, 1, 0, 0):
-        sched.costs.observe(2, depth, 1.0 + 10 * depth)  # drafting is ruinously slow here
+        sched.costs.observe(2, depth, 1.0 + 10 * depth, ("draft",))  # drafting is ruinously slow here
     plan = sched.schedule(lambda s: ((2, 2, 1), True))
     assert [w for _, w in plan.decodes] == [(), ()]
     plan = sched.schedule(lambda s: ((2, 2, 1), s is seqs[0]))  # seqs[1] asked for its tree itself
     assert dict((s.request_id, w) for s, w in plan.decodes) == {"0": (2, 2, 1), "1": (2, 2, 1)}
     for depth in (3, 2, 1, 0) * 20:
-        sched.costs.observe(2, depth, 1.0 + 0.01 * depth)  # now cheap (the EMA forgets): the full trees pay
+        sched.costs.observe(2, depth, 1.0 + 0.01 * depth, ("draft",))  # now cheap (the EMA forgets): the full trees pay
     plan = sched.schedule(lambda s: ((2, 2, 1), True))
     assert [w for _, w in plan.decodes] == [(2, 2, 1), (2, 2, 1)]
