@@ -159,6 +159,8 @@ def parse_arms(specs: list[str]) -> dict[str, dict]:
 
 
 def git_commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # the caller names the tree it sent (a device's copy of .git can be stale)
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True)
         return out.stdout.strip() or "unknown"
