@@ -140,8 +140,12 @@ class Scheduler:
         gains = [fixed + sum(expected_tokens(alphas[i], min(c, len(widths[i]))) for i in cut) for c in range(top + 1)]
         kinds = tuple(sorted({decoding[i].drafter for i, (w, _) in enumerate(asked) if w and decoding[i].drafter}))
         c = self.costs.best_depth(len(decoding), gains, floor, kinds)
+        probe = self.config.budget.probe_every
         for i in cut:
-            widths[i] = widths[i][:c]
+            # A sequence the cap keeps from drafting never updates its acceptance, so a cap set on a low
+            # early estimate would hold for good: every ``probe_every`` plain steps it drafts one level anyway.
+            stale = c == 0 and decoding[i].steps_without_draft + 1 >= probe
+            widths[i] = widths[i][:1] if stale else widths[i][:c]
         return widths
 
     @staticmethod

@@ -184,3 +184,27 @@ def test_measured_step_costs_turn_speculation_down_and_keep_fixed_trees() -> Non
         sched.costs.observe(2, depth, 1.0 + 0.01 * depth, ("draft",))  # now cheap (the EMA forgets): the full trees pay
     plan = sched.schedule(lambda s: ((2, 2, 1), True))
     assert [w for _, w in plan.decodes] == [(2, 2, 1), (2, 2, 1)]
+
+
+def test_a_sequence_the_cost_cap_keeps_plain_still_probes() -> None:
+    """The cost cap cuts trees whose acceptance is too low to pay for their levels; such a sequence drafts
+    nothing, so its acceptance never updates. Every ``probe_every`` plain steps it drafts one level anyway,
+    so it can find its way back when the text turns predictable."""
+    cfg = SchedulerConfig(max_running=4)
+    sched = Scheduler(cfg, BlockPool(64, 4), Clock())
+    seq = make_seq(0, 4, 50, 0, 0.0)
+    sched.add(seq)
+    seq.acceptance.successes, seq.acceptance.trials = 3.0, 10.0  # alpha 0.3: depth 1 by acceptance alone
+    plan = sched.schedule(lambda s: ((2, 2, 1), True))
+    for s, n in plan.prefills:
+        s.table.ensure(s.num_cached + n)
+        s.num_cached += n
+    for depth in (1, 1, 0, 0):
+        sched.costs.observe(1, depth, 1.0 + 2 * depth, ("draft",))  # a level costs twice a plain step
+    got = []
+    for _ in range(2 * cfg.budget.probe_every):
+        (s, w), = sched.schedule(lambda s: ((2, 2, 1), True)).decodes
+        got.append(w)
+        seq.steps_without_draft = 0 if w else seq.steps_without_draft + 1  # what the engine's commit does
+    every = cfg.budget.probe_every
+    assert got == ([()] * (every - 1) + [(2,)]) * 2
