@@ -97,7 +97,9 @@ for stage in "$@"; do
       timeout 45 python bench/load.py --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
         --concurrency 1,16,64 --requests 64 --max-tokens 64 --arm 'off={"enabled": false}' \
         --out "$OUT/load_gpu_off_only" 2>&1 | tail -4
-      kill $server; wait $server 2>/dev/null ;;
+      kill $server; wait $server 2>/dev/null
+      python bench/load_merge.py --mixed "$OUT/load_gpu_low.json" "$OUT/load_gpu_high.json" \
+        --off-only "$OUT/load_gpu_off_only.json" --stats "$OUT/load_stats.json" --out "$OUT/load_gpu" 2>&1 | tail -5 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
