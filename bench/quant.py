@@ -40,7 +40,7 @@ from draft.model_drafter import ModelDrafter
 from draft.ngram import NgramDrafter
 from draft.params import SpeculationParams
 from gateway.engine import Engine, EngineConfig
-from gateway.llm import LLM, Loaded, LoadConfig, resolve_model_path
+from gateway.llm import LLM, Loaded, LoadConfig, resolve_model_path, target_checkpoint
 from quality import greedy, logits_over, perplexity_ids, windowed_log_probs, windows
 from target.gptq import quantize_gptq, sample_calibration
 from target.loader import LoadedCheckpoint, load_checkpoint
@@ -51,7 +51,7 @@ from verify.sampling import SamplingParams
 HERE = Path(__file__).resolve().parent
 MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
 TREE = (2, 2, 2, 1)
-ARMS = ("dense_fp32", "dense_bf16", "rtn_g128", "gptq_g128", "gptq_g128_act_intzero", "gptq_g128_act",
+ARMS = ("dense_fp32", "dense_bf16", "gguf_q4", "rtn_g128", "gptq_g128", "gptq_g128_act_intzero", "gptq_g128_act",
         "gptq_g128_act_group", "gptq_g128_act_perm", "gptq_g128_act_mse", "gptq_g128_act_group_mse",
         "gptq_g128_act_perm_mse", "gptq_g128_act_mse_damp0.1", "rtn_g64", "gptq_g64_act_mse", "rtn_g32",
         "gptq_g32_act")
@@ -74,8 +74,9 @@ PYDOC_NOTE = ("Perplexity and kl_to_dense here are over {scored} tokens of CPyth
 
 
 def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
-              cache: Path | None) -> tuple[Transformer, float | None]:
-    """``dense_fp32``, ``dense_bf16``, ``rtn_g{G}`` or
+              cache: Path | None, model: str | None = None) -> tuple[Transformer, float | None]:
+    """``dense_fp32``, ``dense_bf16``, ``gguf_q4`` (the GGUF's own Q4_0 / Q4_1 blocks repacked, what the server
+    runs for a GGUF target under --quantize int4; ``model`` is the --model argument), ``rtn_g{G}`` or
     ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}][_calib{S}x{L}]``, and the seconds quantizing took
     (None when ``cache`` already held the arm).
 
@@ -91,6 +92,12 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
         return dense, 0.0
     if name == "dense_bf16":
         return Transformer.from_weights(ck.config, ck.weights, torch.bfloat16), 0.0
+    if name == "gguf_q4":
+        t0 = time.perf_counter()
+        q = target_checkpoint(LoadConfig(model=model, quantize="int4"), torch.float32)
+        if not q.quantized:
+            raise ValueError(f"arm gguf_q4 needs a GGUF target with Q4_0 / Q4_1 blocks; {model} has none")
+        return Transformer.from_weights(q.config, q.weights, quantized=q.quantized), time.perf_counter() - t0
     if cache is not None and (cache / name / "config.json").is_file():
         q = load_checkpoint(cache / name)
         return Transformer.from_weights(q.config, q.weights, quantized=q.quantized), None
@@ -212,7 +219,7 @@ def main() -> None:
             t0 = time.perf_counter()
             calibs[size] = load_calibration(args, dense, ck, *size)
             print(f"calibration: {size[0]} x {size[1]} tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
-        model, build_s = build_arm(arm, dense, ck, calibs.get(size, []), cache)
+        model, build_s = build_arm(arm, dense, ck, calibs.get(size, []), cache, args.model)
         row = {"method": arm, **evaluate(model, ref, text, prompts, args.max_tokens, args.ppl_window, args.ppl_stride),
                "mean_accepted_length": round(accepted_length(model, ck, prompts, args.max_tokens, NgramDrafter()), 4),
                "mean_accepted_length_model_draft": round(

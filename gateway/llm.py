@@ -44,7 +44,7 @@ class LoadConfig:
     # "none", or a draft model's directory / .gguf. A draft model is loaded as drafters "draft" and "hybrid"
     # (its tree plus a prompt-lookup branch for greedy requests); "hybrid" is then the default.
     draft: str = "auto"
-    self_draft_layers: int | None = None  # None = two thirds of the target's layers
+    self_draft_layers: int | None = None  # None = four fifths of the target's layers
     quantize: str = "int4"  # "int4" (RTN), "gptq" (calibrated once, then cached) or "none"; INT4 checkpoints load as is
     group_size: int = 128
     dtype: str | None = None  # None = bfloat16 on CUDA, float32 on CPU
@@ -78,6 +78,18 @@ def resolve_model_path(cfg: LoadConfig) -> Path:
     return default_model_dir(Path(cfg.cache_dir) if cfg.cache_dir else None)
 
 
+def target_checkpoint(cfg: LoadConfig, dtype: torch.dtype) -> LoadedCheckpoint:
+    """The target's checkpoint. Under ``--quantize int4`` a GGUF's Q4_0 / Q4_1 projections are kept as the file
+    holds them (its 32-weight blocks are INT4 groups already) instead of dequantized and re-quantized to our
+    grid: for the embedded model that is its Q4_1 directory (``target.embedded.embedded_int4_dir``)."""
+    if cfg.quantize == "int4" and cfg.model is None:
+        from target.embedded import embedded_int4_dir
+
+        return load_checkpoint(embedded_int4_dir(Path(cfg.cache_dir) if cfg.cache_dir else None), dtype)
+    path = resolve_model_path(cfg)
+    return load_checkpoint(path, dtype, gguf_int4=cfg.quantize == "int4" and path.suffix.lower() == ".gguf")
+
+
 def resolve_draft(cfg: LoadConfig) -> str:
     """``cfg.draft`` with "auto" resolved: the shipped draft only fits the embedded target it was distilled for.
 
@@ -102,7 +114,7 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
     dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     path = resolve_model_path(cfg)
     t0 = time.perf_counter()
-    ckpt = load_checkpoint(path, dtype)
+    ckpt = target_checkpoint(cfg, dtype)
     log(f"loaded {path.name}: {ckpt.config.num_layers} layers, vocab {ckpt.config.vocab_size} "
         f"({time.perf_counter() - t0:.1f}s)")
     tp = cfg.tensor_parallel
@@ -111,9 +123,11 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
     engine_cfg = engine_cfg or EngineConfig()
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
     if tp == 1:
-        # Untrained early exits predict poorly: on SmolLM2 a quarter of the layers accepts ~1.05 tokens per step,
-        # two thirds ~1.3 (bench/results/drafters.json). A distilled draft replaces this default.
-        layers = cfg.self_draft_layers or max(1, (2 * target.num_layers) // 3)
+        # Untrained early exits predict poorly: on SmolLM2 (RTN target) a quarter of the layers accepted ~1.05
+        # tokens per step, two thirds ~1.3 (bench/results/drafters.json). Against the file's own Q4_1 weights two
+        # thirds (20 of 30) kept 1.0-1.12 on four chat prompts and four fifths 1.0-1.71 (CPU, 48 tokens), so the
+        # default is four fifths. A distilled draft replaces this default.
+        layers = cfg.self_draft_layers or max(1, (4 * target.num_layers) // 5)
         drafters["self"] = ModelDrafter("self", target.truncated(layers), engine_cfg.num_blocks, engine_cfg.page_size,
                                         engine_cfg.cuda_graphs, engine_cfg.scheduler.max_model_len)
     default = draft
@@ -153,7 +167,10 @@ def load_target(cfg: LoadConfig, ckpt: LoadedCheckpoint, dtype: torch.dtype, dev
     name = resolve_model_path(cfg).name
     t0 = time.perf_counter()
     if ckpt.quantized:
-        log(f"{name} is an INT4 checkpoint: used as is (--quantize ignored)")
+        groups = sorted({lin.weight.group_size for lin in ckpt.quantized.values()})
+        log(f"{name}: {len(ckpt.quantized)} INT4 projections used as stored (group {'/'.join(map(str, groups))})")
+        if cfg.quantize == "int4":  # a GGUF may mix Q4 blocks with other types: those get our RTN grid
+            target = target.quantize(cfg.group_size)  # (an INT4 projection is left as it is)
     elif cfg.quantize == "int4":
         target = target.quantize(cfg.group_size)
         log(f"quantized to INT4 W4A16, group {cfg.group_size} ({time.perf_counter() - t0:.1f}s)")
@@ -167,7 +184,7 @@ def load_target(cfg: LoadConfig, ckpt: LoadedCheckpoint, dtype: torch.dtype, dev
 def tp_worker_target(cfg: LoadConfig, dtype: torch.dtype) -> Transformer:
     """What each tensor-parallel worker process builds before keeping its shard: the full target, on the CPU.
     Rank 0 has already run GPTQ by then, so the workers read its cached result."""
-    return load_target(cfg, load_checkpoint(resolve_model_path(cfg), dtype), dtype, "cpu", log=lambda _: None)
+    return load_target(cfg, target_checkpoint(cfg, dtype), dtype, "cpu", log=lambda _: None)
 
 
 def _load_draft_model(path: str, target_ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,

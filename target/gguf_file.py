@@ -1,4 +1,12 @@
-"""GGUF -> LoadedCheckpoint: llama.cpp metadata to a HF config dict, tensors dequantized and renamed to HF names."""
+"""GGUF -> LoadedCheckpoint: llama.cpp metadata to a HF config dict, tensors dequantized and renamed to HF names.
+
+``int4=True`` keeps Q4_0 / Q4_1 projection weights quantized instead: each 32-weight block is already the
+INT4 kernel's group (``kernels/int4_matmul.py``), so it is repacked, not re-quantized. Q4_0 stores
+``w = d * (q - 8)`` (our symmetric zero point 8); Q4_1 stores ``w = d * q + m``, which is our
+``(q - z) * d`` with the fractional zero point ``z = -m / d``. Re-quantizing the dequantized file to our
+own RTN grid instead loses what the file's grid had kept: on SmolLM2-135M-Instruct's Q4_1 file, RTN g128
+raises perplexity 32% over the file's own weights (bench/results/quant_pydoc.json).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +21,9 @@ from gguf.quants import dequantize
 from transformers import PreTrainedTokenizerFast
 
 from target.config import ModelConfig
-from target.loader import LoadedCheckpoint, check_dtype, check_no_extra_tensors, select_weights
+from target.loader import LoadedCheckpoint, check_dtype, check_no_extra_tensors, expected_weights, select_weights
+from target.model import Linear
+from target.quant_formats import PROJECTIONS, Unpacked, fuse_parts
 
 # general.architecture -> the HF class whose config.json keys we build
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -41,8 +51,35 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
-    """Dequantize every tensor of a llama/qwen2 GGUF to ``dtype`` and rebuild its tokenizer from the metadata."""
+Q4_BLOCK = 32  # weights per Q4_0 / Q4_1 block
+_Q4_BYTES = {gguf.GGMLQuantizationType.Q4_0: 18, gguf.GGMLQuantizationType.Q4_1: 20}  # fp16 d (, fp16 m), 16 nibble bytes
+
+
+def q4_blocks(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, rows: int, cols: int) -> Unpacked:
+    """A Q4_0 / Q4_1 tensor's raw bytes (``rows`` x ``cols`` weights, row-major) as INT4 codes, scales and zero
+    points with ``w = (code - zero) * scale`` per 32-column group. Byte ``j`` of a block holds weight ``j`` in
+    its low nibble and weight ``j + 16`` in its high nibble (ggml's block_q4_0 / block_q4_1)."""
+    nbytes = _Q4_BYTES[qtype]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // Q4_BLOCK, nbytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, groups]
+    qs = blocks[..., nbytes - 16 :]
+    codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).astype(np.int64)  # [rows, groups, 32]
+    if qtype == gguf.GGMLQuantizationType.Q4_0:
+        zero = np.full_like(d, 8.0)
+    else:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        flat = d == 0  # every weight of the block is m: code 1, zero 0, scale m gives exactly that
+        zero = np.where(flat, 0.0, -m / np.where(flat, 1.0, d)).astype(np.float32)
+        d = np.where(flat, m, d)
+        codes[flat] = 1
+    return Unpacked(torch.from_numpy(codes.reshape(rows, cols)), torch.from_numpy(d.T.copy()),
+                    torch.from_numpy(zero.T.copy()), torch.arange(cols) // Q4_BLOCK)
+
+
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32, int4: bool = False) -> LoadedCheckpoint:
+    """Dequantize every tensor of a llama/qwen2 GGUF to ``dtype`` and rebuild its tokenizer from the metadata.
+    ``int4``: fused projections whose parts are all Q4_0 / Q4_1 come back as INT4 ``quantized`` Linears instead
+    (the blocks repacked as they are, see the module's docstring)."""
     check_dtype(dtype)
     reader = gguf.GGUFReader(str(path))
     meta = _metadata(reader)
@@ -53,19 +90,40 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> LoadedCheckpoin
     if unknown:
         raise ValueError(f"{path}: unexpected GGUF tensor {unknown[0]!r}: this model variant is not supported")
     check_no_extra_tensors(names.values(), config, path)
+    by_hf = {names[t.name]: t for t in reader.tensors}
+    quantized: dict[str, Linear] = {}
+    kept: set[str] = set()  # HF names of the projection weights kept quantized
+    for i in range(config.num_layers if int4 else 0):
+        for fused, parts in PROJECTIONS.items():
+            hf = [f"model.layers.{i}.{part}.weight" for part in parts]
+            if not all(by_hf[n].tensor_type in _Q4_BYTES for n in hf):
+                continue  # an F16 / Q8_0 / K-quant part: the whole projection goes the dense way
+            unpacked = []
+            for n in hf:
+                rows, cols = shapes[by_hf[n].name]
+                u = q4_blocks(by_hf[n].data, by_hf[n].tensor_type, rows, cols)
+                # llama's q/k rows are permuted in the file: undo it on the codes and on each row's groups
+                unpacked.append(Unpacked(_undo_rotary_permute(n, u.codes, config),
+                                         _undo_rotary_permute(n, u.scales.T, config).T.contiguous(),
+                                         _undo_rotary_permute(n, u.zeros.T, config).T.contiguous(), u.g_idx))
+            quantized[f"model.layers.{i}.{fused}"] = fuse_parts(unpacked, fused)
+            kept.update(hf)
     found: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         name = names[tensor.name]
+        if name in kept:
+            continue
         # dequantize gives float32 in torch (row-major) order; copy because the reader's memmap is read-only
         value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
         found[name] = _undo_rotary_permute(name, value, config).to(dtype)
-    weights = select_weights(found, config, path)
+    wanted = {n: shape for n, shape in expected_weights(config).items() if n not in kept}
+    weights = select_weights(found, config, path, wanted)
     chat_template = meta.get("tokenizer.chat_template")
     tokenizer = _gguf_tokenizer(path, meta)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.model_max_length = config.max_position_embeddings  # the GGUF tokenizer otherwise has no limit
-    return LoadedCheckpoint(config, weights, tokenizer, chat_template, str(path))
+    return LoadedCheckpoint(config, weights, tokenizer, chat_template, str(path), quantized)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:

@@ -49,8 +49,9 @@ class LoadedCheckpoint:
     shared_embeddings: bool = False
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedCheckpoint:
-    """Load a local HF model directory or a ``.gguf`` file, with every weight cast to ``dtype`` on the CPU."""
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32, gguf_int4: bool = False) -> LoadedCheckpoint:
+    """Load a local HF model directory or a ``.gguf`` file, with every weight cast to ``dtype`` on the CPU.
+    ``gguf_int4``: a GGUF's Q4_0 / Q4_1 projections stay INT4 (``quantized``), repacked, not dequantized."""
     check_dtype(dtype)
     path = Path(path).expanduser()
     if not path.exists():
@@ -60,7 +61,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Loa
             raise ValueError(f"{path} is a file but not a .gguf: pass a Hugging Face model directory or a .gguf file")
         from target.gguf_file import load_gguf  # the gguf package is only needed for GGUF sources
 
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, int4=gguf_int4)
     return _load_hf_dir(path, dtype)
 
 

@@ -90,7 +90,7 @@ def read_quantized(root: Path, files: dict[str, Path], config: ModelConfig, qcfg
                 quantized[name] = _our_projection(tensors, name, used)
             else:
                 unpacked = [_unpack_part(tensors, f"model.layers.{i}.{p}", method, qcfg, used) for p in parts]
-                quantized[name] = _fuse(unpacked, name)
+                quantized[name] = fuse_parts(unpacked, name)
     return _dense_weights(tensors, config, root, used, dtype), quantized
 
 
@@ -161,7 +161,7 @@ def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
     return by_nibble.view(R, -1, 8)[:, :, list(AWQ_REVERSE_ORDER)].reshape(R, -1)
 
 
-def _fuse(parts: list[Unpacked], name: str) -> Linear:
+def fuse_parts(parts: list[Unpacked], name: str) -> Linear:
     """Concatenate parts along N into one INT4 Linear, making groups contiguous along K when act-ordered."""
     g_idx = parts[0].g_idx
     if any(p.g_idx.shape != g_idx.shape or not torch.equal(p.g_idx, g_idx) for p in parts):

@@ -100,8 +100,11 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_BLOCK[module]}.{kind}"
 
 
-def write_gguf(path: Path, model: PreTrainedModel, arch: str = "llama") -> Path:
-    """What llama.cpp's converter writes for ``model``: F32 tensors, q/k permuted for llama, gpt2 tokenizer."""
+def write_gguf(path: Path, model: PreTrainedModel, arch: str = "llama",
+               quant: dict[str, "gguf.GGMLQuantizationType"] | None = None) -> Path:
+    """What llama.cpp's converter writes for ``model``: F32 tensors, q/k permuted for llama, gpt2 tokenizer.
+    ``quant``: module name (``self_attn.q_proj``, ``mlp.down_proj``, ...) -> the type its weights are stored
+    in, encoded by gguf-py's own quantizer (llama.cpp's reference rounding)."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
@@ -132,7 +135,12 @@ def write_gguf(path: Path, model: PreTrainedModel, arch: str = "llama") -> Path:
             array = llama_cpp_permute(array, cfg.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
             array = llama_cpp_permute(array, cfg.num_key_value_heads)
-        w.add_tensor(gguf_name(hf_name), array)
+        module = hf_name.split(".", 3)[-1].rsplit(".", 1)[0] if hf_name.startswith("model.layers.") else ""
+        qtype = (quant or {}).get(module) if hf_name.endswith(".weight") else None
+        if qtype is None:
+            w.add_tensor(gguf_name(hf_name), array)
+        else:
+            w.add_tensor(gguf_name(hf_name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -161,10 +169,12 @@ def make_hf_dir(tmp_path: Path) -> Callable[..., Path]:
 
 @pytest.fixture
 def make_gguf(tmp_path: Path) -> Callable[..., Path]:
-    """``make_gguf(model, arch="llama", name="tiny.gguf")``: the model as llama.cpp would convert it."""
+    """``make_gguf(model, arch="llama", name="tiny.gguf", quant=None)``: the model as llama.cpp would convert it
+    (``quant``: see ``write_gguf``)."""
 
-    def make(model: PreTrainedModel, arch: str = "llama", name: str = "tiny.gguf") -> Path:
-        return write_gguf(tmp_path / name, model, arch)
+    def make(model: PreTrainedModel, arch: str = "llama", name: str = "tiny.gguf",
+             quant: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+        return write_gguf(tmp_path / name, model, arch, quant)
 
     return make
 

