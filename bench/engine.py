@@ -276,7 +276,9 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
     model = None if model == "embedded" else model
     draft = resolve_draft(LoadConfig(model=model, draft=draft))
     prompts = [json.loads(l)["turns"][0] for l in open(prompts_file)]
-    ecfg = EngineConfig(num_blocks=4096, page_size=16, scheduler=SchedulerConfig(max_running=64, max_waiting=512))
+    # graphs are captured for every batch bucket up to the largest batch timed, no further
+    ecfg = EngineConfig(num_blocks=4096, page_size=16,
+                        scheduler=SchedulerConfig(max_running=max(batches), max_waiting=512))
     llm = LLM.load(LoadConfig(model=model, draft=draft, device="cuda", dtype="bfloat16"), ecfg, log=log)
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()

@@ -12,7 +12,7 @@
 #   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch off and on, 2 runs each
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in two parts) and convert it once
 #   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
-#   bash bench/gpu_run.sh drafts     drafts.json with the new draft
+#   bash bench/gpu_run.sh drafts     drafts.json with the new draft (DRAFT=DIR another draft, ARMS=a,b the drafters)
 #   bash bench/gpu_run.sh feature    train a feature draft (EAGLE-style) for the embedded model into .cache/feature_draft
 #   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
@@ -72,11 +72,12 @@ for stage in "$@"; do
         --lr 6e-4 --top-k 64 --seed 0 --corpus .cache/corpus.json 2>&1 | grep -v "it/s\]$" | tail -12
       cp "$OUT/draft/distill.json" "$OUT/distill_meta.json" 2>/dev/null ;;
     drafts)
-      timeout 200 python bench/drafters.py --sweep --arms draft,ngram,self --prompts 16 --batch 8 --max-tokens 128 \
+      timeout 200 python bench/drafters.py --sweep --arms "${ARMS:-draft,ngram,self}" --prompts 16 --batch 8 --max-tokens 128 \
         --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
-        --draft "$OUT/draft" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts.json" 2>&1 | tail -25 ;;
+        --draft "${DRAFT:-$OUT/draft}" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts.json" 2>&1 | tail -25 ;;
     real)
-      timeout 330 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
+      timeout 330 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" \
+        --batches "${BATCHES:-1,4,16,64}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
     load)  # bench/results/load_gpu.json: this stage, after `model`, within one call of ~160 s
       python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-draft/weights/smollm2-135m-instruct}" \
         --num-blocks 4096 --max-running 64 --max-waiting 512 --capture-graphs --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
