@@ -20,10 +20,9 @@ from draft.hybrid import HybridDrafter
 from draft.feature_drafter import FeatureDrafter
 from draft.model_drafter import ModelDrafter
 from draft.ngram import NgramDrafter
-from draft.params import DEFAULT_TREE, SpeculationParams
+from draft.params import SpeculationParams
 from draft.shipped import embedded_draft
 from gateway.engine import Engine, EngineConfig, RequestOutput
-from gateway.scheduler import SchedulerConfig
 from gateway.sequence import SpecStats
 from target.embedded import default_cache_dir
 from target.gptq import cached_gptq
