@@ -4,7 +4,9 @@ Model: the draft's token at depth ``d`` is accepted, given its parent was, with 
 (the chain model of Leviathan et al. and the depth-wise acceptance of Sequoia). Depth ``d`` then adds
 ``alpha ** d`` expected tokens. A sequence keeps the template's depths whose expected gain is at least
 ``min_gain``; when even depth 1 falls short it decodes plainly, probing one draft token every
-``probe_every`` steps so it returns to speculation when the draft starts agreeing again.
+``probe_every`` steps so it returns to speculation when the draft starts agreeing again. Probes fall on
+every ``probe_every``-th step of the scheduler, for all due sequences at once: a draft level delays the
+whole batch, so probes spread over different steps would put one on nearly every step of a large batch.
 
 Speculation must also pay for its own time. A draft level costs a draft forward whatever it yields,
 and on a small target or a large batch that can exceed what it saves. ``StepCosts`` measures this
@@ -63,12 +65,13 @@ class BudgetConfig:
 
 
 def adaptive_widths(template: tuple[int, ...], alpha: float, steps_without_draft: int,
-                    cfg: BudgetConfig) -> tuple[int, ...]:
-    """The template cut to the depths that pay at this acceptance (or a one-token probe)."""
+                    cfg: BudgetConfig, probe_step: bool = True) -> tuple[int, ...]:
+    """The template cut to the depths that pay at this acceptance (or a one-token probe, on a
+    ``probe_step`` once the sequence has gone ``probe_every`` steps without drafting)."""
     depth = 0
     while depth < len(template) and alpha ** (depth + 1) >= cfg.min_gain:
         depth += 1
-    if depth == 0 and template and steps_without_draft + 1 >= cfg.probe_every:
+    if depth == 0 and template and probe_step and steps_without_draft + 1 >= cfg.probe_every:
         return (1,)
     return template[:depth]
 

@@ -64,6 +64,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.costs = StepCosts(reprobe=config.budget.reprobe)  # the engine reports each decode step's time
+        self.num_schedules = 0  # probes fall on every probe_every-th plan (see gateway/budget.py)
+        self._probe_step = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,6 +88,8 @@ class Scheduler:
 
     def schedule(self, template_of: TemplateOf) -> StepPlan:
         plan = StepPlan([], [], [])
+        self.num_schedules += 1
+        self._probe_step = self.num_schedules % self.config.budget.probe_every == 0
         decoding = [s for s in self.running if not s.is_prefilling]
         asked = [self._widths(s, template_of) for s in decoding]
         widths = self._cap_depth(decoding, asked) if self.config.budget.cost_aware else [w for w, _ in asked]
@@ -120,7 +124,8 @@ class Scheduler:
         """The sequence's widths this step, and whether the budget may cut them further."""
         template, adapt = template_of(seq)
         if adapt:
-            template = adaptive_widths(template, seq.acceptance.alpha, seq.steps_without_draft, self.config.budget)
+            template = adaptive_widths(template, seq.acceptance.alpha, seq.steps_without_draft, self.config.budget,
+                                       self._probe_step)
         # No deeper than the tokens still wanted (a step emits depth + 1) or the context allows.
         depth = min(len(template), seq.remaining_tokens - 1, self.config.max_model_len - seq.num_tokens)
         return template[: max(depth, 0)], adapt
@@ -143,8 +148,9 @@ class Scheduler:
         probe = self.config.budget.probe_every
         for i in cut:
             # A sequence the cap keeps from drafting never updates its acceptance, so a cap set on a low
-            # early estimate would hold for good: every ``probe_every`` plain steps it drafts one level anyway.
-            stale = c == 0 and decoding[i].steps_without_draft + 1 >= probe
+            # early estimate would hold for good: every ``probe_every`` plain steps it drafts one level anyway
+            # (on the scheduler's probe steps, with every other due sequence).
+            stale = c == 0 and self._probe_step and decoding[i].steps_without_draft + 1 >= probe
             widths[i] = widths[i][:1] if stale else widths[i][:c]
         return widths
 

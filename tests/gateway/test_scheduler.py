@@ -189,7 +189,7 @@ def test_measured_step_costs_turn_speculation_down_and_keep_fixed_trees() -> Non
 def test_a_sequence_the_cost_cap_keeps_plain_still_probes() -> None:
     """The cost cap cuts trees whose acceptance is too low to pay for their levels; such a sequence drafts
     nothing, so its acceptance never updates. Every ``probe_every`` plain steps it drafts one level anyway,
-    so it can find its way back when the text turns predictable."""
+    on the scheduler's probe steps, so it can find its way back when the text turns predictable."""
     cfg = SchedulerConfig(max_running=4)
     sched = Scheduler(cfg, BlockPool(64, 4), Clock())
     seq = make_seq(0, 4, 50, 0, 0.0)
@@ -201,10 +201,38 @@ def test_a_sequence_the_cost_cap_keeps_plain_still_probes() -> None:
         s.num_cached += n
     for depth in (1, 1, 0, 0):
         sched.costs.observe(1, depth, 1.0 + 2 * depth, ("draft",))  # a level costs twice a plain step
-    got = []
-    for _ in range(2 * cfg.budget.probe_every):
-        (s, w), = sched.schedule(lambda s: ((2, 2, 1), True)).decodes
-        got.append(w)
-        seq.steps_without_draft = 0 if w else seq.steps_without_draft + 1  # what the engine's commit does
     every = cfg.budget.probe_every
-    assert got == ([()] * (every - 1) + [(2,)]) * 2
+    got = []
+    for _ in range(3 * every):
+        (s, w), = sched.schedule(lambda s: ((2, 2, 1), True)).decodes
+        got.append((sched.num_schedules, w))
+        seq.steps_without_draft = 0 if w else seq.steps_without_draft + 1  # what the engine's commit does
+    probes = [n for n, w in got if w]
+    assert probes and all(n % every == 0 for n in probes)  # only on probe steps
+    assert all(w in ((), (2,)) for _, w in got)  # a probe is one level of the template
+    assert all(b - a >= every for a, b in zip(probes, probes[1:]))  # at most one every probe_every steps
+    assert len(probes) >= 2
+
+
+def test_probes_of_a_batch_fall_on_the_same_steps() -> None:
+    """A draft level delays the whole batch: sequences that fell back at different steps probe together."""
+    cfg = SchedulerConfig(max_running=8)
+    sched = Scheduler(cfg, BlockPool(64, 4), Clock())
+    seqs = [make_seq(i, 4, 80, 0, 0.0) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+        s.acceptance.successes, s.acceptance.trials = 0.5, 10.0  # alpha 0.05: plain decoding by acceptance
+    plan = sched.schedule(lambda s: ((2, 2, 1), True))
+    for s, n in plan.prefills:
+        s.table.ensure(s.num_cached + n)
+        s.num_cached += n
+    for i, s in enumerate(seqs):
+        s.steps_without_draft = 3 * i  # staggered
+    steps_with_a_probe = set()
+    for _ in range(4 * cfg.budget.probe_every):
+        for s, w in sched.schedule(lambda s: ((2, 2, 1), True)).decodes:
+            if w:
+                steps_with_a_probe.add(sched.num_schedules)
+            s.steps_without_draft = 0 if w else s.steps_without_draft + 1
+    assert steps_with_a_probe and all(n % cfg.budget.probe_every == 0 for n in steps_with_a_probe)
+    assert len(steps_with_a_probe) <= 4
