@@ -10,13 +10,13 @@ whole batch, so probes spread over different steps would put one on nearly every
 
 Speculation must also pay for its own time. A draft level costs a draft forward whatever it yields,
 and on a small target or a large batch that can exceed what it saves. ``StepCosts`` measures this
-engine's own step times per (batch bucket, draft depth, drafters in the step) and the scheduler caps the adaptive requests'
-depth at the one that maximises expected tokens per second -- depth 0 (plain decoding) included -- so
-speculation turns itself down where it does not pay, with no operator table. The drafters are part of
-the key because a level's price is theirs: an n-gram level costs a host lookup, a model level a draft
-forward, and one shared figure would price the free drafter out (or the model in). Depths not measured yet,
-or not for ``reprobe`` steps, are tried once; a figure's first observation (graph capture, kernel
-tuning) is dropped.
+engine's own step times per (batch bucket, draft depth, drafters in the step) and the scheduler caps
+the adaptive requests' depth at the one that maximises expected tokens per second -- depth 0 (plain
+decoding) included -- so speculation turns itself down where it does not pay, with no operator table.
+The drafters are part of the key because a level's price is theirs: an n-gram level costs a host
+lookup, a model level a draft forward, and one shared figure would price the free drafter out (or the
+model in). Depths not measured yet, or not for ``reprobe`` steps, are tried once; a figure's first
+observation (graph capture, kernel tuning) is dropped.
 
 The global cap keeps the verified tokens of a step (roots + draft nodes) at the INT4 matmul's knee:
 past it the target's step cost grows with every node (bench/results/int4_matmul.json on the H200: 92 us
