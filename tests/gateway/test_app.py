@@ -125,9 +125,12 @@ def test_stop_string_cuts_text_and_frees_the_request(tokenizer, stream: bool) ->
 
 
 def test_n_choices_are_the_single_requests_of_seed_plus_i(tokenizer) -> None:
-    # a prompt no earlier request (the warm-up) has put in the prefix cache
+    # A prompt no earlier request (the warm-up) has put in the prefix cache. The tree is fixed: a sampled
+    # token's value depends on the draws the tree's verification consumed, and the adaptive budget's trees
+    # follow measured step times and the scheduler's probe steps, which differ between a batch of three and
+    # three requests one after another. Same distribution either way; the same tokens only with the same trees.
     body = CHAT | {"messages": [{"role": "user", "content": "Tell me a story about a hedgehog"}],
-                   "temperature": 1.0, "seed": 11, "max_tokens": 12}
+                   "temperature": 1.0, "seed": 11, "max_tokens": 12, "speculation": {"tree": [2, 1]}}
 
     async def go(client, app):
         pool = app.state.gateway.engine.cache.pool
