@@ -237,10 +237,36 @@ def synthetic(res: dict, verify_only: bool = False, profile: bool = False) -> No
     torch.cuda.empty_cache()
 
 
-def generate_tok_s(llm: LLM, prompts: list[str], sampling: SamplingParams, spec: SpeculationParams) -> tuple[float, float]:
+def first_use_counts(llm: LLM) -> dict[str, int]:
+    """Counters of the work a timed call should not do: eager forwards (a step no graph holds), graphs
+    captured so far (a capture mid-call stalls every stream), INT4 configs tuned so far (each new M bucket
+    tunes once, eagerly). Their change across a timed call says which of these it paid for."""
+    from kernels import int4_matmul_triton
+
+    out = {"int4_configs_tuned": len(int4_matmul_triton._CONFIG_CACHE)}
+    runners = {"target": llm.engine.graphs} | {name: getattr(d, "graphs", None) for name, d in llm.engine.drafters.items()}
+    for name, runner in runners.items():
+        if runner is not None:
+            out[f"{name}_eager"] = runner.eager
+            out[f"{name}_graphs"] = len(runner._graphs)
+    for name, d in llm.engine.drafters.items():
+        loop = getattr(d, "loop", None)
+        if loop is not None and getattr(loop, "_graphs", None) is not None:
+            out[f"{name}_loop_graphs"] = len(loop._graphs)
+    return out
+
+
+def generate_tok_s(llm: LLM, prompts: list[str], sampling: SamplingParams, spec: SpeculationParams,
+                   counts: dict | None = None) -> tuple[float, float]:
+    """Tokens per second and mean accepted length of one ``generate``; ``counts`` (if given) receives the
+    change of ``first_use_counts`` across it (zero counters left out)."""
+    before = first_use_counts(llm) if counts is not None else {}
     t0 = time.perf_counter()
     gens = llm.generate(prompts, sampling, spec)
     secs = time.perf_counter() - t0
+    if counts is not None:
+        after = first_use_counts(llm)
+        counts.update({k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)})
     steps = sum(g.stats.steps for g in gens)
     acc = sum(g.stats.accepted_tokens for g in gens)
     return sum(len(g.token_ids) for g in gens) / secs, (acc + steps) / max(steps, 1)
@@ -295,15 +321,17 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
         # The timed prompts' own prefill, untimed: every arm then finds them in the prefix cache alike. Without
         # it the first timed arm alone paid their prefill, and the INT4 kernels' first-use tuning at its new M.
         llm.generate(ps, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), SpeculationParams(enabled=False))
-        on, mal = generate_tok_s(llm, ps, greedy, SpeculationParams())
-        off, _ = generate_tok_s(llm, ps, greedy, SpeculationParams(enabled=False))
+        first_use: dict[str, dict] = {"on": {}, "off": {}}
+        on, mal = generate_tok_s(llm, ps, greedy, SpeculationParams(), first_use["on"])
+        off, _ = generate_tok_s(llm, ps, greedy, SpeculationParams(enabled=False), first_use["off"])
         row = {"batch": b, "spec_tok_s": round(on, 1), "nospec_tok_s": round(off, 1),
                "speedup": round(on / off, 3), "mean_accepted_length": round(mal, 3),
-               "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}}
+               "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}, "first_use": first_use}
         for name in [a for a in arms if a in llm.engine.drafters]:
             spec = SpeculationParams(drafter=name)
             llm.generate(warm, warm_sampling, spec)
-            tok_s, arm_mal = generate_tok_s(llm, ps, greedy, spec)
+            first_use[name] = {}
+            tok_s, arm_mal = generate_tok_s(llm, ps, greedy, spec, first_use[name])
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),
                                          "mean_accepted_length": round(arm_mal, 3)}
         rows.append(row)
