@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from draft.dense_lm import DenseLM, teacher_from_checkpoint  # noqa: E402
 from gateway.llm import LoadConfig, resolve_model_path  # noqa: E402
-from target.loader import FEATURE_DRAFT_KEY, attach_shared_embeddings, load_checkpoint  # noqa: E402
+from provenance import commit  # noqa: E402
+from target.loader import attach_shared_embeddings, load_checkpoint  # noqa: E402
 
 MT_BENCH = ROOT / ".cache" / "mt_bench.jsonl"
 
@@ -36,11 +35,7 @@ MT_BENCH = ROOT / ".cache" / "mt_bench.jsonl"
 def load_draft(path: str, target) -> DenseLM:
     ck = load_checkpoint(path, torch.float32)
     attach_shared_embeddings(ck, target)
-    feature = bool(json.loads((Path(path) / "config.json").read_text()).get(FEATURE_DRAFT_KEY))
-    head = None if ck.config.tie_word_embeddings else ck.weights["lm_head.weight"]
-    model = DenseLM(ck.config, ck.weights["model.embed_tokens.weight"], head, feature)
-    model.load_hf({k: v for k, v in ck.weights.items() if k not in ("model.embed_tokens.weight", "lm_head.weight")})
-    return model.requires_grad_(False).eval()
+    return teacher_from_checkpoint(ck.config, ck.weights)
 
 
 @torch.no_grad()
@@ -105,9 +100,7 @@ def main() -> None:
         rows.append({"draft": path, "layers": draft.config.num_layers, "feature": draft.feature,
                      **agreement(draft, teacher, texts)})
         print(rows[-1], flush=True)
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                                              capture_output=True, text=True).stdout.strip()
-    report = {"date": datetime.date.today().isoformat(), "commit": commit, "device": args.device,
+    report = {"date": datetime.date.today().isoformat(), "commit": commit(), "device": args.device,
               "target": Path(target.source).name, "prompts": len(prompts), "new_tokens": args.new_tokens,
               "rows": rows}
     if args.out:

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+import provenance
 from draft.params import SpeculationParams
 from gateway.budget import BudgetConfig
 from gateway.engine import EngineConfig
@@ -85,8 +84,7 @@ def main() -> None:
     base = rows[0]["tokens_per_s"]
     for r in rows:
         r["speedup_vs_first_arm"] = round(r["tokens_per_s"] / base, 3)
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                              capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     dev = "cuda " + torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
     Path(args.out).write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "device": dev, "commit": commit, "quantize": args.quantize,
@@ -158,8 +156,7 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
                 if getattr(drafter, "lookup_first", False):  # request-steps the model sat out
                     rows[-1]["lookup_only_share"] = round((drafter.lookup_only - lookup_only) / steps, 4)
                 print(rows[-1], flush=True)
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                              capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     dev = "cuda " + torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
     Path(args.out).write_text(json.dumps({
         "device": dev, "date": datetime.date.today().isoformat(), "dtype": args.dtype, "draft": Path(args.draft).name,

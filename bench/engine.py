@@ -20,8 +20,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import provenance  # noqa: E402  (bench/, this script's own folder)
 from bench.kernels.bench_int4_matmul import copy_tbps  # noqa: E402  (the same probe as the kernel bench)
 from draft.params import SpeculationParams  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
@@ -435,9 +434,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.plot_only:
         return plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
-    # BENCH_COMMIT: the device's copy of .git can be stale, so the caller names the tree it sent
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                              capture_output=True, text=True, cwd=HERE).stdout.strip()
+    commit = provenance.commit()
     res: dict = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
                  "torch": torch.__version__, "copy_tbps": round(copy_tbps(), 3)}
     if args.synthetic:

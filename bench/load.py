@@ -24,12 +24,13 @@ import math
 import os
 import platform
 import random
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+import provenance
 
 HERE = Path(__file__).resolve().parent
 MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
@@ -159,13 +160,7 @@ def parse_arms(specs: list[str]) -> dict[str, dict]:
 
 
 def git_commit() -> str:
-    if os.environ.get("BENCH_COMMIT"):  # the caller names the tree it sent (a device's copy of .git can be stale)
-        return os.environ["BENCH_COMMIT"]
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=HERE, capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+    return provenance.commit(describe=True)
 
 
 async def bench(args: argparse.Namespace) -> dict:

@@ -104,9 +104,10 @@ class DenseLM(nn.Module):
 
 
 def teacher_from_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor]) -> DenseLM:
-    """The whole target as a frozen ``DenseLM`` (float32)."""
+    """The whole checkpoint as a frozen ``DenseLM`` (float32): the target as a teacher, or a saved draft
+    (a feature draft when ``weights`` hold ``fc.weight``) with the target's embedding attached."""
     head = None if config.tie_word_embeddings else weights.get(HEAD)
-    model = DenseLM(config, weights[EMBED].float(), None if head is None else head.float())
+    model = DenseLM(config, weights[EMBED].float(), None if head is None else head.float(), FC_NAME in weights)
     model.load_hf({k: v.float() for k, v in weights.items() if k not in (EMBED, HEAD)})
     return model.requires_grad_(False).eval()
 

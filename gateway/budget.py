@@ -64,6 +64,17 @@ class BudgetConfig:
             raise ValueError(f"min_gain must be in [0, 1], got {self.min_gain}")
 
 
+def probe_due(steps_without_draft: int, probe_step: bool, cfg: BudgetConfig) -> bool:
+    """Whether a sequence decoding plainly drafts one level now: on a scheduler probe step, once it has gone
+    ``probe_every`` steps without drafting."""
+    return probe_step and steps_without_draft + 1 >= cfg.probe_every
+
+
+def drafter_set(names) -> tuple[str, ...]:
+    """``StepCosts``' drafters key: the distinct drafter names given, sorted (None dropped)."""
+    return tuple(sorted({n for n in names if n}))
+
+
 def adaptive_widths(template: tuple[int, ...], alpha: float, steps_without_draft: int,
                     cfg: BudgetConfig, probe_step: bool = True) -> tuple[int, ...]:
     """The template cut to the depths that pay at this acceptance (or a one-token probe, on a
@@ -71,7 +82,7 @@ def adaptive_widths(template: tuple[int, ...], alpha: float, steps_without_draft
     depth = 0
     while depth < len(template) and alpha ** (depth + 1) >= cfg.min_gain:
         depth += 1
-    if depth == 0 and template and probe_step and steps_without_draft + 1 >= cfg.probe_every:
+    if depth == 0 and template and probe_due(steps_without_draft, probe_step, cfg):
         return (1,)
     return template[:depth]
 

@@ -23,6 +23,7 @@ import torch
 from draft.base import DraftRequest, Drafter
 from draft.params import SpeculationParams
 from draft.tree import MAX_TREE_NODES, TokenTree
+from gateway.budget import drafter_set
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import Sequence, SpecStats, Status
 from target.batch import Segment, build_batch
@@ -184,7 +185,7 @@ class Engine:
             return [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
         if not plan.prefills:  # the acceptance's host copy ended the step: this is its full time
             depth = max(len(w) for _, w in plan.decodes)
-            kinds = tuple(sorted({s.drafter for s, w in plan.decodes if w and s.drafter}))
+            kinds = drafter_set(s.drafter for s, w in plan.decodes if w)
             self.scheduler.costs.observe(len(plan.decodes), depth, time.perf_counter() - t0, kinds)
         self.num_steps += 1
         return ended + outputs

@@ -77,6 +77,15 @@ def resolve_model_path(cfg: LoadConfig) -> Path:
     return default_model_dir(Path(cfg.cache_dir) if cfg.cache_dir else None)
 
 
+def model_name(cfg: LoadConfig) -> str:
+    """The target's name for logs and responses, without fetching or converting anything."""
+    if cfg.model is not None:
+        return Path(cfg.model).expanduser().name
+    from target.embedded import MODEL_DIR_NAME
+
+    return MODEL_DIR_NAME
+
+
 def target_checkpoint(cfg: LoadConfig, dtype: torch.dtype) -> LoadedCheckpoint:
     """The target's checkpoint. Under ``--quantize int4`` a GGUF's Q4_0 / Q4_1 projections are kept as the file
     holds them (its 32-weight blocks are INT4 groups already) instead of dequantized and re-quantized to our
@@ -111,10 +120,10 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
         raise ValueError(f"unknown drafter {draft!r}: use auto, self, ngram, none, or a draft model directory / .gguf")
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    path = resolve_model_path(cfg)
+    name = model_name(cfg)
     t0 = time.perf_counter()
     ckpt = target_checkpoint(cfg, dtype)
-    log(f"loaded {path.name}: {ckpt.config.num_layers} layers, vocab {ckpt.config.vocab_size} "
+    log(f"loaded {name}: {ckpt.config.num_layers} layers, vocab {ckpt.config.vocab_size} "
         f"({time.perf_counter() - t0:.1f}s)")
     tp = cfg.tensor_parallel
     # Under tensor parallelism the full target is only a source of shards: keep it off the GPU.
@@ -140,8 +149,8 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
         default = "hybrid"
     engine_cfg = replace(engine_cfg, default_drafter=None if default == "none" else default)
     if tp == 1:
-        return Loaded(Engine(target, drafters, engine_cfg), ckpt, path.name)
-    return Loaded(_tensor_parallel_engine(cfg, dtype, device, target, drafters, engine_cfg, log), ckpt, path.name)
+        return Loaded(Engine(target, drafters, engine_cfg), ckpt, name)
+    return Loaded(_tensor_parallel_engine(cfg, dtype, device, target, drafters, engine_cfg, log), ckpt, name)
 
 
 def _tensor_parallel_engine(cfg: LoadConfig, dtype: torch.dtype, device: torch.device, full: Transformer,
@@ -163,7 +172,7 @@ def load_target(cfg: LoadConfig, ckpt: LoadedCheckpoint, dtype: torch.dtype, dev
                 log=print) -> Transformer:
     """The full target on ``device``, quantized as ``cfg`` asks (INT4 checkpoints as they are)."""
     target = Transformer.from_weights(ckpt.config, ckpt.weights, dtype, device, ckpt.quantized)
-    name = resolve_model_path(cfg).name
+    name = model_name(cfg)
     t0 = time.perf_counter()
     if ckpt.quantized:
         groups = sorted({lin.weight.group_size for lin in ckpt.quantized.values()})

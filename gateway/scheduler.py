@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gateway.budget import BudgetConfig, StepCosts, adaptive_widths, cap_total, expected_tokens
+from gateway.budget import (BudgetConfig, StepCosts, adaptive_widths, cap_total, drafter_set, expected_tokens,
+                            probe_due)
 from gateway.sequence import Sequence, Status
 from target.blocks import BlockPool, BlockTable
 
@@ -143,14 +144,13 @@ class Scheduler:
         alphas = [s.acceptance.alpha for s in decoding]
         fixed = sum(expected_tokens(alphas[i], len(w)) for i, w in enumerate(widths) if i not in set(cut))
         gains = [fixed + sum(expected_tokens(alphas[i], min(c, len(widths[i]))) for i in cut) for c in range(top + 1)]
-        kinds = tuple(sorted({decoding[i].drafter for i, (w, _) in enumerate(asked) if w and decoding[i].drafter}))
+        kinds = drafter_set(s.drafter for s, (w, _) in zip(decoding, asked) if w)
         c = self.costs.best_depth(len(decoding), gains, floor, kinds)
-        probe = self.config.budget.probe_every
         for i in cut:
             # A sequence the cap keeps from drafting never updates its acceptance, so a cap set on a low
             # early estimate would hold for good: every ``probe_every`` plain steps it drafts one level anyway
             # (on the scheduler's probe steps, with every other due sequence).
-            stale = c == 0 and self._probe_step and decoding[i].steps_without_draft + 1 >= probe
+            stale = c == 0 and probe_due(decoding[i].steps_without_draft, self._probe_step, self.config.budget)
             widths[i] = widths[i][:1] if stale else widths[i][:c]
         return widths
 
