@@ -258,14 +258,33 @@ def first_use_counts(llm: LLM) -> dict[str, int]:
 def generate_tok_s(llm: LLM, prompts: list[str], sampling: SamplingParams, spec: SpeculationParams,
                    counts: dict | None = None) -> tuple[float, float]:
     """Tokens per second and mean accepted length of one ``generate``; ``counts`` (if given) receives the
-    change of ``first_use_counts`` across it (zero counters left out)."""
+    change of ``first_use_counts`` across it (zero counters left out), and ``steps_by_depth``: for each
+    draft depth the decode-only steps took, [steps, mean ms per step]."""
     before = first_use_counts(llm) if counts is not None else {}
-    t0 = time.perf_counter()
-    gens = llm.generate(prompts, sampling, spec)
-    secs = time.perf_counter() - t0
+    sched = llm.engine.scheduler
+    costs = sched.costs
+    by_depth: dict[int, list[float]] = {}  # decode-only steps of the call: draft depth -> step seconds
+
+    class Recording:  # StepCosts (slots: no attribute to patch), recording what the engine observes
+        def __getattr__(self, name):
+            return getattr(costs, name)
+
+        def observe(self, batch, depth, seconds, drafters=()):
+            by_depth.setdefault(depth, []).append(seconds)
+            costs.observe(batch, depth, seconds, drafters)
+
+    sched.costs = Recording()
+    try:
+        t0 = time.perf_counter()
+        gens = llm.generate(prompts, sampling, spec)
+        secs = time.perf_counter() - t0
+    finally:
+        sched.costs = costs
     if counts is not None:
         after = first_use_counts(llm)
         counts.update({k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)})
+        # where the call's time went: steps and mean step time per draft depth
+        counts["steps_by_depth"] = {str(d): [len(v), round(1e3 * sum(v) / len(v), 3)] for d, v in sorted(by_depth.items())}
     steps = sum(g.stats.steps for g in gens)
     acc = sum(g.stats.accepted_tokens for g in gens)
     return sum(len(g.token_ids) for g in gens) / secs, (acc + steps) / max(steps, 1)

@@ -10,6 +10,8 @@ acceptance ``commit`` compacts the accepted nodes exactly as the target does.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from draft.base import DraftRequest, TreeBuilder, expand_all
@@ -69,6 +71,7 @@ class ModelDrafter:
         return trees  # type: ignore[return-value]
 
     def _grow(self, reqs: list[DraftRequest]) -> list[TokenTree]:
+        self._feed_backlog(reqs)
         segs = []
         for r in reqs:
             table = self._tables.setdefault(r.seq_id, self.cache.new_table())
@@ -104,6 +107,31 @@ class ModelDrafter:
             for i, tree in zip(rest, built):
                 trees[i] = tree
         return trees  # type: ignore[return-value]
+
+    def _feed_backlog(self, reqs: list[DraftRequest]) -> None:
+        """Feed the uncached tokens of sequences that lag by more than ``CATCH_UP_NODES`` in pieces of at most
+        that many, until each has at most ``CATCH_UP_NODES`` left for the catch-up proper.
+
+        A sequence lags while it does not draft with this model: plain steps (the budget turned speculation
+        down), and steps a prompt lookup drafted alone (``HybridDrafter``). One long catch-up segment runs
+        eagerly, at a new shape; a batch of sixteen sequences then nearly always holds one, and every step
+        paid an eager draft forward. Pieces replay the catch-up graphs instead. A first prefill (nothing
+        cached yet) is still fed whole: one eager forward, once per sequence."""
+        while True:
+            pieces, segs = [], []
+            for r in reqs:
+                start = self._cached.get(r.seq_id, 0)
+                left = len(r.token_ids) - start
+                if start == 0 or left <= CATCH_UP_NODES:
+                    continue
+                n = min(CATCH_UP_NODES, left - CATCH_UP_NODES)
+                pieces.append(replace(r, token_ids=r.token_ids[: start + n]))
+                segs.append(Segment(self._tables[r.seq_id], start, r.token_ids[start : start + n], logits="last"))
+            if not pieces:
+                return
+            self._catch_up(pieces, segs)
+            for r in pieces:
+                self._cached[r.seq_id] = len(r.token_ids)
 
     def _catch_up(self, reqs: list[DraftRequest], segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed each sequence's uncached tokens; the roots' logits ``[B, V]``, and whatever else the tree
