@@ -76,7 +76,7 @@ for stage in "$@"; do
         --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
         --draft "${DRAFT:-$OUT/draft}" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts.json" 2>&1 | tail -25 ;;
     real)
-      timeout 330 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" \
+      timeout 560 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" \
         --batches "${BATCHES:-1,4,16,64}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
     load)  # bench/results/load_gpu.json: this stage, after `model`, within one call of ~160 s
       python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-draft/weights/smollm2-135m-instruct}" \
