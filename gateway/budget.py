@@ -25,6 +25,7 @@ per layer at M=16, 116 at 32, 192 at 64), so the marginal node costs more than i
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 
@@ -89,20 +90,24 @@ def adaptive_widths(template: tuple[int, ...], alpha: float, steps_without_draft
 
 def cap_total(widths: list[tuple[int, ...]], alphas: list[float], cap: int) -> list[tuple[int, ...]]:
     """Trim trees until ``sum(1 + nodes) <= cap``: the deepest level of the least promising tree first
-    (lowest ``alpha ** depth``, the expected gain of that level). Roots are never cut."""
+    (lowest ``alpha ** depth``, the expected gain of that level; the first such tree on ties). Roots are
+    never cut. A heap of the live trees: a large batch trims hundreds of levels a step, and a scan of
+    every tree per level cost a millisecond of host time per step at batch 64."""
     out = [list(w) for w in widths]
     total = sum(1 + sum(w) for w in out)
-    while total > cap:
-        live = [i for i, w in enumerate(out) if w]
-        if not live:
-            break
-        i = min(live, key=lambda i: alphas[i] ** len(out[i]))
+    heap = [(alphas[i] ** len(w), i) for i, w in enumerate(out) if w]
+    heapq.heapify(heap)
+    while total > cap and heap:
+        _, i = heapq.heappop(heap)
+        w = out[i]
         excess = total - cap
-        if out[i][-1] > excess:  # narrowing the last level is enough
-            out[i][-1] -= excess
+        if w[-1] > excess:  # narrowing the last level is enough
+            w[-1] -= excess
             total -= excess
-        else:
-            total -= out[i].pop()
+            break
+        total -= w.pop()
+        if w:
+            heapq.heappush(heap, (alphas[i] ** len(w), i))
     return [tuple(w) for w in out]
 
 

@@ -92,10 +92,13 @@ class Scheduler:
         self.num_schedules += 1
         self._probe_step = self.num_schedules % self.config.budget.probe_every == 0
         decoding = [s for s in self.running if not s.is_prefilling]
-        asked = [self._widths(s, template_of) for s in decoding]
-        widths = self._cap_depth(decoding, asked) if self.config.budget.cost_aware else [w for w, _ in asked]
         cap = self.config.budget.max_verify_tokens
-        widths = cap_total(widths, [s.acceptance.alpha for s in decoding], max(cap, len(decoding)))
+        if len(decoding) >= cap:  # the roots alone fill the verify cap: every tree would be cut away
+            widths = [()] * len(decoding)
+        else:
+            asked = [self._widths(s, template_of) for s in decoding]
+            widths = self._cap_depth(decoding, asked) if self.config.budget.cost_aware else [w for w, _ in asked]
+            widths = cap_total(widths, [s.acceptance.alpha for s in decoding], cap)
         budget = self.config.max_step_tokens
         reserved = 0  # blocks this plan will allocate
         for seq, w in zip(decoding, widths):
@@ -142,8 +145,19 @@ class Scheduler:
         if top <= floor:
             return widths
         alphas = [s.acceptance.alpha for s in decoding]
-        fixed = sum(expected_tokens(alphas[i], len(w)) for i, w in enumerate(widths) if i not in set(cut))
-        gains = [fixed + sum(expected_tokens(alphas[i], min(c, len(widths[i]))) for i in cut) for c in range(top + 1)]
+        adaptive = set(cut)
+        fixed = sum(expected_tokens(alphas[i], len(w)) for i, w in enumerate(widths) if i not in adaptive)
+        # gains[c]: the step's expected tokens with the adaptive trees cut to depth c. Per tree, one running
+        # sum of alpha ** d: this runs every step over the whole batch.
+        gains = [fixed] * (top + 1)
+        for i in cut:
+            a, term, tokens = alphas[i], 1.0, 1.0
+            depth = len(widths[i])
+            for c in range(top + 1):
+                gains[c] += tokens
+                if c < depth:
+                    term *= a
+                    tokens += term
         kinds = drafter_set(s.drafter for s, (w, _) in zip(decoding, asked) if w)
         c = self.costs.best_depth(len(decoding), gains, floor, kinds)
         for i in cut:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from gateway.budget import (AcceptanceEMA, BudgetConfig, StepCosts, adaptive_widths, batch_bucket, cap_total,
@@ -100,3 +102,31 @@ def test_step_costs_price_each_drafters_levels_apart() -> None:
         costs.observe(1, 1, {"draft": 2.5, "ngram": 1.05}[kinds[0]], kinds)
     assert costs.best_depth(1, gains, drafters=("draft",)) == 0  # 1.0 / 1.0 beats 1.4 / 2.5 and 1.6 / 4.0
     assert costs.best_depth(1, gains, drafters=("ngram",)) == 2  # 1.6 / 1.1 beats 1.4 / 1.05 and 1.0 / 1.0
+
+
+def _cap_total_by_scan(widths, alphas, cap):
+    """cap_total as first written: a scan of every live tree per trimmed level (the reference)."""
+    out = [list(w) for w in widths]
+    total = sum(1 + sum(w) for w in out)
+    while total > cap:
+        live = [i for i, w in enumerate(out) if w]
+        if not live:
+            break
+        i = min(live, key=lambda i: alphas[i] ** len(out[i]))
+        excess = total - cap
+        if out[i][-1] > excess:
+            out[i][-1] -= excess
+            total -= excess
+        else:
+            total -= out[i].pop()
+    return [tuple(w) for w in out]
+
+
+def test_cap_total_trims_as_a_scan_of_every_tree_would() -> None:
+    rng = random.Random(0)
+    for _ in range(500):
+        n = rng.randint(1, 40)
+        widths = [tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 5))) for _ in range(n)]
+        alphas = [rng.choice([0.0, 0.25, 0.5, 1.0, rng.random()]) for _ in range(n)]  # ties included
+        cap = rng.randint(n, n + 3 * sum(map(sum, widths)) // 2 + 1)
+        assert cap_total(widths, alphas, cap) == _cap_total_by_scan(widths, alphas, cap)
