@@ -3,10 +3,11 @@
 Model: the draft's token at depth ``d`` is accepted, given its parent was, with probability ``alpha``
 (the chain model of Leviathan et al. and the depth-wise acceptance of Sequoia). Depth ``d`` then adds
 ``alpha ** d`` expected tokens. A sequence keeps the template's depths whose expected gain is at least
-``min_gain``; when even depth 1 falls short it decodes plainly, probing one draft token every
-``probe_every`` steps so it returns to speculation when the draft starts agreeing again. Probes fall on
-every ``probe_every``-th step of the scheduler, for all due sequences at once: a draft level delays the
-whole batch, so probes spread over different steps would put one on nearly every step of a large batch.
+``min_gain``; when even depth 1 falls short it decodes plainly, probing one draft token now and then so
+it returns to speculation when the draft starts agreeing again. Probes fall on every ``interval``-th step
+of the scheduler, for all due sequences at once: a draft level delays the whole batch, so probes spread
+over different steps would put one on nearly every step of a large batch. The interval starts at
+``probe_every`` and grows with what a probe costs here (``probe_interval``).
 
 Speculation must also pay for its own time. A draft level costs a draft forward whatever it yields,
 and on a small target or a large batch that can exceed what it saves. ``StepCosts`` measures this
@@ -54,7 +55,9 @@ class AcceptanceEMA:
 class BudgetConfig:
     max_verify_tokens: int = 64  # roots + draft nodes verified per step, over the whole batch
     min_gain: float = 0.2  # keep depth d while alpha ** d >= min_gain
-    probe_every: int = 8  # plain-decode steps between one-token probes
+    probe_every: int = 8  # plain-decode steps between one-level probes, at the least
+    probe_overhead: float = 0.03  # probes may cost plain decoding this share of its time (see probe_interval)
+    max_probe_every: int = 128  # the longest interval between probes, however dear they are
     cost_aware: bool = True  # cap draft depth by measured step time (StepCosts); False: acceptance alone
     reprobe: int = 256  # steps after which a depth's step time is measured again
 
@@ -63,12 +66,33 @@ class BudgetConfig:
             raise ValueError(f"max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
         if not 0 <= self.min_gain <= 1:
             raise ValueError(f"min_gain must be in [0, 1], got {self.min_gain}")
+        if not 1 <= self.probe_every <= self.max_probe_every:
+            raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {self.probe_every} and "
+                             f"{self.max_probe_every}")
+        if self.probe_overhead <= 0:
+            raise ValueError(f"probe_overhead must be > 0, got {self.probe_overhead}")
 
 
-def probe_due(steps_without_draft: int, probe_step: bool, cfg: BudgetConfig) -> bool:
-    """Whether a sequence decoding plainly drafts one level now: on a scheduler probe step, once it has gone
-    ``probe_every`` steps without drafting."""
-    return probe_step and steps_without_draft + 1 >= cfg.probe_every
+def probe_interval(plain_s: float | None, probe_s: float | None, cfg: BudgetConfig) -> int:
+    """Steps between probes, given a plain step's and a one-level step's measured seconds: ``probe_every``
+    doubled until a probe's extra time spread over the interval is at most ``probe_overhead`` of a plain
+    step (or ``max_probe_every`` is reached). A probe that mostly fails is pure cost: on the H200 a model
+    draft's one-level step took 2.5x a plain step of SmolLM2 at batch 1, and a probe every 8 steps cost
+    the default arm 12% (bench/results/engine_real.json). Unmeasured: ``probe_every``. Doubling keeps
+    every interval a multiple of the shorter ones, so probe steps of different drafters coincide."""
+    k = cfg.probe_every
+    if plain_s is None or probe_s is None or plain_s <= 0:
+        return k
+    extra = max(probe_s / plain_s - 1.0, 0.0)
+    while k < cfg.max_probe_every and extra / k > cfg.probe_overhead:
+        k *= 2
+    return min(k, cfg.max_probe_every)
+
+
+def probe_due(steps_without_draft: int, step: int, interval: int) -> bool:
+    """Whether a sequence decoding plainly drafts one level at scheduler step ``step``: on the steps that
+    are multiples of its probe ``interval``, once it has gone that many steps without drafting."""
+    return step % interval == 0 and steps_without_draft + 1 >= interval
 
 
 def drafter_set(names) -> tuple[str, ...]:
@@ -76,14 +100,13 @@ def drafter_set(names) -> tuple[str, ...]:
     return tuple(sorted({n for n in names if n}))
 
 
-def adaptive_widths(template: tuple[int, ...], alpha: float, steps_without_draft: int,
-                    cfg: BudgetConfig, probe_step: bool = True) -> tuple[int, ...]:
-    """The template cut to the depths that pay at this acceptance (or a one-token probe, on a
-    ``probe_step`` once the sequence has gone ``probe_every`` steps without drafting)."""
+def adaptive_widths(template: tuple[int, ...], alpha: float, cfg: BudgetConfig, probe: bool = False) -> tuple[int, ...]:
+    """The template cut to the depths that pay at this acceptance, or a one-token probe when none does
+    and ``probe`` (``probe_due``) says one is due."""
     depth = 0
     while depth < len(template) and alpha ** (depth + 1) >= cfg.min_gain:
         depth += 1
-    if depth == 0 and template and probe_due(steps_without_draft, probe_step, cfg):
+    if depth == 0 and template and probe:
         return (1,)
     return template[:depth]
 

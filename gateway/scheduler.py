@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gateway.budget import (BudgetConfig, StepCosts, adaptive_widths, cap_total, drafter_set, expected_tokens,
-                            probe_due)
+                            probe_due, probe_interval)
 from gateway.sequence import Sequence, Status
 from target.blocks import BlockPool, BlockTable
 
@@ -65,8 +65,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.costs = StepCosts(reprobe=config.budget.reprobe)  # the engine reports each decode step's time
-        self.num_schedules = 0  # probes fall on every probe_every-th plan (see gateway/budget.py)
-        self._probe_step = False
+        self.num_schedules = 0  # probes fall on every interval-th plan (see gateway/budget.py)
+        self._intervals: dict[str | None, int] = {}  # this plan's probe interval per drafter
+        self._batch = 0  # this plan's decoding sequences: the batch whose step costs price a probe
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -90,8 +91,9 @@ class Scheduler:
     def schedule(self, template_of: TemplateOf) -> StepPlan:
         plan = StepPlan([], [], [])
         self.num_schedules += 1
-        self._probe_step = self.num_schedules % self.config.budget.probe_every == 0
+        self._intervals.clear()
         decoding = [s for s in self.running if not s.is_prefilling]
+        self._batch = len(decoding)
         cap = self.config.budget.max_verify_tokens
         if len(decoding) >= cap:  # the roots alone fill the verify cap: every tree would be cut away
             widths = [()] * len(decoding)
@@ -128,8 +130,7 @@ class Scheduler:
         """The sequence's widths this step, and whether the budget may cut them further."""
         template, adapt = template_of(seq)
         if adapt:
-            template = adaptive_widths(template, seq.acceptance.alpha, seq.steps_without_draft, self.config.budget,
-                                       self._probe_step)
+            template = adaptive_widths(template, seq.acceptance.alpha, self.config.budget, self._probe_due(seq))
         # No deeper than the tokens still wanted (a step emits depth + 1) or the context allows.
         depth = min(len(template), seq.remaining_tokens - 1, self.config.max_model_len - seq.num_tokens)
         return template[: max(depth, 0)], adapt
@@ -162,11 +163,22 @@ class Scheduler:
         c = self.costs.best_depth(len(decoding), gains, floor, kinds)
         for i in cut:
             # A sequence the cap keeps from drafting never updates its acceptance, so a cap set on a low
-            # early estimate would hold for good: every ``probe_every`` plain steps it drafts one level anyway
-            # (on the scheduler's probe steps, with every other due sequence).
-            stale = c == 0 and probe_due(decoding[i].steps_without_draft, self._probe_step, self.config.budget)
+            # early estimate would hold for good: every probe interval it drafts one level anyway (on the
+            # scheduler's probe steps, with every other due sequence).
+            stale = c == 0 and self._probe_due(decoding[i])
             widths[i] = widths[i][:1] if stale else widths[i][:c]
         return widths
+
+    def _probe_due(self, seq: Sequence) -> bool:
+        """Whether ``seq``, decoding plainly, drafts one level this plan. Its drafter's probe interval is
+        priced from this batch's measured plain and one-level steps (``probe_interval``)."""
+        interval = self._intervals.get(seq.drafter)
+        if interval is None:
+            cfg = self.config.budget
+            plain = self.costs.seconds(self._batch, 0) if cfg.cost_aware else None
+            probe = self.costs.seconds(self._batch, 1, drafter_set([seq.drafter])) if cfg.cost_aware else None
+            interval = self._intervals[seq.drafter] = probe_interval(plain, probe, cfg)
+        return probe_due(seq.steps_without_draft, self.num_schedules, interval)
 
     @staticmethod
     def _fit_budget(widths: tuple[int, ...], budget: int) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gateway.budget import (AcceptanceEMA, BudgetConfig, StepCosts, adaptive_widths, batch_bucket, cap_total,
-                            expected_tokens)
+                            expected_tokens, probe_due, probe_interval)
 
 
 def test_ema_tracks_acceptance() -> None:
@@ -26,15 +26,17 @@ def test_ema_tracks_acceptance() -> None:
 def test_depth_follows_acceptance() -> None:
     cfg = BudgetConfig(min_gain=0.2)
     t = (2, 2, 2, 1)
-    assert adaptive_widths(t, 0.95, 0, cfg) == t  # 0.95^4 = 0.81 >= 0.2
-    assert adaptive_widths(t, 0.6, 0, cfg) == (2, 2, 2)  # 0.6^3 = 0.216, 0.6^4 = 0.13
-    assert adaptive_widths(t, 0.3, 0, cfg) == (2,)
-    assert adaptive_widths(t, 0.1, 0, cfg) == ()  # does not pay: plain decoding
+    assert adaptive_widths(t, 0.95, cfg) == t  # 0.95^4 = 0.81 >= 0.2
+    assert adaptive_widths(t, 0.6, cfg) == (2, 2, 2)  # 0.6^3 = 0.216, 0.6^4 = 0.13
+    assert adaptive_widths(t, 0.3, cfg) == (2,)
+    assert adaptive_widths(t, 0.1, cfg) == ()  # does not pay: plain decoding
 
 
 def test_plain_decoding_probes_periodically() -> None:
     cfg = BudgetConfig(min_gain=0.2, probe_every=4)
-    assert [adaptive_widths((2, 2), 0.05, k, cfg) for k in range(5)] == [(), (), (), (1,), (1,)]
+    assert [adaptive_widths((2, 2), 0.05, cfg, probe_due(k, 4, cfg.probe_every)) for k in range(5)] == \
+        [(), (), (), (1,), (1,)]
+    assert adaptive_widths((2, 2), 0.05, cfg, probe_due(10, 6, cfg.probe_every)) == ()  # not a probe step
 
 
 def test_global_cap_trims_least_promising_first() -> None:
@@ -130,3 +132,19 @@ def test_cap_total_trims_as_a_scan_of_every_tree_would() -> None:
         alphas = [rng.choice([0.0, 0.25, 0.5, 1.0, rng.random()]) for _ in range(n)]  # ties included
         cap = rng.randint(n, n + 3 * sum(map(sum, widths)) // 2 + 1)
         assert cap_total(widths, alphas, cap) == _cap_total_by_scan(widths, alphas, cap)
+
+
+def test_probe_interval_grows_with_what_a_probe_costs() -> None:
+    cfg = BudgetConfig(probe_every=8, probe_overhead=0.03, max_probe_every=128)
+    assert probe_interval(None, 2e-3, cfg) == 8  # unmeasured: the base interval
+    assert probe_interval(1e-3, None, cfg) == 8
+    assert probe_interval(1e-3, 1.2e-3, cfg) == 8  # 20% extra over 8 steps: 2.5%
+    assert probe_interval(1e-3, 1.3e-3, cfg) == 16  # 30% / 8 = 3.75% > 3%; / 16 = 1.9%
+    assert probe_interval(1.4e-3, 3.5e-3, cfg) == 64  # the model draft's probe at batch 1 on the H200: 150%
+    assert probe_interval(1e-3, 10e-3, cfg) == 128  # never longer than max_probe_every
+    assert probe_interval(1e-3, 0.5e-3, cfg) == 8  # a probe step measured faster than plain costs nothing
+    for plain, probe in ((1e-3, 1.3e-3), (1e-3, 2.6e-3), (1e-3, 4e-3)):
+        k = probe_interval(plain, probe, cfg)
+        assert (probe / plain - 1) / k <= 0.03 and k % cfg.probe_every == 0
+    with pytest.raises(ValueError, match="probe_every"):
+        BudgetConfig(probe_every=256, max_probe_every=128)

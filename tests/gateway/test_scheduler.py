@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draft.params import SpeculationParams
+from gateway.budget import BudgetConfig
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import Sequence, Status
 from target.blocks import BlockPool
@@ -189,8 +190,9 @@ def test_measured_step_costs_turn_speculation_down_and_keep_fixed_trees() -> Non
 def test_a_sequence_the_cost_cap_keeps_plain_still_probes() -> None:
     """The cost cap cuts trees whose acceptance is too low to pay for their levels; such a sequence drafts
     nothing, so its acceptance never updates. Every ``probe_every`` plain steps it drafts one level anyway,
-    on the scheduler's probe steps, so it can find its way back when the text turns predictable."""
-    cfg = SchedulerConfig(max_running=4)
+    on the scheduler's probe steps, so it can find its way back when the text turns predictable. (A probe
+    here costs 2 plain steps extra; ``probe_overhead`` 0.25 lets it every 8 steps.)"""
+    cfg = SchedulerConfig(max_running=4, budget=BudgetConfig(probe_overhead=0.25))
     sched = Scheduler(cfg, BlockPool(64, 4), Clock())
     seq = make_seq(0, 4, 50, 0, 0.0)
     sched.add(seq)
@@ -212,6 +214,29 @@ def test_a_sequence_the_cost_cap_keeps_plain_still_probes() -> None:
     assert all(w in ((), (2,)) for _, w in got)  # a probe is one level of the template
     assert all(b - a >= every for a, b in zip(probes, probes[1:]))  # at most one every probe_every steps
     assert len(probes) >= 2
+
+
+def test_dear_probes_come_less_often() -> None:
+    """A probe that costs two plain steps extra would cost 25% of plain decoding every 8 steps: the interval
+    doubles until it costs at most ``probe_overhead`` (3%), here to ``max_probe_every``."""
+    cfg = SchedulerConfig(max_running=4, budget=BudgetConfig(max_probe_every=128))
+    sched = Scheduler(cfg, BlockPool(64, 4), Clock())
+    seq = make_seq(0, 4, 1000, 0, 0.0)
+    sched.add(seq)
+    seq.acceptance.successes, seq.acceptance.trials = 0.5, 10.0  # alpha 0.05: plain by acceptance
+    plan = sched.schedule(lambda s: ((2, 2, 1), True))
+    for s, n in plan.prefills:
+        s.table.ensure(s.num_cached + n)
+        s.num_cached += n
+    for depth in (1, 1, 0, 0):
+        sched.costs.observe(1, depth, 1.0 + 2 * depth, ("draft",))
+    probes = []
+    for _ in range(3 * 128):
+        (s, w), = sched.schedule(lambda s: ((2, 2, 1), True)).decodes
+        if w:
+            probes.append(sched.num_schedules)
+        seq.steps_without_draft = 0 if w else seq.steps_without_draft + 1
+    assert len(probes) >= 2 and all(n % 128 == 0 for n in probes), probes
 
 
 def test_probes_of_a_batch_fall_on_the_same_steps() -> None:
