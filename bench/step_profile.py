@@ -124,6 +124,9 @@ def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int
         inner = getattr(d, "draft", d)
         if isinstance(inner, ModelDrafter) and "draft forward" not in timer.calls:
             timer.wrap(inner, "_forward", "  draft forward")
+            timer.wrap(inner, "_catch_up", "  draft catch-up (batch + forward)")
+            timer.wrap(inner.loop, "grow", "  draft tree loop (one host copy)")
+            timer.wrap(inner, "flush", "  draft flush (KV compaction)")
     timer.wrap(model_drafter_mod, "expand_all", "  draft top-k + host copy")
     timer.wrap(model_drafter_mod, "build_batch", "  draft build_batch")
     timer.wrap(engine_mod, "build_batch", "target build_batch")
@@ -179,7 +182,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--trees", default="1,1,1,1/2,2,2,1")
+    ap.add_argument("--trees", default="1/1,1,1,1/2,2,2,1")
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--target-layers", type=int, default=30)
     ap.add_argument("--no-graphs", action="store_true")
