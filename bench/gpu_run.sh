@@ -45,7 +45,7 @@ for stage in "$@"; do
           --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
           --draft "$d" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts_$(basename $d).json" 2>&1 | tail -8
       done ;;
-    profile) timeout 300 python bench/step_profile.py --batches 1,16 --tokens 96 --trees "1,1,1,1/2,2,2,1/3,3,3,2,2,1" \
+    profile) timeout 300 python bench/step_profile.py --batches 1,16 --tokens 64 --trees "${TREES:-1/2,2,2,1}" \
                --out "$OUT/step_profile.json" 2>&1 | grep -v '^{' | tail -10 ;;
     synthetic) timeout 300 python bench/engine.py --synthetic --profile --out "$OUT/engine_synthetic.json" 2>&1 \
                  | grep -v '^ \|^{\|^}' | tail -40 ;;
