@@ -236,13 +236,29 @@ def synthetic(res: dict, verify_only: bool = False, profile: bool = False) -> No
     torch.cuda.empty_cache()
 
 
+_TRITON_COMPILES = [0]
+
+
+def _count_compile(**_) -> bool:
+    """Triton's JIT cache hook: called before each compile (a new specialisation of a kernel: new constexprs,
+    or an int argument turning divisible by 16), which takes a few hundred milliseconds on the host. Returns
+    False: compile as usual."""
+    _TRITON_COMPILES[0] += 1
+    return False
+
+
 def first_use_counts(llm: LLM) -> dict[str, int]:
     """Counters of the work a timed call should not do: eager forwards (a step no graph holds), graphs
     captured so far (a capture mid-call stalls every stream), INT4 configs tuned so far (each new M bucket
-    tunes once, eagerly). Their change across a timed call says which of these it paid for."""
+    tunes once, eagerly), Triton kernels compiled so far. Their change across a timed call says which of
+    these it paid for."""
+    import triton
     from kernels import int4_matmul_triton
 
-    out = {"int4_configs_tuned": len(int4_matmul_triton._CONFIG_CACHE)}
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and knobs.runtime.jit_cache_hook is None:
+        knobs.runtime.jit_cache_hook = _count_compile
+    out = {"int4_configs_tuned": len(int4_matmul_triton._CONFIG_CACHE), "triton_compiles": _TRITON_COMPILES[0]}
     runners = {"target": llm.engine.graphs} | {name: getattr(d, "graphs", None) for name, d in llm.engine.drafters.items()}
     for name, runner in runners.items():
         if runner is not None:
@@ -339,6 +355,12 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
         # The timed prompts' own prefill, untimed: every arm then finds them in the prefix cache alike. Without
         # it the first timed arm alone paid their prefill, and the INT4 kernels' first-use tuning at its new M.
         llm.generate(ps, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), SpeculationParams(enabled=False))
+        # And the draft's prefill of them, untimed, once: a draft cache is freed with its request, so every arm
+        # still pays its own draft prefill (as a server does per request), but none pays the Triton compiles
+        # of a prompt length's first eager forward (at 33ea0e8 two steps of one arm took 0.6 s so).
+        llm.generate(ps, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                     SpeculationParams(drafter="draft", tree=(1,)) if "draft" in llm.engine.drafters
+                     else SpeculationParams(enabled=False))
         first_use: dict[str, dict] = {"on": {}, "off": {}}
         on, mal = generate_tok_s(llm, ps, greedy, SpeculationParams(), first_use["on"])
         off, _ = generate_tok_s(llm, ps, greedy, SpeculationParams(enabled=False), first_use["off"])
