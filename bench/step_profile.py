@@ -19,7 +19,6 @@ import argparse
 import collections
 import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
+import provenance  # noqa: E402  (bench/, this script's own folder)
 import draft.model_drafter as model_drafter_mod  # noqa: E402
 import gateway.engine as engine_mod  # noqa: E402
 from draft.model_drafter import ModelDrafter  # noqa: E402
@@ -177,8 +178,36 @@ def forward_times(engine: Engine, drafter: ModelDrafter | None) -> dict:
     return out
 
 
+def plot(res: dict, path: Path) -> None:
+    """One bar per (batch, arm): the synced phases stacked, ms per step; a dot at the unsynced step time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    phases = [p for p in dict.fromkeys(k for r in rows for k in r["phases_ms_per_step"])
+              if not p.startswith("  draft") or "catch-up" in p or "tree loop" in p]  # nested phases overlap
+    fig, ax = plt.subplots(figsize=(10, 5))
+    labels = [f"b{r['batch']} {r['arm']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for p in phases:
+        if p == "propose (all drafting)":
+            continue  # drawn as its parts, catch-up and tree loop
+        vals = [r["phases_ms_per_step"].get(p, 0.0) for r in rows]
+        ax.bar(labels, vals, bottom=bottom, label=p.strip())
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(labels, [r["ms_per_step"] for r in rows], "ko", label="step, unsynced")
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"Step phases, synced ({res['device']}, {res['commit']})")
+    ax.legend(fontsize=7)
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--plot", help="only draw this results JSON's PNG beside it")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--tokens", type=int, default=96)
@@ -188,6 +217,9 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--out", default=str(HERE / "results" / "step_profile.json"))
     args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        return
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     target = random_model(args.target_layers, args.device, dtype, 0).quantize(128)
     draft_model = random_model(args.draft_layers, args.device, dtype, 1)
@@ -196,7 +228,7 @@ def main() -> None:
                                                   budget=BudgetConfig(max_verify_tokens=1024)))
     drafter = ModelDrafter("draft", draft_model, 2048, 16, graphs=not args.no_graphs, max_model_len=2048)
     engine = Engine(target, {"draft": drafter, "ngram": NgramDrafter()}, ecfg)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip()
+    commit = provenance.commit()
     res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
            "date": datetime.date.today().isoformat(), "commit": commit, "tokens": args.tokens,
            "forward": forward_times(engine, drafter), "rows": []}
@@ -211,6 +243,10 @@ def main() -> None:
             res["rows"].append(row)
             log(json.dumps(row))
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    try:
+        plot(res, Path(args.out).with_suffix(".png"))
+    except ImportError:
+        log("matplotlib is not installed: no plot")
     print(f"{'batch':>5} {'arm':<16} {'ms/step':>8} {'synced':>8}  phases (ms/step, synced)")
     for r in res["rows"]:
         ph = ", ".join(f"{k.strip()} {v}" for k, v in r["phases_ms_per_step"].items())
