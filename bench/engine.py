@@ -334,12 +334,13 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
     drafter of ``arms`` alone (``drafter_arms``: tokens/s and mean accepted length), each after a warm-up
     with the same drafter, so the step-cost model has measured its depths at this batch size."""
     model = None if model == "embedded" else model
-    draft = resolve_draft(LoadConfig(model=model, draft=draft))
+    asked, draft = draft, resolve_draft(LoadConfig(model=model, draft=draft))
     prompts = [json.loads(l)["turns"][0] for l in open(prompts_file)]
     # graphs are captured for every batch bucket up to the largest batch timed, no further
     ecfg = EngineConfig(num_blocks=4096, page_size=16,
                         scheduler=SchedulerConfig(max_running=max(batches), max_waiting=512))
-    llm = LLM.load(LoadConfig(model=model, draft=draft, device="cuda", dtype="bfloat16"), ecfg, log=log)
+    # "auto" reaches the loader as such: it picks the default drafter for the embedded pair
+    llm = LLM.load(LoadConfig(model=model, draft=asked, device="cuda", dtype="bfloat16"), ecfg, log=log)
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     res["graphs_captured_at_start"] = llm.engine.capture_graphs()  # no capture or kernel tuning in a timed call
@@ -367,7 +368,7 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
         row = {"batch": b, "spec_tok_s": round(on, 1), "nospec_tok_s": round(off, 1),
                "speedup": round(on / off, 3), "mean_accepted_length": round(mal, 3),
                "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}, "first_use": first_use}
-        for name in [a for a in arms if a in llm.engine.drafters]:
+        for name in [a for a in arms if a in llm.engine.drafters and a != llm.engine.config.default_drafter]:
             spec = SpeculationParams(drafter=name)
             llm.generate(warm, warm_sampling, spec)
             first_use[name] = {}
@@ -466,7 +467,7 @@ def main() -> None:
     ap.add_argument("--prompts-file", default=str(MT_BENCH))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,4,16,64")
-    ap.add_argument("--arms", default="ngram,lookup-first,draft",
+    ap.add_argument("--arms", default="ngram,hybrid,lookup-first,draft",
                     help="--real: drafters also timed alone at each batch size ('' for none)")
     ap.add_argument("--out", default=str(HERE / "results" / "engine.json"))
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON")

@@ -79,7 +79,7 @@ for stage in "$@"; do
       timeout 560 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" \
         --batches "${BATCHES:-1,4,16,64}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
     load)  # bench/results/load_gpu.json: this stage, after `model`, within one call of ~160 s
-      python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-draft/weights/smollm2-135m-instruct}" \
+      python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-auto}" \
         --num-blocks 4096 --max-running 64 --max-waiting 512 --capture-graphs --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
       server=$!
       for _ in $(seq 150); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done

@@ -51,6 +51,37 @@ class AcceptanceEMA:
         return self.successes / self.trials if self.trials > 0 else 0.0
 
 
+@dataclass(slots=True)
+class DrafterPriors:
+    """Each drafter's acceptance over every request it drafted for (a slow EMA): a new request starts from
+    its drafter's figure instead of the fixed prior of 0.5, with that prior's weight (two trials), so its own
+    steps take over within a few drafts. On the H200 at 33ea0e8 the n-gram drafter kept about 0.15 of its
+    tokens on MT-bench at batch 16, yet every new request, starting at 0.5, was first drafted four levels
+    deep (engine_real.json: six depth-4 steps of 128, each 1.5x a plain step)."""
+
+    decay: float = 0.98
+    min_trials: float = 8.0  # fewer observed trials than this: the fixed prior
+    _seen: dict[str, AcceptanceEMA] = field(default_factory=dict)
+
+    def observe(self, drafter: str, accepted: int, depth: int) -> None:
+        ema = self._seen.get(drafter)
+        if ema is None:
+            ema = self._seen[drafter] = AcceptanceEMA(successes=0.0, trials=0.0, decay=self.decay)
+        ema.update(accepted, depth)
+
+    def start(self, drafter: str | None) -> AcceptanceEMA:
+        """A new request's acceptance estimate."""
+        fresh = AcceptanceEMA()
+        ema = self._seen.get(drafter) if drafter else None
+        if ema is not None and ema.trials >= self.min_trials:
+            fresh.successes = ema.alpha * fresh.trials
+        return fresh
+
+    def alpha(self, drafter: str) -> float | None:
+        ema = self._seen.get(drafter)
+        return None if ema is None or ema.trials < self.min_trials else ema.alpha
+
+
 @dataclass(frozen=True, slots=True)
 class BudgetConfig:
     max_verify_tokens: int = 64  # roots + draft nodes verified per step, over the whole batch

@@ -312,7 +312,7 @@ class Engine:
             self.drafters[seq.drafter].commit(seq.request_id, tree, nodes)
         _, parents, depths = tree.host()
         depth = max(depths)
-        seq.acceptance.update(len(nodes) - 1, depth)
+        self.scheduler.observe_acceptance(seq, len(nodes) - 1, depth)
         seq.steps_without_draft = 0 if depth else seq.steps_without_draft + 1
         seq.stats.record(tree.num_nodes, parents if len(nodes) > 1 else [], nodes)  # ranks among siblings need the parents
         return moves

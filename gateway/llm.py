@@ -41,7 +41,8 @@ class LoadConfig:
     model: str | None = None  # HF directory or .gguf; None = the embedded SmolLM2-135M-Instruct
     # Default drafter: "auto" (the shipped distilled draft for the embedded model, else "self"), "self", "ngram",
     # "none", or a draft model's directory / .gguf. A draft model is loaded as drafters "draft" and "hybrid"
-    # (its tree plus a prompt-lookup branch for greedy requests); "hybrid" is then the default.
+    # (its tree plus a prompt-lookup branch for greedy requests); "hybrid" is then the default -- except for
+    # the embedded pair under "auto", where measurement made it "ngram" (see build_engine).
     draft: str = "auto"
     self_draft_layers: int | None = None  # None = four fifths of the target's layers
     quantize: str = "int4"  # "int4" (RTN), "gptq" (calibrated once, then cached) or "none"; INT4 checkpoints load as is
@@ -147,6 +148,13 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
         # The draft's tree plus a prompt-lookup branch for greedy requests: on SmolLM2 it keeps 2.02 tokens per
         # step to the model's 1.72 (bench/results/drafts_hybrid_cpu.json); sampled requests get the model's tree.
         default = "hybrid"
+        if cfg.draft == "auto" and cfg.model is None:
+            # The embedded pair's shipped draft is loaded, but the n-gram drafter is the default: on the H200 a
+            # model-draft level costs more than it returns on a 135M target (a one-level step 2.5x a plain one,
+            # bench/results/step_profile.json), and in two runs the n-gram arm alone paid, 1.49x and 1.52x at
+            # batch 1, while the hybrid default ran at 0.89x and below (engine_real_871c0a3.json,
+            # engine_real.json). Requests that name "draft" or "hybrid" still get the model.
+            default = "ngram"
     engine_cfg = replace(engine_cfg, default_drafter=None if default == "none" else default)
     if tp == 1:
         return Loaded(Engine(target, drafters, engine_cfg), ckpt, name)

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gateway.budget import (BudgetConfig, StepCosts, adaptive_widths, cap_total, drafter_set, expected_tokens,
-                            probe_due, probe_interval)
+from gateway.budget import (BudgetConfig, DrafterPriors, StepCosts, adaptive_widths, cap_total, drafter_set,
+                            expected_tokens, probe_due, probe_interval)
 from gateway.sequence import Sequence, Status
 from target.blocks import BlockPool, BlockTable
 
@@ -65,12 +65,20 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.costs = StepCosts(reprobe=config.budget.reprobe)  # the engine reports each decode step's time
+        self.priors = DrafterPriors()  # each drafter's acceptance so far: where a new request's estimate starts
         self.num_schedules = 0  # probes fall on every interval-th plan (see gateway/budget.py)
         self._intervals: dict[str | None, int] = {}  # this plan's probe interval per drafter
         self._batch = 0  # this plan's decoding sequences: the batch whose step costs price a probe
 
     def add(self, seq: Sequence) -> None:
+        seq.acceptance = self.priors.start(seq.drafter)
         self.waiting.append(seq)
+
+    def observe_acceptance(self, seq: Sequence, accepted: int, depth: int) -> None:
+        """A decode step of ``seq`` drafted ``depth`` levels and kept ``accepted`` tokens of them."""
+        seq.acceptance.update(accepted, depth)
+        if seq.drafter and depth > 0:
+            self.priors.observe(seq.drafter, accepted, depth)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues (finished or aborted); the engine frees its blocks."""

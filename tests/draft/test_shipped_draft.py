@@ -45,7 +45,8 @@ def embedded_model():
 
 def test_greedy_speculation_with_the_shipped_draft_matches_the_target(embedded_model) -> None:
     llm = LLM.load(LoadConfig(), log=lambda m: None)
-    assert llm.engine.config.default_drafter == "hybrid" and {"draft", "hybrid"} <= set(llm.engine.drafters)
+    # the shipped draft is loaded; the default is the n-gram drafter, which measured faster on this pair
+    assert llm.engine.config.default_drafter == "ngram" and {"draft", "hybrid"} <= set(llm.engine.drafters)
     prompts = ["What is the capital of France?", "Write a short poem about rivers.", "List three prime numbers."]
     greedy = SamplingParams(temperature=0, max_tokens=24)
     off = llm.generate(prompts, greedy, SpeculationParams(enabled=False))

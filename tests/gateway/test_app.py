@@ -162,7 +162,9 @@ def test_n_choices_are_the_single_requests_of_seed_plus_i(tokenizer) -> None:
 
 
 def test_n_choices_stream_by_index_then_one_usage_chunk_and_done(tokenizer) -> None:
-    body = CHAT | {"n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 10}
+    # A fixed tree: sampled tokens follow the draws the tree's verification consumed, and adaptive trees follow
+    # the server's history (measured step times, each drafter's acceptance so far), which differs between calls.
+    body = CHAT | {"n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 10, "speculation": {"tree": [2, 1]}}
 
     async def go(client, app):
         full = await client.post("/v1/chat/completions", json=body)

@@ -261,3 +261,27 @@ def test_probes_of_a_batch_fall_on_the_same_steps() -> None:
             s.steps_without_draft = 0 if w else s.steps_without_draft + 1
     assert steps_with_a_probe and all(n % cfg.budget.probe_every == 0 for n in steps_with_a_probe)
     assert len(steps_with_a_probe) <= 4
+
+
+def test_a_new_request_starts_from_its_drafters_acceptance() -> None:
+    """Requests of a drafter that has kept little so far start plain instead of four levels deep; a drafter
+    with no record yet (or too little) starts from the fixed prior of 0.5."""
+    sched = Scheduler(SchedulerConfig(max_running=4), BlockPool(64, 4), Clock())
+    old = make_seq(0, 4, 50, 0, 0.0)
+    sched.add(old)
+    assert old.acceptance.alpha == 0.5
+    for _ in range(40):
+        sched.observe_acceptance(old, 0, 2)  # two levels drafted, nothing kept
+    new = make_seq(1, 4, 50, 0, 0.0)
+    sched.add(new)
+    assert new.acceptance.alpha < 0.05 and new.acceptance.trials == 2.0  # the prior's weight, not the record's
+    other = make_seq(2, 4, 50, 0, 0.0)
+    other.drafter = "ngram"
+    sched.add(other)
+    assert other.acceptance.alpha == 0.5
+    plan = sched.schedule(lambda s: ((2, 2, 1), True))
+    for s, n in plan.prefills:
+        s.table.ensure(s.num_cached + n)
+        s.num_cached += n
+    widths = {s.request_id: w for s, w in sched.schedule(lambda s: ((2, 2, 1), True)).decodes}
+    assert widths["1"] == () and len(widths["2"]) >= 1
