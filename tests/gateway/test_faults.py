@@ -4,6 +4,7 @@ ten times capacity, draining. After each, nothing is leaked: KV pools whole, no 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -24,6 +25,17 @@ from gateway_util import (
 def chat(content: str, max_tokens: int = 8, **extra) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True} | extra
+
+
+def streamed_text(body: str) -> str:
+    """The content deltas of an SSE chat stream, joined."""
+    text = ""
+    for block in body.split("\n\n"):
+        data = block.removeprefix("data: ")
+        if data.startswith("{"):
+            for choice in json.loads(data).get("choices", []):
+                text += choice.get("delta", {}).get("content", "")
+    return text
 
 
 def settled(app) -> bool:
@@ -92,8 +104,10 @@ def test_one_failed_step_fails_only_its_request(tokenizer) -> None:
     assert "<path>" in failed[0].text and "/opt/build" not in failed[0].text
     for r, ref in zip(hit, clean):
         if r not in failed:
-            assert r.status_code == 200 and r.text.count('"content"') == ref.text.count('"content"')
-            if "data:" not in r.text:
+            assert r.status_code == 200
+            if "data:" in r.text:  # the same text; chunks may split differently (adaptive trees)
+                assert streamed_text(r.text) == streamed_text(ref.text) != ""
+            else:
                 assert r.json()["choices"] == ref.json()["choices"]
     assert settled(app)
 
