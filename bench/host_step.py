@@ -24,15 +24,20 @@ import sys
 import time
 from pathlib import Path
 
-CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16)]
+# "adaptive": requests with no tree of their own, under the server's default verify cap of 64 tokens, so the
+# scheduler trims 48 trees a step to fit 16 draft nodes (cost-blind here: step times do not steer it).
+CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48)]
 VOCAB = 512
 
 
 def measure(steps: int) -> dict[str, float]:
     """Seconds per step for every config, in this process (the ref's code is first on sys.path)."""
+    from dataclasses import replace
+
     import torch
 
     from draft.params import SpeculationParams
+    from gateway.budget import BudgetConfig
     from engine_util import tiny_engine
     from verify.sampling import SamplingParams
 
@@ -49,8 +54,11 @@ def measure(steps: int) -> dict[str, float]:
         engine = tiny_engine(num_blocks=8192, page_size=16, max_running=64, vocab=VOCAB, tree=(2, 2, 2, 1))
         engine.target.forward = rule
         engine.drafters["draft"].model.forward = rule
-        spec = (SpeculationParams(enabled=False) if arm == "plain"
-                else SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)))
+        spec = {"plain": SpeculationParams(enabled=False), "adaptive": SpeculationParams()}.get(
+            arm, SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)))
+        if arm == "adaptive":
+            sched = engine.scheduler
+            sched.config = replace(sched.config, budget=BudgetConfig(max_verify_tokens=64, cost_aware=False))
         sampling = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
         for i in range(streams):
             engine.add(str(i), [(13 * i + j) % VOCAB for j in range(40)], sampling, spec)

@@ -150,7 +150,7 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
         default = "hybrid"
         if cfg.draft == "auto" and cfg.model is None:
             # The embedded pair's shipped draft is loaded, but the n-gram drafter is the default: on the H200 a
-            # model-draft level costs more than it returns on a 135M target (a one-level step 2.5x a plain one,
+            # model-draft level costs more than it returns on a 135M target (a 2,2,2,1 tree's step 2.3x a plain one,
             # bench/results/step_profile.json), and in two runs the n-gram arm alone paid, 1.49x and 1.52x at
             # batch 1, while the hybrid default ran at 0.89x and below (engine_real_871c0a3.json,
             # engine_real.json). Requests that name "draft" or "hybrid" still get the model.

@@ -37,7 +37,9 @@ def compact_kv_ref(
         flat[:, dst_slots] = flat[:, src_slots].clone()  # gather all sources first: safe for any order
 
 
-@triton.jit
+# The move count changes every step: not specialised on (1, a multiple of 16 and other would each compile a
+# variant, mid-serving). It bounds a loop and masks; it never feeds a vectorised address.
+@triton.jit(do_not_specialize=["num_moves"])
 def _compact_kv_kernel(
     k_ptr, v_ptr, src_ptr, dst_ptr,
     num_moves,

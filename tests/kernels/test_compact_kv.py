@@ -88,3 +88,54 @@ def test_gpu_bf16_many_layers():
     want_k, want_v = per_move_loop(k_cache, src.cuda(), dst.cuda()), per_move_loop(v_cache, src.cuda(), dst.cuda())
     compact_kv(k_cache, v_cache, src.cuda(), dst.cuda())
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_compact_slots_hands_the_kernel_aligned_rows_for_every_move_count() -> None:
+    """Both index rows start 16-byte aligned whatever the move count (Triton compiles one kernel per
+    pointer-alignment class), and the moves are still exactly the ones asked for."""
+    from target.kv_cache import KVCache
+
+    cache = KVCache(num_layers=2, num_blocks=32, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                    device="cpu")
+    seen = []
+    inner = cache.compact
+
+    def recording(src, dst):
+        seen.append((src.data_ptr() % 16, dst.data_ptr() % 16, src.tolist(), dst.tolist()))
+        inner(src, dst)
+
+    cache.compact = recording
+    for M in range(1, 34):
+        src = list(range(2 * M, 3 * M))
+        dst = list(range(M))
+        cache.k.normal_()
+        want = per_move_loop(cache.k, torch.tensor(src), torch.tensor(dst))
+        cache.compact_slots(src, dst)
+        assert seen[-1] == (0, 0, src, dst), M
+        torch.testing.assert_close(cache.k, want)
+
+
+@requires_cuda
+def test_one_compile_serves_every_move_count_cuda() -> None:
+    """After the first compaction, no move count compiles another variant of the kernel."""
+    import triton
+    from target.kv_cache import KVCache
+
+    compiles = []
+
+    def hook(**kw) -> bool:
+        compiles.append(kw.get("repr", ""))
+        return False
+
+    cache = KVCache(num_layers=2, num_blocks=64, page_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float16,
+                    device="cuda")
+    cache.compact_slots([40], [0])  # compiled here (or already, by an earlier test)
+    old = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        for M in (1, 2, 3, 16, 17, 32, 5):
+            cache.compact_slots(list(range(100, 100 + M)), list(range(M)))
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.jit_cache_hook = old
+    assert not [c for c in compiles if "compact_kv" in c], compiles
