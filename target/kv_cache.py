@@ -54,8 +54,9 @@ class KVCache:
     def compact_slots(self, src: list[int], dst: list[int]) -> None:
         """``compact`` from host lists, with one host-to-device copy for both. Each row is padded to a multiple
         of 16 entries, so both start 128-byte aligned: Triton specialises a kernel on its pointers' 16-byte
-        alignment, and a destination row right after ``M`` sources is aligned only for even ``M`` -- the first
-        odd move count after the even ones compiled a second kernel mid-serving (a stall of ~0.5 s)."""
+        alignment, and a destination row right after ``M`` sources is aligned only for even ``M``: the first odd
+        count after even ones would compile a second variant mid-serving. (The H200 caught one mid-serving
+        compile of about 0.45 s, kernel unrecorded: bench/results/engine_real_b1_a829433.json.)"""
         M = len(src)
         pad = [0] * (-M % 16)
         both = torch.tensor([src + pad, dst + pad], dtype=torch.int64).to(self.k.device, non_blocking=True)
