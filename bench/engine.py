@@ -236,14 +236,14 @@ def synthetic(res: dict, verify_only: bool = False, profile: bool = False) -> No
     torch.cuda.empty_cache()
 
 
-_TRITON_COMPILES = [0]
+_TRITON_COMPILED: list[str] = []  # every kernel Triton compiled since the hook went in, in order
 
 
-def _count_compile(**_) -> bool:
+def _count_compile(**kw) -> bool:
     """Triton's JIT cache hook: called before each compile (a new specialisation of a kernel: new constexprs,
-    or an int argument turning divisible by 16), which takes a few hundred milliseconds on the host. Returns
-    False: compile as usual."""
-    _TRITON_COMPILES[0] += 1
+    an int argument turning 1 or divisible by 16, a pointer's 16-byte alignment changing), which takes a few
+    hundred milliseconds on the host. Records the kernel's name; returns False: compile as usual."""
+    _TRITON_COMPILED.append(str(kw.get("repr", "?")).split("[")[0])
     return False
 
 
@@ -258,7 +258,7 @@ def first_use_counts(llm: LLM) -> dict[str, int]:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None and knobs.runtime.jit_cache_hook is None:
         knobs.runtime.jit_cache_hook = _count_compile
-    out = {"int4_configs_tuned": len(int4_matmul_triton._CONFIG_CACHE), "triton_compiles": _TRITON_COMPILES[0]}
+    out = {"int4_configs_tuned": len(int4_matmul_triton._CONFIG_CACHE), "triton_compiles": len(_TRITON_COMPILED)}
     runners = {"target": llm.engine.graphs} | {name: getattr(d, "graphs", None) for name, d in llm.engine.drafters.items()}
     for name, runner in runners.items():
         if runner is not None:
@@ -299,6 +299,8 @@ def generate_tok_s(llm: LLM, prompts: list[str], sampling: SamplingParams, spec:
     if counts is not None:
         after = first_use_counts(llm)
         counts.update({k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)})
+        if "triton_compiles" in counts:  # which kernels: the fix is theirs
+            counts["triton_compiled"] = _TRITON_COMPILED[before["triton_compiles"]:]
         # where the call's time went: steps and mean step time per draft depth
         counts["steps_by_depth"] = {str(d): [len(v), round(1e3 * sum(v) / len(v), 3)] for d, v in sorted(by_depth.items())}
     steps = sum(g.stats.steps for g in gens)
@@ -329,7 +331,7 @@ def hf_pair(model_dir: Path, draft_dir: Path | None):
 
 
 def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: list[int], prompts_file: str,
-         arms: list[str] = ()) -> None:
+         arms: list[str] = (), repeats: int = 2) -> None:
     """The real pair at each batch size: speculation on (the engine's default drafter) and off, then each
     drafter of ``arms`` alone (``drafter_arms``: tokens/s and mean accepted length), each after a warm-up
     with the same drafter, so the step-cost model has measured its depths at this batch size."""
@@ -362,19 +364,28 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
         llm.generate(ps, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                      SpeculationParams(drafter="draft", tree=(1,)) if "draft" in llm.engine.drafters
                      else SpeculationParams(enabled=False))
+        # Each arm is timed ``repeats`` times, on and off alternating, and reported at its best: a one-off
+        # cost (a compile, a capture) then shows in ``runs`` and ``first_use`` without deciding the ratio.
         first_use: dict[str, dict] = {"on": {}, "off": {}}
-        on, mal = generate_tok_s(llm, ps, greedy, SpeculationParams(), first_use["on"])
-        off, _ = generate_tok_s(llm, ps, greedy, SpeculationParams(enabled=False), first_use["off"])
+        runs: dict[str, list] = {"on": [], "off": []}
+        for rep in range(repeats):
+            for arm, spec in (("on", SpeculationParams()), ("off", SpeculationParams(enabled=False))):
+                runs[arm].append(generate_tok_s(llm, ps, greedy, spec, first_use[arm] if rep == 0 else None))
+        (on, mal), (off, _) = max(runs["on"]), max(runs["off"])
         row = {"batch": b, "spec_tok_s": round(on, 1), "nospec_tok_s": round(off, 1),
                "speedup": round(on / off, 3), "mean_accepted_length": round(mal, 3),
-               "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}, "first_use": first_use}
+               "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}, "first_use": first_use,
+               "runs_tok_s": {k: [round(t, 1) for t, _ in v] for k, v in runs.items()}}
         for name in [a for a in arms if a in llm.engine.drafters and a != llm.engine.config.default_drafter]:
             spec = SpeculationParams(drafter=name)
             llm.generate(warm, warm_sampling, spec)
             first_use[name] = {}
-            tok_s, arm_mal = generate_tok_s(llm, ps, greedy, spec, first_use[name])
+            arm_runs = [generate_tok_s(llm, ps, greedy, spec, first_use[name] if rep == 0 else None)
+                        for rep in range(repeats)]
+            tok_s, arm_mal = max(arm_runs)
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),
-                                         "mean_accepted_length": round(arm_mal, 3)}
+                                         "mean_accepted_length": round(arm_mal, 3),
+                                         "runs_tok_s": [round(t, 1) for t, _ in arm_runs]}
         rows.append(row)
         log(str(rows[-1]))
     res["real_model"] = Path(resolve_model_path(LoadConfig(model=model))).name
@@ -467,6 +478,7 @@ def main() -> None:
     ap.add_argument("--prompts-file", default=str(MT_BENCH))
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--repeats", type=int, default=2, help="--real: timed calls per arm (the best is reported)")
     ap.add_argument("--arms", default="ngram,hybrid,lookup-first,draft",
                     help="--real: drafters also timed alone at each batch size ('' for none)")
     ap.add_argument("--out", default=str(HERE / "results" / "engine.json"))
@@ -483,7 +495,7 @@ def main() -> None:
         synthetic(res, args.verify_only, args.profile)
     if args.real:
         real(res, args.real, args.draft, args.new_tokens, [int(b) for b in args.batches.split(",")], args.prompts_file,
-             [a for a in args.arms.split(",") if a])
+             [a for a in args.arms.split(",") if a], args.repeats)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     plot(res, Path(args.out).with_suffix(".png"))
     print(json.dumps(res, indent=2))
