@@ -77,7 +77,7 @@ class FeatureDrafter(ModelDrafter):
     def _catch_up(self, reqs: list[DraftRequest], segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token is fed with the target's feature of the position before it; returns the roots' logits
         and the roots' own output features ``[B, hidden]`` (what their children are fed)."""
-        feats = [self._features(r.seq_id, s.context_len, len(r.token_ids)) for r, s in zip(reqs, segs)]
+        feats = [self._features(r.seq_id, s.context_len, s.context_len + len(s.tokens)) for r, s in zip(reqs, segs)]
         batch = build_batch(segs, self.cache, self.model.device)
         forward = self.graphs.forward_hidden if self.graphs is not None else self.model.forward_hidden
         logits, hidden = forward(batch, self.cache, torch.cat(feats))  # [B, V]; [T, hidden]

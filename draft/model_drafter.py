@@ -10,8 +10,6 @@ acceptance ``commit`` compacts the accepted nodes exactly as the target does.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from draft.base import DraftRequest, TreeBuilder, expand_all
@@ -118,20 +116,20 @@ class ModelDrafter:
         paid an eager draft forward. Pieces replay the catch-up graphs instead. A first prefill (nothing
         cached yet) is still fed whole: one eager forward, once per sequence."""
         while True:
-            pieces, segs = [], []
+            behind, segs = [], []
             for r in reqs:
                 start = self._cached.get(r.seq_id, 0)
                 left = len(r.token_ids) - start
                 if start == 0 or left <= CATCH_UP_NODES:
                     continue
                 n = min(CATCH_UP_NODES, left - CATCH_UP_NODES)
-                pieces.append(replace(r, token_ids=r.token_ids[: start + n]))
+                behind.append(r)
                 segs.append(Segment(self._tables[r.seq_id], start, r.token_ids[start : start + n], logits="last"))
-            if not pieces:
+            if not behind:
                 return
-            self._catch_up(pieces, segs)
-            for r in pieces:
-                self._cached[r.seq_id] = len(r.token_ids)
+            self._catch_up(behind, segs)
+            for r, s in zip(behind, segs):
+                self._cached[r.seq_id] = s.context_len + len(s.tokens)
 
     def _catch_up(self, reqs: list[DraftRequest], segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed each sequence's uncached tokens; the roots' logits ``[B, V]``, and whatever else the tree
