@@ -16,8 +16,9 @@ the adaptive requests' depth at the one that maximises expected tokens per secon
 decoding) included -- so speculation turns itself down where it does not pay, with no operator table.
 The drafters are part of the key because a level's price is theirs: an n-gram level costs a host
 lookup, a model level a draft forward, and one shared figure would price the free drafter out (or the
-model in). Depths not measured yet, or not for ``reprobe`` steps, are tried once; a figure's first
-observation (graph capture, kernel tuning) is dropped.
+model in). A depth not measured yet, or not for ``reprobe`` steps, is tried when it could pay even at the
+price of the shallower depths (``StepCosts.best_depth``); a figure's first observation (graph capture,
+kernel tuning) is dropped.
 
 The global cap keeps the verified tokens of a step (roots + draft nodes) at the INT4 matmul's knee:
 past it the target's step cost grows with every node (bench/results/int4_matmul.json on the H200: 92 us
@@ -205,14 +206,32 @@ class StepCosts:
 
     def best_depth(self, batch: int, gains: list[float], floor: int = 0, drafters: tuple[str, ...] = ()) -> int:
         """The depth cap in ``floor..len(gains) - 1`` with the most expected tokens per second, where
-        ``gains[c]`` is the step's expected tokens with the cap at ``c``. A depth with no fresh figure is
-        returned first, so that it gets one (deepest first)."""
-        best, best_rate = len(gains) - 1, -1.0
-        for c in range(len(gains) - 1, floor - 1, -1):
+        ``gains[c]`` is the step's expected tokens with the cap at ``c``.
+
+        A depth with no fresh figure (never measured, or not for ``reprobe`` steps) is priced at the dearest
+        fresh figure of a shallower depth: drafting deeper never makes a step cheaper, so that price can only
+        flatter it. It is tried only when, flattered so, it still beats the best measured depth, and the
+        shallowest such depth first: its figure then bounds the deeper ones. Trying every depth, deepest
+        first, spent whole steps on four-level trees that could not pay (a fresh engine, or a batch bucket
+        met for the first time); this way a drafter that does not pay costs one measured level per
+        ``reprobe`` steps."""
+        best, best_rate = floor, -1.0
+        bound = 0.0  # the dearest fresh figure so far: a lower bound on any deeper step's time
+        untried: list[tuple[int, float]] = []  # (depth, its cost lower bound)
+        for c in range(len(gains)):
             seen = self._seen.get(self._key(batch, c, drafters))
-            if seen is None or seen[0] is None or self.steps - seen[1] > self.reprobe:
-                return c
+            fresh = seen is not None and seen[0] is not None and self.steps - seen[1] <= self.reprobe
+            if fresh:
+                bound = max(bound, seen[0])
+            if c < floor:
+                continue
+            if not fresh:
+                untried.append((c, bound))
+                continue
             rate = gains[c] / seen[0]
             if rate > best_rate:
                 best, best_rate = c, rate
+        for c, low in untried:  # shallowest first
+            if low <= 0 or gains[c] / low > best_rate:
+                return c
         return best

@@ -60,11 +60,11 @@ def test_step_costs_measure_each_depth_then_pick_the_best_rate() -> None:
     costs = StepCosts(reprobe=1000)
     gains = [1.0, 1.8, 2.3]  # expected tokens with the depth capped at 0, 1, 2
     seen = []
-    for _ in range(6):  # every depth is tried (twice: the first figure of a shape is dropped), deepest first
-        c = costs.best_depth(1, gains)
+    for _ in range(6):  # shallowest first, each twice (the first figure of a shape is dropped); depth 2 is
+        c = costs.best_depth(1, gains)  # tried because 2.3 / 1.5 (depth 1's price) could beat 1.8 / 1.5
         seen.append(c)
         costs.observe(1, c, {0: 1.0, 1: 1.5, 2: 3.0}[c])
-    assert seen == [2, 2, 1, 1, 0, 0]
+    assert seen == [0, 0, 1, 1, 2, 2]
     assert costs.best_depth(1, gains) == 1  # 1.8 / 1.5 beats 1.0 / 1.0 and 2.3 / 3.0
     costs.observe(1, 1, 3.0)  # drafting got dearer (EMA): plain decoding now pays best
     costs.observe(1, 1, 3.0)
@@ -80,7 +80,12 @@ def test_step_costs_reprobe_stale_depths_and_bucket_batches() -> None:
     assert costs.best_depth(4, [1.0, 1.1, 1.2]) == 0  # 3 and 4 share a bucket; spec does not pay
     for _ in range(6):
         costs.observe(4, 0, 1.0)
-    assert costs.best_depth(3, [1.0, 1.1, 1.2]) == 2  # depth 2 was last measured 8 steps ago: measure again
+    # depths 1 and 2 were last measured 8 and 10 steps ago: the shallower is measured again, since even at a
+    # plain step's price it would beat plain decoding; depth 2 only if depth 1's new figure leaves it a chance
+    assert costs.best_depth(3, [1.0, 1.1, 1.2]) == 1
+    costs.observe(3, 1, 2.0)
+    assert costs.best_depth(3, [1.0, 1.1, 1.2]) == 0  # 1.2 / 2.0 cannot beat 1.0 / 1.0: depth 2 is not tried
+    assert costs.best_depth(3, [1.0, 1.1, 2.5]) == 2  # 2.5 / 2.0 could: it is
     assert costs.seconds(5, 0) is None  # bucket 8: nothing measured there
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
     assert expected_tokens(0.5, 0) == 1.0 and expected_tokens(0.5, 2) == 1.75
@@ -98,12 +103,14 @@ def test_step_costs_price_each_drafters_levels_apart() -> None:
     assert costs.seconds(1, 2, ("draft",)) == 4.0 and costs.seconds(1, 2, ("ngram",)) == 1.1
     assert costs.seconds(1, 2) is None
     gains = [1.0, 1.4, 1.6]
-    for kinds in (("draft",), ("ngram",)):  # depth 1 is unmeasured for both: tried first
-        assert costs.best_depth(1, gains, drafters=kinds) == 1
-        costs.observe(1, 1, {"draft": 2.5, "ngram": 1.05}[kinds[0]], kinds)
-        costs.observe(1, 1, {"draft": 2.5, "ngram": 1.05}[kinds[0]], kinds)
+    # depth 1 is unmeasured for both. For the model draft it could pay even at a plain step's price (1.4 /
+    # 1.0 against the best measured, plain's 1.0 / 1.0): tried. For the n-gram drafter depth 2 already makes
+    # 1.6 / 1.1, which depth 1 cannot beat at any price above plain's: not tried.
+    assert costs.best_depth(1, gains, drafters=("draft",)) == 1
+    assert costs.best_depth(1, gains, drafters=("ngram",)) == 2
+    for _ in range(2):
+        costs.observe(1, 1, 2.5, ("draft",))
     assert costs.best_depth(1, gains, drafters=("draft",)) == 0  # 1.0 / 1.0 beats 1.4 / 2.5 and 1.6 / 4.0
-    assert costs.best_depth(1, gains, drafters=("ngram",)) == 2  # 1.6 / 1.1 beats 1.4 / 1.05 and 1.0 / 1.0
 
 
 def _cap_total_by_scan(widths, alphas, cap):

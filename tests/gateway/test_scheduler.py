@@ -265,8 +265,9 @@ def test_probes_of_a_batch_fall_on_the_same_steps() -> None:
 
 def test_a_new_request_starts_from_its_drafters_acceptance() -> None:
     """Requests of a drafter that has kept little so far start plain instead of four levels deep; a drafter
-    with no record yet (or too little) starts from the fixed prior of 0.5."""
-    sched = Scheduler(SchedulerConfig(max_running=4), BlockPool(64, 4), Clock())
+    with no record yet (or too little) starts from the fixed prior of 0.5. (Cost-blind: a fresh engine would
+    first measure a plain step.)"""
+    sched = Scheduler(SchedulerConfig(max_running=4, budget=BudgetConfig(cost_aware=False)), BlockPool(64, 4), Clock())
     old = make_seq(0, 4, 50, 0, 0.0)
     sched.add(old)
     assert old.acceptance.alpha == 0.5
