@@ -5,7 +5,8 @@ runner's metrics, the hand-off to the event loop, detokenization, the SSE chunk 
 all under one GIL with the engine thread. This bench serves a tiny random engine whose forwards return
 logits from a fixed rule (next token = 7 t + 1, past the tokenizer's specials) behind the real app and
 uvicorn, opens N concurrent streams of ``--tokens`` tokens each (speculation off, ``ignore_eos``) and
-reports chunks per second. Commits are compared in one run, as in host_step.py: each ref runs from its
+reports tokens per second delivered (every stream's ``--tokens``, over the wall time) and SSE chunks per
+second (a server that coalesces a stream's queued steps sends fewer chunks for the same tokens). Commits are compared in one run, as in host_step.py: each ref runs from its
 own git worktree in its own server process; refs alternate within every repetition, and each figure
 is the best repetition.
 
@@ -53,8 +54,8 @@ uvicorn.run(make_app(tok, engine=engine), host="127.0.0.1", port=int(sys.argv[1]
 """
 
 
-async def stream_load(port: int, streams: int, tokens: int) -> float:
-    """Chunks per second over ``streams`` concurrent completions of ``tokens`` tokens."""
+async def stream_load(port: int, streams: int, tokens: int) -> tuple[float, float]:
+    """Tokens and chunks per second over ``streams`` concurrent completions of ``tokens`` tokens."""
     import httpx
 
     async def one(client, i: int) -> int:
@@ -70,7 +71,8 @@ async def stream_load(port: int, streams: int, tokens: int) -> float:
         await one(client, 0)
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(one(client, i) for i in range(streams)))
-        return sum(counts) / (time.perf_counter() - t0)
+        secs = time.perf_counter() - t0
+        return streams * tokens / secs, sum(counts) / secs
 
 
 def free_port() -> int:
@@ -107,7 +109,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     refs, levels = args.refs.split(","), [int(s) for s in args.streams.split(",")]
-    best: dict[str, dict[int, float]] = {ref: {} for ref in refs}
+    best: dict[str, dict[int, tuple[float, float]]] = {ref: {} for ref in refs}  # (tokens/s, chunks/s)
     with worktrees(refs) as trees:
         for rep in range(args.reps):
             for ref in refs:
@@ -116,15 +118,16 @@ def main() -> None:
                 try:
                     for n in levels:
                         rate = asyncio.run(stream_load(port, n, args.tokens))
-                        best[ref][n] = max(best[ref].get(n, 0.0), rate)
-                        print(f"rep {rep} {ref} {n} streams: {rate:.0f} chunks/s", flush=True)
+                        best[ref][n] = max(best[ref].get(n, (0.0, 0.0)), rate)
+                        print(f"rep {rep} {ref} {n} streams: {rate[0]:.0f} tokens/s, {rate[1]:.0f} chunks/s", flush=True)
                 finally:
                     proc.kill()
                     proc.wait()
-    rows = [{"streams": n, **{f"chunks_per_s_{ref}": round(best[ref][n]) for ref in refs}} for n in levels]
+    rows = [{"streams": n, **{f"tokens_per_s_{ref}": round(best[ref][n][0]) for ref in refs},
+             **{f"chunks_per_s_{ref}": round(best[ref][n][1]) for ref in refs}} for n in levels]
     if len(refs) == 2:
         for row in rows:
-            row["ratio_last_over_first"] = round(row[f"chunks_per_s_{refs[1]}"] / row[f"chunks_per_s_{refs[0]}"], 2)
+            row["tokens_ratio_last_over_first"] = round(row[f"tokens_per_s_{refs[1]}"] / row[f"tokens_per_s_{refs[0]}"], 2)
     for row in rows:
         print(row)
     if args.out:

@@ -55,22 +55,43 @@ class Generation:
     # --- events -> text ---------------------------------------------------------------------------
 
     async def pieces(self) -> AsyncIterator[str]:
-        """Stable text deltas; the last one is yielded (maybe empty) once ``finish_reason`` is set."""
+        """Stable text deltas; the last one is yielded (maybe empty) once ``finish_reason`` is set.
+
+        Every event already queued when the stream wakes goes into one delta: a reader that keeps up gets
+        one chunk per engine step, and one that falls behind (the event loop busy with many streams) gets
+        fewer, larger chunks instead of a growing backlog. A chunk's fixed cost -- its JSON, SSE frame and
+        socket write -- is then paid per wake-up, not per step (vLLM's streaming coalesces likewise)."""
+        events = self.sub.events
         while not self.is_done:
-            event = await self.sub.events.get()
-            self._observe(event)
-            if event.finished and event.finish_reason in ("error", "abort"):
-                self.is_done = True
-                status = 503 if event.finish_reason == "abort" else 500
-                raise EngineFailure(event.error or self.interrupted or "the request was aborted", status)
-            text, stopped = self.assembler.feed(event.token_ids, event.finished)
-            if stopped and not event.finished:
-                self.runner.abort(self.sub.request_id)  # free its KV now, not at max_tokens
-            if stopped or event.finished:
-                self.is_done = True
-                self.finish_reason = "stop" if stopped else event.finish_reason
+            event = await events.get()
+            text = ""
+            while True:
+                try:
+                    text += self._feed(event)
+                except EngineFailure:
+                    if text:  # what came before the failure is the client's: send it first
+                        yield text
+                    raise
+                if self.is_done or events.empty():
+                    break
+                event = events.get_nowait()
             if text or self.is_done:
                 yield text
+
+    def _feed(self, event: Event) -> str:
+        """One engine event into the assembler: its stable text. Raises EngineFailure for a failed request."""
+        self._observe(event)
+        if event.finished and event.finish_reason in ("error", "abort"):
+            self.is_done = True
+            status = 503 if event.finish_reason == "abort" else 500
+            raise EngineFailure(event.error or self.interrupted or "the request was aborted", status)
+        text, stopped = self.assembler.feed(event.token_ids, event.finished)
+        if stopped and not event.finished:
+            self.runner.abort(self.sub.request_id)  # free its KV now, not at max_tokens
+        if stopped or event.finished:
+            self.is_done = True
+            self.finish_reason = "stop" if stopped else event.finish_reason
+        return text
 
     def _observe(self, event: Event) -> None:
         n = len(event.token_ids)
