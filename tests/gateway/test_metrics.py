@@ -1,0 +1,47 @@
+"""gateway/metrics.py: the step series, kept as plain numbers and collected at scrape time, expose the
+counts, buckets and sums that per-observation prometheus-client metrics would."""
+
+from __future__ import annotations
+
+from gateway.metrics import Metrics
+from gateway.sequence import SpecStats
+from gateway.stats import Arm
+
+NGRAM, DRAFT, OFF = Arm("on", "ngram", "adaptive"), Arm("on", "draft", "2x2x1"), Arm("off", "none", "none")
+
+
+def lines(m: Metrics) -> set[str]:
+    return {line for line in m.render().decode().splitlines() if not line.startswith("#")}
+
+
+def test_step_series_count_bucket_and_sum_every_observation() -> None:
+    m = Metrics()
+    m.observe_step(NGRAM, SpecStats(1, 4, 2, [1, 1], 5, [1, 1]))  # 3 tokens from one step of 5 nodes
+    m.observe_step(DRAFT, SpecStats(2, 6, 3, [2, 1], 8, [2, 0, 1]))  # two steps, 2.5 tokens a step
+    m.observe_step(OFF, SpecStats(3, 0, 0, [], 3, []))  # three plain steps in one delivery
+    m.observe_step(OFF, SpecStats(0, 0, 0, [], 0, []))  # no step: nothing observed
+    got = lines(m)
+    want = {
+        'specgate_target_steps_total{speculation="on"} 3.0',
+        'specgate_target_steps_total{speculation="off"} 3.0',
+        'specgate_drafted_tokens_total{speculation="on"} 10.0',
+        'specgate_accepted_tokens_total{speculation="on"} 5.0',
+        # one observation per delivery: 3.0 (ngram) and 2.5 (draft) on, 1.0 off
+        'specgate_accepted_length_bucket{le="2.0",speculation="on"} 0.0',
+        'specgate_accepted_length_bucket{le="3.0",speculation="on"} 2.0',
+        'specgate_accepted_length_count{speculation="on"} 2.0',
+        'specgate_accepted_length_sum{speculation="on"} 5.5',
+        'specgate_accepted_length_bucket{le="1.0",speculation="off"} 1.0',
+        'specgate_accepted_by_depth_total{depth="1"} 3.0',
+        'specgate_accepted_by_depth_total{depth="2"} 2.0',
+        # ranks: ngram one at rank 0 and one at 1; draft two at 0 and one at 2
+        'specgate_accepted_rank_bucket{drafter="draft",le="1.0",speculation="on",tree="2x2x1"} 2.0',
+        'specgate_accepted_rank_count{drafter="draft",speculation="on",tree="2x2x1"} 3.0',
+        'specgate_accepted_rank_sum{drafter="draft",speculation="on",tree="2x2x1"} 2.0',
+        'specgate_accepted_rank_count{drafter="ngram",speculation="on",tree="adaptive"} 2.0',
+        'specgate_verified_nodes_total{drafter="ngram",speculation="on",tree="adaptive"} 5.0',
+        'specgate_kept_nodes_total{drafter="draft",speculation="on",tree="2x2x1"} 5.0',
+        'specgate_wasted_verify_tokens_sum{drafter="draft",speculation="on",tree="2x2x1"} 1.5',
+        'specgate_verify_utilisation_bucket{drafter="none",le="1.0",speculation="off",tree="none"} 1.0',
+    }
+    assert want <= got, sorted(want - got)
