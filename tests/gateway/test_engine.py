@@ -253,3 +253,22 @@ def test_prefix_cache_reuses_blocks_and_keeps_output() -> None:
     assert [first["0"]] + [rest[str(i)] for i in range(1, 4)] == want
     assert eng.cache.pool.prefix_hit_blocks - hits_before >= 3 * 7
     assert eng.cache.pool.num_free == eng.cache.pool.num_blocks  # parked blocks count as free
+
+
+def test_a_lookup_that_finds_nothing_counts_against_its_sequences_acceptance() -> None:
+    """The n-gram drafter offered levels it cannot fill (no match): each such step is one failed level for the
+    sequence and for the drafter's prior, so the budget stops promising itself the prior's 0.5 -- while a
+    drafter that fills its levels keeps its figure."""
+    eng = tiny_engine()
+    eng.drafters["ngram"].continuations = lambda *a, **k: []  # never a match
+    long = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)  # long enough for the prior to count
+    eng.add("miss", [1, 2, 3], long, SpeculationParams(drafter="ngram"))
+    eng.add("miss2", [4, 5, 6], long, SpeculationParams(drafter="ngram"))
+    eng.add("hit", [1, 2, 3], GREEDY, SpeculationParams(drafter="exact"))
+    seqs = {rid: eng._seqs[rid] for rid in ("miss", "hit")}
+    while eng.has_work():
+        eng.step()
+    assert seqs["miss"].stats.drafted_tokens == 0
+    assert seqs["miss"].acceptance.alpha < 0.2
+    assert seqs["hit"].acceptance.alpha > 0.8  # the exact drafter is always right
+    assert eng.scheduler.priors.start("ngram").alpha < 0.2  # the next n-gram request starts from that record

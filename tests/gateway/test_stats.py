@@ -187,9 +187,9 @@ def test_engine_commit_records_each_accepted_nodes_rank_among_its_siblings() -> 
     seen: list[tuple[list[int], list[int]]] = []
     commit = engine._commit
 
-    def spy(seq, tree, result):
+    def spy(seq, tree, result, offered):
         seen.append((tree.parents.tolist(), list(result.accepted_nodes)))
-        return commit(seq, tree, result)
+        return commit(seq, tree, result, offered)
 
     engine._commit = spy
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
