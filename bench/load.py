@@ -202,7 +202,10 @@ def ab_rows(levels: list[dict]) -> list[dict]:
     """The on/off table per level: one client's tokens/s (p50 over requests of tokens / end-to-end time;
     the arms share batches, so their ratio is speculation's gain at that load, first-token waits included),
     p50 time per output token and its off/on ratio (the decode speed-up alone, which a few first-token
-    stalls cannot sway at small request counts), p99 time to first token."""
+    stalls cannot sway at small request counts), p99 time to first token. ``ratio_mean`` is the same
+    ratio over mean rates: when a level queues for admission, the rates split into requests that waited
+    and requests that did not, and the p50 can fall on either side in either arm (the H200 at a5ef89b:
+    0.485 at concurrency 64 by p50, 0.95 by means, equal TPOT -- load_gpu_a5ef89b.json)."""
     def ms(x: float | None) -> float | None:
         return None if x is None else round(x * 1e3, 2)
 
@@ -212,6 +215,8 @@ def ab_rows(levels: list[dict]) -> list[dict]:
         a, b = on["request_tokens_per_s"]["p50"], off["request_tokens_per_s"]["p50"]
         rows.append({"concurrency": level["concurrency"], "spec_tok_s": a, "nospec_tok_s": b,
                      "ratio": round(a / b, 3) if a and b else None,
+                     "ratio_mean": (round(on["request_tokens_per_s"]["mean"] / off["request_tokens_per_s"]["mean"], 3)
+                                    if on["request_tokens_per_s"]["mean"] and off["request_tokens_per_s"]["mean"] else None),
                      "p50_tpot_ms_on": ms(on["tpot_s"]["p50"]), "p50_tpot_ms_off": ms(off["tpot_s"]["p50"]),
                      "tpot_ratio_off_over_on": (round(off["tpot_s"]["p50"] / on["tpot_s"]["p50"], 3)
                                                 if on["tpot_s"]["p50"] and off["tpot_s"]["p50"] else None),
