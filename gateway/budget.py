@@ -88,6 +88,10 @@ class BudgetConfig:
     max_probe_every: int = 128  # the longest interval between probes, however dear they are
     cost_aware: bool = True  # cap draft depth by measured step time (StepCosts); False: acceptance alone
     reprobe: int = 256  # steps after which a depth's step time is measured again
+    # A step that holds a request with speculation off costs it that step's time per token: such a step may
+    # cost at most this share more than a plain step (the load issue's bound for A/B arms in one server).
+    # None: no bound.
+    plain_penalty: float | None = 0.05
 
     def __post_init__(self) -> None:
         if self.max_verify_tokens < 1:
@@ -99,6 +103,8 @@ class BudgetConfig:
                              f"{self.max_probe_every}")
         if self.probe_overhead <= 0:
             raise ValueError(f"probe_overhead must be > 0, got {self.probe_overhead}")
+        if self.plain_penalty is not None and self.plain_penalty < 0:
+            raise ValueError(f"plain_penalty must be >= 0 or None, got {self.plain_penalty}")
 
 
 def probe_interval(plain_s: float | None, probe_s: float | None, cfg: BudgetConfig) -> int:
@@ -204,7 +210,8 @@ class StepCosts:
         seen = self._seen.get(self._key(batch, depth, drafters))
         return None if seen is None else seen[0]
 
-    def best_depth(self, batch: int, gains: list[float], floor: int = 0, drafters: tuple[str, ...] = ()) -> int:
+    def best_depth(self, batch: int, gains: list[float], floor: int = 0, drafters: tuple[str, ...] = (),
+                   max_ratio: float | None = None) -> int:
         """The depth cap in ``floor..len(gains) - 1`` with the most expected tokens per second, where
         ``gains[c]`` is the step's expected tokens with the cap at ``c``.
 
@@ -214,24 +221,38 @@ class StepCosts:
         shallowest such depth first: its figure then bounds the deeper ones. Trying every depth, deepest
         first, spent whole steps on four-level trees that could not pay (a fresh engine, or a batch bucket
         met for the first time); this way a drafter that does not pay costs one measured level per
-        ``reprobe`` steps."""
+        ``reprobe`` steps.
+
+        ``max_ratio``: only depths whose step costs at most ``max_ratio`` times a plain step's (measured, or
+        for an untried depth its lower bound) -- the batch holds requests that do not speculate and pay
+        whatever the step costs. Depths up to ``floor`` (trees requests fixed themselves) are kept."""
         best, best_rate = floor, -1.0
+        plain = self._fresh(batch, 0, drafters) if max_ratio is not None else None
+        limit = None if plain is None else plain * max_ratio
         bound = 0.0  # the dearest fresh figure so far: a lower bound on any deeper step's time
         untried: list[tuple[int, float]] = []  # (depth, its cost lower bound)
         for c in range(len(gains)):
-            seen = self._seen.get(self._key(batch, c, drafters))
-            fresh = seen is not None and seen[0] is not None and self.steps - seen[1] <= self.reprobe
-            if fresh:
-                bound = max(bound, seen[0])
+            cost = self._fresh(batch, c, drafters)
+            if cost is not None:
+                bound = max(bound, cost)
             if c < floor:
                 continue
-            if not fresh:
+            if limit is not None and c > floor and bound > limit:
+                break  # this depth, and every deeper one, costs the plain requests too much
+            if cost is None:
                 untried.append((c, bound))
                 continue
-            rate = gains[c] / seen[0]
+            rate = gains[c] / cost
             if rate > best_rate:
                 best, best_rate = c, rate
         for c, low in untried:  # shallowest first
             if low <= 0 or gains[c] / low > best_rate:
                 return c
         return best
+
+    def _fresh(self, batch: int, depth: int, drafters: tuple[str, ...]) -> float | None:
+        """The depth's step seconds, if measured within the last ``reprobe`` steps."""
+        seen = self._seen.get(self._key(batch, depth, drafters))
+        if seen is None or seen[0] is None or self.steps - seen[1] > self.reprobe:
+            return None
+        return seen[0]

@@ -51,6 +51,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapt", choices=["cost", "acceptance"], default="cost",
                    help="how default trees are cut: by acceptance and this machine's measured step times (cost), "
                         "or by acceptance alone")
+    p.add_argument("--plain-penalty", type=float, default=0.05,
+                   help="with --adapt cost: a step holding a request with speculation off may cost at most this "
+                        "share more than a plain step (negative: no bound)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly (on CUDA, decode / verify / draft steps replay CUDA graphs)")
     p.add_argument("--capture-graphs", dest="capture_at_start", action="store_true",
@@ -61,11 +64,13 @@ def load(args: argparse.Namespace) -> LLM:
     cfg = LoadConfig(model=args.model, draft=args.draft, self_draft_layers=args.self_draft_layers,
                      quantize=args.quantize, group_size=args.group_size, dtype=args.dtype, device=args.device,
                      cache_dir=args.cache_dir, tensor_parallel=args.tensor_parallel)
+    penalty = args.plain_penalty if args.plain_penalty >= 0 else None
     ecfg = EngineConfig(num_blocks=args.num_blocks, page_size=args.page_size,
                         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                                   max_model_len=args.max_model_len, policy=args.policy,
                                                   budget=BudgetConfig(max_verify_tokens=args.max_verify_tokens,
-                                                                      cost_aware=args.adapt == "cost")),
+                                                                      cost_aware=args.adapt == "cost",
+                                                                      plain_penalty=penalty)),
                         cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start, **({"default_tree": args.tree} if args.tree else {}))
     return LLM.load(cfg, ecfg, log=log_stderr)
 

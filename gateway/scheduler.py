@@ -168,7 +168,9 @@ class Scheduler:
                     term *= a
                     tokens += term
         kinds = drafter_set(s.drafter for s, (w, _) in zip(decoding, asked) if w)
-        c = self.costs.best_depth(len(decoding), gains, floor, kinds)
+        penalty = self.config.budget.plain_penalty
+        bounded = penalty is not None and any(not s.drafter for s in decoding)  # a speculation-off request rides along
+        c = self.costs.best_depth(len(decoding), gains, floor, kinds, 1.0 + penalty if bounded else None)
         for i in cut:
             # A sequence the cap keeps from drafting never updates its acceptance, so a cap set on a low
             # early estimate would hold for good: every probe interval it drafts one level anyway (on the

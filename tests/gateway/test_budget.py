@@ -155,3 +155,50 @@ def test_probe_interval_grows_with_what_a_probe_costs() -> None:
         assert (probe / plain - 1) / k <= 0.03 and k % cfg.probe_every == 0
     with pytest.raises(ValueError, match="probe_every"):
         BudgetConfig(probe_every=256, max_probe_every=128)
+
+
+def test_a_batch_with_plain_requests_keeps_to_depths_that_cost_them_little() -> None:
+    """Requests with speculation off pay each step's time per token: with one in the batch, only depths within
+    ``max_ratio`` of a plain step count -- measured, or bounded below for an untried one."""
+    costs = StepCosts(reprobe=1000)
+    for c, secs in ((0, 1.0), (1, 1.03), (2, 1.2)):
+        for _ in range(2):
+            costs.observe(4, c, secs, ("ngram",))
+    gains = [4.0, 4.5, 6.0]  # depth 2 has the best rate: 6.0 / 1.2 against 4.5 / 1.03 and 4.0 / 1.0
+    assert costs.best_depth(4, gains, drafters=("ngram",)) == 2
+    assert costs.best_depth(4, gains, drafters=("ngram",), max_ratio=1.05) == 1
+    assert costs.best_depth(4, gains, drafters=("ngram",), max_ratio=1.01) == 0
+    assert costs.best_depth(4, gains, floor=2, drafters=("ngram",), max_ratio=1.01) == 2  # a fixed tree stays
+    # untried depth 3: its lower bound (depth 2's 1.2) is already past 1.05, so it is not even tried
+    assert costs.best_depth(4, gains + [9.0], drafters=("ngram",), max_ratio=1.05) == 1
+    assert costs.best_depth(4, gains + [9.0], drafters=("ngram",)) == 3
+
+
+def test_the_scheduler_bounds_the_depth_only_when_a_plain_request_rides_along() -> None:
+    from gateway.scheduler import Scheduler, SchedulerConfig
+    from target.blocks import BlockPool
+    from test_scheduler import Clock, make_seq
+
+    def widths(with_plain: bool) -> dict[str, tuple[int, ...]]:
+        sched = Scheduler(SchedulerConfig(max_running=4), BlockPool(256, 4), Clock())
+        seqs = [make_seq(i, 4, 50, 0, 0.0) for i in range(3)]
+        for s in seqs:
+            s.drafter = "ngram"
+        if with_plain:
+            seqs[2].drafter = None
+        for s in seqs:
+            sched.add(s)
+            s.acceptance.successes, s.acceptance.trials = 9.0, 10.0  # alpha 0.9: four levels pay on their own
+        for c, secs in ((0, 1.0), (1, 1.02), (2, 1.3), (3, 1.35), (4, 1.4)):
+            for _ in range(2):
+                sched.costs.observe(3, c, secs, ("ngram",))
+        plan = sched.schedule(lambda s: ((2, 2, 2, 1), True) if s.drafter else ((), False))
+        for s, n in plan.prefills:
+            s.table.ensure(s.num_cached + n)
+            s.num_cached += n
+        return {s.request_id: w for s, w in sched.schedule(lambda s: ((2, 2, 2, 1), True) if s.drafter
+                                                          else ((), False)).decodes}
+
+    assert widths(False)["0"] == (2, 2, 2, 1)
+    mixed = widths(True)
+    assert mixed["0"] == (2,) and mixed["2"] == ()  # depth 1 costs 2% more than plain; depth 2 30%
