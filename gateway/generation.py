@@ -104,9 +104,7 @@ class Generation:
                     store.observe_first_token(self.sub.arm, event.time - self.arrival, event.time)
             else:
                 per_token = (event.time - self.last_time) / n  # a speculative event carries several tokens
-                series = self.metrics.per_token.labels(self.label)
-                for _ in range(n):
-                    series.observe(per_token)
+                self.metrics.per_token.add((self.label,), per_token, n)
                 if store is not None:
                     store.observe_token_gaps(self.sub.arm, per_token, n, event.time)
             self.last_time = event.time

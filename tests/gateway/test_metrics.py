@@ -45,3 +45,15 @@ def test_step_series_count_bucket_and_sum_every_observation() -> None:
         'specgate_verify_utilisation_bucket{drafter="none",le="1.0",speculation="off",tree="none"} 1.0',
     }
     assert want <= got, sorted(want - got)
+
+
+def test_per_token_gaps_count_every_token_of_an_event_with_inclusive_bounds() -> None:
+    m = Metrics()
+    m.per_token.add(("on",), 0.001, 3)  # one event of three tokens, exactly on the first bound
+    m.per_token.add(("on",), 0.03, 1)
+    got = lines(m)
+    assert {'specgate_time_per_output_token_seconds_bucket{le="0.001",speculation="on"} 3.0',
+            'specgate_time_per_output_token_seconds_bucket{le="0.02",speculation="on"} 3.0',
+            'specgate_time_per_output_token_seconds_bucket{le="0.04",speculation="on"} 4.0',
+            'specgate_time_per_output_token_seconds_count{speculation="on"} 4.0'} <= got
+    assert not [line for line in got if 'speculation="off"' in line and "per_output_token" in line]
