@@ -18,7 +18,9 @@
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
 #   bash bench/gpu_run.sh real       bench/engine.py's real pair
 #   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed
-# Results go to $OUT (the device tool brings them back).
+# Results go to $OUT (the device tool brings them back). Put the commit in the command text, as the host's
+# checkout names it (BENCH_COMMIT=abc1234 bash bench/gpu_run.sh ...): the device's copy of .git is stale,
+# and `$(git rev-parse HEAD)` inside the command runs there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".:tests:.cache/pkgs" SPECGATE_CACHE="$PWD/.cache/specgate" PYTHONUNBUFFERED=1
