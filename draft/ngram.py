@@ -7,9 +7,10 @@ branches of a trie, each at most ``len(widths)`` tokens deep.
 Lookup cost: each sequence keeps its tokens as a byte string (4 bytes a token, extended by the new tokens
 of each step), and a lookup is ``bytes.rfind`` of the last n tokens' bytes, from the newest match back:
 C-speed search over at most the window, and nothing to maintain per token. (A Python scan of a 4k-token
-window was milliseconds per sequence per step; a dict index of every n-gram cost about 3 us per token
-and n to keep, which at batch 16 on the H200 made the first draft step over 16 fresh prompts take 6 ms
-against a plain step's 1.8 -- bench/results/engine_real_04c440b.json.) Results are the scan's, match for
+window was milliseconds per sequence per step; a dict index of every n-gram, built on a sequence's first
+lookup, made the first draft step over 16 fresh prompts take 6 ms on the H200 against a plain step's 1.8
+-- bench/results/engine_real_04c440b.json. On the CPU the search makes later lookups dearer than the
+index's, 0.45 against 0.12 ms a step for 16 sequences of 2000 tokens -- bench/results/host_micro_cpu.json.) Results are the scan's, match for
 match (tests/draft/test_ngram.py checks it against one).
 """
 
