@@ -10,8 +10,8 @@ C-speed search over at most the window, and nothing to maintain per token. (A Py
 window was milliseconds per sequence per step; a dict index of every n-gram, built on a sequence's first
 lookup, made the first draft step over 16 fresh prompts take 6 ms on the H200 against a plain step's 1.8
 -- bench/results/engine_real_04c440b.json. On the CPU the search makes later lookups dearer than the
-index's, 0.45 against 0.12 ms a step for 16 sequences of 2000 tokens -- bench/results/host_micro_cpu.json.) Results are the scan's, match for
-match (tests/draft/test_ngram.py checks it against one).
+index's, 0.45 against 0.12 ms a step for 16 sequences of 2000 tokens -- bench/results/host_micro_cpu.json.)
+Results are the scan's, match for match (tests/draft/test_ngram.py checks it against one).
 """
 
 from __future__ import annotations

@@ -135,11 +135,17 @@ class CountedHistogram:
         return []
 
     def collect(self):
-        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
-        with self._lock:
-            for values, h in self._hists.items():
-                fam.add_metric(list(values), h.buckets(), h.sum)
+        with self._lock:  # built under the lock, handed out after it: a scrape never holds up the observers
+            fam = _histogram_family(self.name, self.doc, self.labels, self._hists.items())
         yield fam
+
+
+def _histogram_family(name: str, doc: str, labels: list[str], hists) -> HistogramMetricFamily:
+    """One metric family from ``(label values, _Hist)`` pairs."""
+    fam = HistogramMetricFamily(name, doc, labels=labels)
+    for values, h in hists:
+        fam.add_metric(list(values), h.buckets(), h.sum)
+    return fam
 
 
 class _Hist:
@@ -222,55 +228,57 @@ class StepFigures:
         return []  # registering must not call collect(): the series exist before any step
 
     def collect(self):
-        spec, arm_labels = ["speculation"], ARM
-        fams = {
-            "steps": CounterMetricFamily("specgate_target_steps", "Per-request target steps (a batch step counts "
-                                         "once per sequence)", labels=spec),
-            "drafted": CounterMetricFamily("specgate_drafted_tokens", "Draft tokens proposed", labels=spec),
-            "accepted": CounterMetricFamily("specgate_accepted_tokens", "Draft tokens the target kept", labels=spec),
-            "verified": CounterMetricFamily("specgate_verified_nodes", "Tree nodes the target scored in decode "
-                                            "steps (roots included)", labels=arm_labels),
-            "kept": CounterMetricFamily("specgate_kept_nodes", "Verified nodes that emitted a token (roots and "
-                                        "accepted drafts); divide by specgate_verified_nodes_total for the "
-                                        "utilisation", labels=arm_labels),
-        }
-        hists = {
-            "accepted_length": HistogramMetricFamily("specgate_accepted_length", "Tokens emitted per target step "
-                                                     "(accepted drafts + bonus)", labels=spec),
-            "accepted_depth": HistogramMetricFamily("specgate_accepted_depth", "Draft tokens accepted per target "
-                                                    "step, by arm", labels=arm_labels),
-            "accepted_rank": HistogramMetricFamily("specgate_accepted_rank", "For each accepted draft token, its "
-                                                   "index among its parent's children in the tree (0 = the "
-                                                   "drafter's first choice)", labels=arm_labels),
-            "utilisation": HistogramMetricFamily("specgate_verify_utilisation", "Kept / verified nodes per target "
-                                                 "step", labels=arm_labels),
-            "wasted": HistogramMetricFamily("specgate_wasted_verify_tokens", "Verified nodes thrown away per "
-                                            "target step (verified - kept)", labels=arm_labels),
-        }
-        by_depth = CounterMetricFamily("specgate_accepted_by_depth", "Accepted draft tokens at each tree depth; "
-                                       "divide by specgate_target_steps_total{speculation=\"on\"} for the "
-                                       "acceptance rate at that depth", labels=["depth"])
-        with self._lock:
-            per_spec: dict[str, _ArmFigures] = {}
-            for arm, f in self._arms.items():
-                full = [arm.speculation, arm.drafter, arm.tree]
-                fams["verified"].add_metric(full, f.verified)
-                fams["kept"].add_metric(full, f.kept)
-                for name in ("accepted_depth", "accepted_rank", "utilisation", "wasted"):
-                    h = getattr(f, name)
-                    hists[name].add_metric(full, h.buckets(), h.sum)
-                agg = per_spec.setdefault(arm.speculation, _ArmFigures())
-                agg.steps += f.steps
-                agg.drafted += f.drafted
-                agg.accepted += f.accepted
-                agg.accepted_length.merge(f.accepted_length)
-            for label, agg in per_spec.items():
-                for name in ("steps", "drafted", "accepted"):
-                    fams[name].add_metric([label], getattr(agg, name))
-                hists["accepted_length"].add_metric([label], agg.accepted_length.buckets(), agg.accepted_length.sum)
-            for depth, count in enumerate(self._by_depth):
-                if count:
-                    by_depth.add_metric([str(depth + 1)], count)
-        yield from fams.values()
-        yield from hists.values()
-        yield by_depth
+        with self._lock:  # built under the lock, handed out after it: a scrape never holds up the engine thread
+            fams = list(self._families())
+        yield from fams
+
+    def _families(self):
+        """The step series' metric families; the caller holds the lock."""
+        spec = ["speculation"]
+        arms = [((a.speculation, a.drafter, a.tree), f) for a, f in self._arms.items()]
+        per_spec: dict[tuple[str], _ArmFigures] = {}  # the speculation-labelled series sum their arms
+        for (label, *_), f in arms:
+            agg = per_spec.setdefault((label,), _ArmFigures())
+            agg.steps += f.steps
+            agg.drafted += f.drafted
+            agg.accepted += f.accepted
+            agg.accepted_length.merge(f.accepted_length)
+        for attr, name, doc in _SPEC_COUNTERS:
+            yield _counter_family(name, doc, spec, ((k, getattr(f, attr)) for k, f in per_spec.items()))
+        for attr, name, doc in _ARM_COUNTERS:
+            yield _counter_family(name, doc, ARM, ((k, getattr(f, attr)) for k, f in arms))
+        yield _histogram_family("specgate_accepted_length", "Tokens emitted per target step (accepted drafts + "
+                                "bonus)", spec, ((k, f.accepted_length) for k, f in per_spec.items()))
+        for attr, name, doc in _ARM_HISTOGRAMS:
+            yield _histogram_family(name, doc, ARM, ((k, getattr(f, attr)) for k, f in arms))
+        yield _counter_family("specgate_accepted_by_depth", "Accepted draft tokens at each tree depth; divide by "
+                              "specgate_target_steps_total{speculation=\"on\"} for the acceptance rate at that "
+                              "depth", ["depth"], (((str(d + 1),), n) for d, n in enumerate(self._by_depth) if n))
+
+
+# (attribute of _ArmFigures, metric name, help) of the step series
+_SPEC_COUNTERS = (
+    ("steps", "specgate_target_steps", "Per-request target steps (a batch step counts once per sequence)"),
+    ("drafted", "specgate_drafted_tokens", "Draft tokens proposed"),
+    ("accepted", "specgate_accepted_tokens", "Draft tokens the target kept"),
+)
+_ARM_COUNTERS = (
+    ("verified", "specgate_verified_nodes", "Tree nodes the target scored in decode steps (roots included)"),
+    ("kept", "specgate_kept_nodes", "Verified nodes that emitted a token (roots and accepted drafts); divide by "
+     "specgate_verified_nodes_total for the utilisation"),
+)
+_ARM_HISTOGRAMS = (
+    ("accepted_depth", "specgate_accepted_depth", "Draft tokens accepted per target step, by arm"),
+    ("accepted_rank", "specgate_accepted_rank", "For each accepted draft token, its index among its parent's "
+     "children in the tree (0 = the drafter's first choice)"),
+    ("utilisation", "specgate_verify_utilisation", "Kept / verified nodes per target step"),
+    ("wasted", "specgate_wasted_verify_tokens", "Verified nodes thrown away per target step (verified - kept)"),
+)
+
+
+def _counter_family(name: str, doc: str, labels: list[str], values) -> CounterMetricFamily:
+    """One metric family from ``(label values, count)`` pairs."""
+    fam = CounterMetricFamily(name, doc, labels=labels)
+    for key, n in values:
+        fam.add_metric(list(key), n)
+    return fam
