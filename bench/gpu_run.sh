@@ -13,6 +13,10 @@
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in two parts) and convert it once
 #   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
 #   bash bench/gpu_run.sh drafts     drafts.json with the new draft (DRAFT=DIR another draft, ARMS=a,b the drafters)
+#   bash bench/gpu_run.sh distill_mix   the draft on the mixed prompt list (both prompt files, 3 samples each,
+#                                    bf16 sampling), scored on held-out prompts beside the shipped draft; into
+#                                    .cache/draft_mix (run it under setsid and poll: it can outlast one call)
+#   bash bench/gpu_run.sh drafts_ab  drafts.json: the .cache/draft_mix draft, the shipped draft and n-grams
 #   bash bench/gpu_run.sh feature    train a feature draft (EAGLE-style) for the embedded model into .cache/feature_draft
 #   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
@@ -73,6 +77,20 @@ for stage in "$@"; do
         --samples 2 --temperature 0,0.9 --max-tokens 192 --sample-batch 128 --steps 2500 --batch-size 16 \
         --lr 6e-4 --top-k 64 --seed 0 --corpus .cache/corpus.json 2>&1 | grep -v "it/s\]$" | tail -12
       cp "$OUT/draft/distill.json" "$OUT/distill_meta.json" 2>/dev/null ;;
+    distill_mix)
+      python -m draft.distill --target embedded --out .cache/draft_mix --layers 3 --device cuda \
+        --prompts draft/data/distill_prompts.txt draft/data/distill_prompts_mix.txt --samples 3 --temperature 0,0.7,1.0 \
+        --max-tokens 256 --sample-batch 256 --sample-dtype bfloat16 --teacher-batch 32 --steps "${STEPS:-6000}" \
+        --batch-size 32 --lr 6e-4 --top-k 64 --seed 0 --corpus .cache/corpus_mix.json --val-every 50 \
+        --baseline draft/weights/smollm2-135m-instruct > .cache/distill_mix.log 2>&1
+      tr '\r' '\n' < .cache/distill_mix.log | grep -v "it/s\]$" | tail -12 ;;
+    drafts_ab)
+      for d in .cache/draft_mix draft/weights/smollm2-135m-instruct; do
+        arms=draft; [ "$d" = .cache/draft_mix ] && arms=draft,ngram
+        timeout 240 python bench/drafters.py --sweep --arms "$arms" --prompts 16 --batch 8 --max-tokens 128 \
+          --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
+          --draft "$d" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts_$(basename $d).json" 2>&1 | tail -8
+      done ;;
     drafts)
       timeout 200 python bench/drafters.py --sweep --arms "${ARMS:-draft,ngram,self}" --prompts 16 --batch 8 --max-tokens 128 \
         --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \

@@ -1,8 +1,10 @@
 """Train a small draft model for any target: ``python -m draft.distill --target DIR_OR_GGUF --out DIR``.
 
 1. Sample continuations from the target itself through the engine's batched generation (speculation
-   off, seeded) for the prompts in ``draft/data/distill_prompts.txt``.
+   off, seeded) for the prompts in ``draft/data/distill_prompts.txt`` (or ``--prompts``).
 2. Keep the target's top-k next-token distribution at every position of prompt + continuation.
+   Every ``--val-every``-th prompt is held out: its sequences score the draft before and after training
+   (KL and top-1 agreement with the target on the sampled tokens), recorded in ``distill.json``.
 3. Train a few-layer student of the same family and hidden size by KL to it (DistillSpec); the
    student starts from evenly spread target layers and reuses the target's embedding and LM head
    frozen, so the checkpoint holds only its own layers (config flag ``specgate_shared_embeddings``;
@@ -23,20 +25,20 @@ import json
 import random
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from draft.dense_lm import student_from_teacher, teacher_from_checkpoint
-from draft.distill_train import Tokens, feature_loss, save_draft, teacher_targets, train
+from draft.distill_train import Tokens, evaluate, feature_loss, save_draft, teacher_targets, train
 from draft.params import SpeculationParams
 from gateway.engine import EngineConfig
 from gateway.llm import LLM, LoadConfig, resolve_model_path
 from gateway.scheduler import SchedulerConfig
 from target.config import ModelConfig
-from target.loader import LoadedCheckpoint, load_checkpoint
+from target.loader import LoadedCheckpoint, attach_shared_embeddings, load_checkpoint
 from verify.sampling import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "distill_prompts.txt"
@@ -54,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
     ap.add_argument("--top-k", type=int, default=64, help="teacher log-probs kept per position")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", default=str(PROMPTS), help="one instruction per line")
+    ap.add_argument("--prompts", nargs="+", default=[str(PROMPTS)], help="files of one instruction per line")
     ap.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
     ap.add_argument("--samples", type=int, default=1, help="sampled continuations per prompt")
     ap.add_argument("--corpus", default=None, help="JSON of sampled token ids: reused when it exists, else written")
@@ -63,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="sampling temperature; a comma list cycles over the --samples (0 = greedy)")
     ap.add_argument("--device", default="cpu", help="where the target samples and the draft trains: cpu or cuda")
     ap.add_argument("--sample-batch", type=int, default=32, help="sequences the engine decodes at once")
+    ap.add_argument("--sample-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the target's dtype while it samples (bfloat16 on CUDA is the served precision)")
+    ap.add_argument("--teacher-batch", type=int, default=8, help="sequences per teacher forward (top-k targets)")
+    ap.add_argument("--val-every", type=int, default=50,
+                    help="hold out every N-th prompt's sequences for evaluation (0 = no held-out set)")
+    ap.add_argument("--baseline", default=None,
+                    help="an earlier draft of this target, scored on the same held-out set (val_*_baseline)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--feature", action="store_true", help="train a feature draft (EAGLE-style) instead of a small LM")
     ap.add_argument("--feature-reg", type=float, default=0.1, help="weight of the feature regression (--feature)")
@@ -79,68 +88,124 @@ def draft_config(target: ModelConfig, layers: int, hidden: int | None, intermedi
     return replace(target, num_layers=layers, intermediate_size=inter)
 
 
+@dataclass(slots=True)
+class Corpus:
+    """Sampled training text: ``sequences[i]`` is prompt ``prompt_index[i]``'s ids followed by one sampled
+    continuation, whose first ``prompt_lens[i]`` ids are the prompt's."""
+
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    prompt_index: list[int]
+
+    def to_json(self) -> str:
+        return json.dumps({"sequences": self.sequences, "prompt_lens": self.prompt_lens,
+                           "prompt_index": self.prompt_index})
+
+    @staticmethod
+    def from_json(text: str) -> "Corpus":
+        raw = json.loads(text)
+        if isinstance(raw, list):  # the earlier format: sequences alone (prompt lengths unknown)
+            return Corpus(raw, [0] * len(raw), list(range(len(raw))))
+        return Corpus(raw["sequences"], raw["prompt_lens"], raw["prompt_index"])
+
+    def split(self, val_every: int) -> tuple[list[int], list[int]]:
+        """Sequence indices for training and for evaluation: every ``val_every``-th prompt's samples are held
+        out whole, so no held-out prompt is ever trained on (none when ``val_every`` is 0)."""
+        held = [val_every > 0 and p % val_every == val_every - 1 for p in self.prompt_index]
+        return [i for i, h in enumerate(held) if not h], [i for i, h in enumerate(held) if h]
+
+
 def sample_corpus(target: str, prompts: list[str], samples: int, max_tokens: int, temperatures: list[float],
-                  seed: int, device: str, batch: int = 32) -> list[list[int]]:
+                  seed: int, device: str, batch: int = 32, dtype: str = "float32") -> Corpus:
     """Prompt + sampled continuation token ids, ``samples`` per prompt, from the unquantized target.
     Sample ``s`` uses ``temperatures[s % len(temperatures)]``."""
     ids_max = 512 + max_tokens  # a prompt longer than this is cut (see below)
+    # A step may prefill a whole batch of prompts at once: sampling is throughput work, not latency work.
     engine_cfg = EngineConfig(num_blocks=batch * -(-ids_max // 16) + 64, page_size=16,
-                              scheduler=SchedulerConfig(max_running=batch, max_waiting=max(256, batch)))
-    llm = LLM.load(LoadConfig(model=target, draft="none", quantize="none", device=device, dtype="float32"),
+                              scheduler=SchedulerConfig(max_running=batch, max_waiting=max(256, batch),
+                                                        max_step_tokens=max(1024, 64 * batch)))
+    llm = LLM.load(LoadConfig(model=target, draft="none", quantize="none", device=device, dtype=dtype),
                    engine_cfg, log=lambda m: print(m, file=sys.stderr))
     ids = [llm.encode(p)[-512:] for p in prompts]
     chunk = batch  # one engine-full per call: the same batches, and progress
-    seqs: list[list[int]] = []
+    corpus = Corpus([], [], [])
     for s in range(samples):
         sampling = SamplingParams(temperature=temperatures[s % len(temperatures)], max_tokens=max_tokens,
                                   seed=seed * 1000 + s)
         for lo in tqdm(range(0, len(ids), chunk), desc=f"sample {s + 1}/{samples}", unit="batch"):
             gens = llm.generate(ids[lo : lo + chunk], sampling, SpeculationParams(enabled=False))
-            seqs += [p + g.token_ids for p, g in zip(ids[lo : lo + chunk], gens)]
-    return seqs
+            for j, (p, g) in enumerate(zip(ids[lo : lo + chunk], gens)):
+                corpus.sequences.append(p + g.token_ids)
+                corpus.prompt_lens.append(len(p))
+                corpus.prompt_index.append(lo + j)
+    return corpus
+
+
+def _load_draft(path: str, target: LoadedCheckpoint):
+    """A saved draft of ``target`` as a frozen ``DenseLM``, the target's embedding and head attached."""
+    ck = load_checkpoint(path, torch.float32)
+    attach_shared_embeddings(ck, target)
+    return teacher_from_checkpoint(ck.config, ck.weights)
 
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
+    if args.val_every == 1 or args.val_every < 0:
+        raise ValueError(f"--val-every must be 0 (no held-out set) or >= 2, got {args.val_every}: 1 holds out every prompt")
     if args.threads:
         torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     if args.target == "embedded":  # a portable name for the recorded command of the shipped draft
         args.target = str(resolve_model_path(LoadConfig()))
-    prompts = [l.strip() for l in Path(args.prompts).read_text().splitlines() if l.strip()][: args.max_prompts]
+    prompts = [l.strip() for f in args.prompts for l in Path(f).read_text().splitlines() if l.strip()][: args.max_prompts]
     ckpt: LoadedCheckpoint = load_checkpoint(args.target, torch.float32)
     if ckpt.quantized:
         raise ValueError(f"{args.target} is a quantized checkpoint: distil from its dense source")
     cfg = draft_config(ckpt.config, args.layers, args.hidden, args.intermediate)
     t0 = time.perf_counter()
-    corpus = Path(args.corpus) if args.corpus else None
-    if corpus is not None and corpus.is_file():
-        seqs = json.loads(corpus.read_text())
+    corpus_path = Path(args.corpus) if args.corpus else None
+    if corpus_path is not None and corpus_path.is_file():
+        corpus = Corpus.from_json(corpus_path.read_text())
     else:
         temps = [float(t) for t in str(args.temperature).split(",")]
-        seqs = sample_corpus(args.target, prompts, args.samples, args.max_tokens, temps, args.seed, args.device,
-                             args.sample_batch)
-        if corpus is not None:
-            corpus.write_text(json.dumps(seqs))
+        corpus = sample_corpus(args.target, prompts, args.samples, args.max_tokens, temps, args.seed, args.device,
+                               args.sample_batch, args.sample_dtype)
+        if corpus_path is not None:
+            corpus_path.write_text(corpus.to_json())
     t_sample = time.perf_counter() - t0
+    seqs = corpus.sequences
+    train_idx, val_idx = corpus.split(args.val_every)
     device = torch.device(args.device)
     teacher = teacher_from_checkpoint(ckpt.config, ckpt.weights).to(device)
     t1 = time.perf_counter()
+    held: dict[str, float] = {}
     if args.feature:  # the teacher runs beside the student: its features would not fit in memory up front
         student = student_from_teacher(teacher, cfg, feature=True, seed=args.seed).to(device)
-        tokens = [Tokens(torch.tensor(s, dtype=torch.long, device=device)) for s in seqs]
+        tokens = [Tokens(torch.tensor(seqs[i], dtype=torch.long, device=device)) for i in train_idx]
         losses = train(student, tokens, args.steps, args.lr, args.batch_size, args.seed,
                        loss_fn=lambda st, b: feature_loss(st, teacher, b, args.top_k, args.feature_reg))
     else:
-        data = teacher_targets(teacher, seqs, args.top_k)
+        starts = [max(0, n - 1) for n in corpus.prompt_lens]
+        data = teacher_targets(teacher, seqs, args.top_k, args.teacher_batch, starts)
         student = student_from_teacher(teacher, cfg).to(device)
         del teacher
+        val = [data[i] for i in val_idx]
+        if val:
+            held |= {f"val_{k}_init": v for k, v in evaluate(student, val, args.teacher_batch).items()}
+            if args.baseline:
+                base = _load_draft(args.baseline, ckpt).to(device)
+                held |= {f"val_{k}_baseline": v for k, v in evaluate(base, val, args.teacher_batch).items()}
+                del base
         t1 = time.perf_counter()
-        losses = train(student, data, args.steps, args.lr, args.batch_size, args.seed)
+        losses = train(student, [data[i] for i in train_idx], args.steps, args.lr, args.batch_size, args.seed)
+        if val:
+            held |= {f"val_{k}": v for k, v in evaluate(student, val, args.teacher_batch).items()}
+    held = {k: round(v, 4) if isinstance(v, float) else v for k, v in held.items()}
     meta = {"command": "python -m draft.distill " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "seed": args.seed, "target": Path(args.target).name, "sequences": len(seqs),
-            "tokens": sum(len(s) for s in seqs), "sample_seconds": round(t_sample, 1),
+            "seed": args.seed, "target": Path(args.target).name, "sequences": len(train_idx),
+            "val_sequences": len(val_idx), **held,
+            "tokens": sum(len(seqs[i]) for i in train_idx), "sample_seconds": round(t_sample, 1),
             "train_seconds": round(time.perf_counter() - t1, 1),
             "kl_first_10": round(sum(losses[:10]) / len(losses[:10]), 4),
             "kl_last_10": round(sum(losses[-10:]) / len(losses[-10:]), 4), "torch": torch.__version__,

@@ -37,7 +37,8 @@ class TeacherTargets:
 
     tokens: torch.Tensor  # [T] int64
     logp: torch.Tensor  # [T, k] float16, renormalised over the k tokens
-    index: torch.Tensor  # [T, k] int32 vocabulary ids
+    index: torch.Tensor  # [T, k] int32 vocabulary ids, most likely first
+    start: int = 0  # first position whose next token is a sampled one (prompt length - 1): where evaluation scores
 
 
 def pad(seqs: list[torch.Tensor], value: int | float = 0) -> torch.Tensor:
@@ -46,9 +47,10 @@ def pad(seqs: list[torch.Tensor], value: int | float = 0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_targets(teacher: DenseLM, seqs: list[list[int]], k: int, batch_size: int = 8) -> list[TeacherTargets]:
+def teacher_targets(teacher: DenseLM, seqs: list[list[int]], k: int, batch_size: int = 8,
+                    starts: list[int] | None = None) -> list[TeacherTargets]:
     """Run the teacher once over every sequence and keep its top-k log-probabilities per position (on the
-    teacher's device)."""
+    teacher's device). ``starts[i]``: sequence i's first continuation-predicting position (``TeacherTargets.start``)."""
     device = teacher.embed.device
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths share a batch: less padding
     out: list[TeacherTargets | None] = [None] * len(seqs)
@@ -60,8 +62,36 @@ def teacher_targets(teacher: DenseLM, seqs: list[list[int]], k: int, batch_size:
         top, top_i = _top_k(logp, k)  # [B, T, k]
         for b, i in enumerate(idx):
             n = len(seqs[i])
-            out[i] = TeacherTargets(toks[b], top[b, :n].half(), top_i[b, :n].int())
+            out[i] = TeacherTargets(toks[b], top[b, :n].half(), top_i[b, :n].int(), starts[i] if starts else 0)
     return out  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def evaluate(student: DenseLM, data: list[TeacherTargets], batch_size: int = 8) -> dict[str, float]:
+    """Held-out fidelity over the positions that predict sampled tokens (``start`` on): the mean top-k KL, and
+    ``top1``, how often the student's argmax is the teacher's -- a greedy chain draft's acceptance rate per
+    token when the draft is fed the target's own text."""
+    was_training = student.training
+    student.eval()
+    kl_sum, hits, count = 0.0, 0, 0
+    for lo in range(0, len(data), batch_size):
+        batch = data[lo : lo + batch_size]
+        tokens = pad([b.tokens for b in batch])  # [B, T]
+        T = tokens.shape[1]
+        pos = torch.arange(T, device=tokens.device)[None, :]
+        mask = torch.stack([(pos[0] >= b.start) & (pos[0] < len(b.tokens)) for b in batch]).float()  # [B, T]
+        with _autocast(tokens.device):
+            logits = student(tokens)  # [B, T, V]
+        p_log = pad([b.logp.float() for b in batch], -math.inf)  # [B, T, k]
+        index = pad([b.index.long() for b in batch])  # [B, T, k]
+        n = mask.sum()
+        if n == 0:
+            continue
+        kl_sum += float(_kl(p_log, index, logits, mask) * n)
+        hits += int(((logits.argmax(-1) == index[..., 0]).float() * mask).sum())
+        count += int(n)
+    student.train(was_training)
+    return {"kl": kl_sum / max(count, 1), "top1": hits / max(count, 1), "positions": count}
 
 
 def kl_loss(student: DenseLM, batch: list[TeacherTargets]) -> torch.Tensor:

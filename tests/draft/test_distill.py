@@ -12,8 +12,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from draft.dense_lm import student_from_teacher, teacher_from_checkpoint
-from draft.distill import draft_config, main
-from draft.distill_train import Tokens, feature_loss, teacher_targets, train
+from draft.distill import Corpus, draft_config, main
+from draft.distill_train import Tokens, evaluate, feature_loss, teacher_targets, train
 from draft.feature_drafter import FeatureDrafter
 from draft.params import SpeculationParams
 from engine_util import random_weights, tiny_config
@@ -67,14 +67,52 @@ def test_a_few_kl_steps_lower_the_loss() -> None:
     assert sum(losses[-5:]) / 5 < 0.6 * losses[0], losses
 
 
+def test_corpus_holds_out_whole_prompts_and_reads_the_earlier_format() -> None:
+    corpus = Corpus([[1, 2, 3]] * 8, [2] * 8, [0, 1, 2, 3, 0, 1, 2, 3])  # two samples of four prompts
+    train_idx, val_idx = corpus.split(2)
+    assert val_idx == [1, 3, 5, 7] and train_idx == [0, 2, 4, 6]  # prompts 1 and 3, both of their samples
+    assert corpus.split(0) == (list(range(8)), [])
+    again = Corpus.from_json(corpus.to_json())
+    assert (again.sequences, again.prompt_lens, again.prompt_index) == (corpus.sequences, [2] * 8, corpus.prompt_index)
+    legacy = Corpus.from_json("[[5, 6], [7, 8, 9]]")
+    assert legacy.prompt_lens == [0, 0] and legacy.prompt_index == [0, 1]
+
+
+def test_evaluate_scores_only_the_sampled_positions() -> None:
+    """A student that is the whole teacher agrees everywhere; a one-layer student does not, and where a
+    sequence's scoring starts changes what is counted."""
+    cfg = tiny_config(vocab=64, layers=2)
+    teacher = teacher_from_checkpoint(cfg, random_weights(cfg))
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(64, (n,), generator=g).tolist() for n in (9, 14, 6)]
+    data = teacher_targets(teacher, seqs, k=64, starts=[3, 0, 5])
+    same = evaluate(student_from_teacher(teacher, draft_config(cfg, 2, None, None)), data, batch_size=2)
+    assert same["positions"] == (9 - 3) + 14 + (6 - 5)
+    assert same["top1"] == 1.0 and abs(same["kl"]) < 1e-3  # logp is stored in fp16
+    small = student_from_teacher(teacher, draft_config(cfg, 1, None, 16))
+    assert evaluate(small, data)["kl"] > 1e-2
+    assert evaluate(small, teacher_targets(teacher, seqs, k=64))["positions"] == 9 + 14 + 6
+
+
 def test_distill_command_writes_a_loadable_lossless_draft(tmp_path: Path) -> None:
     target = tiny_target(tmp_path)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Say hello.\nCount to five.\nName a colour.\nWrite a word.\n")
     out = tmp_path / "draft"
     main(["--target", str(target), "--out", str(out), "--layers", "1", "--intermediate", "64", "--steps", "4",
-          "--max-tokens", "12", "--top-k", "8", "--batch-size", "2", "--prompts", str(prompts), "--seed", "3"])
+          "--max-tokens", "12", "--top-k", "8", "--batch-size", "2", "--prompts", str(prompts), "--seed", "3",
+          "--val-every", "4"])
+    meta = json.loads((out / "distill.json").read_text())
+    assert (meta["sequences"], meta["val_sequences"]) == (3, 1)  # the fourth prompt is held out
+    assert meta["val_positions"] > 0 and 0.0 <= meta["val_top1"] <= 1.0 and meta["val_kl"] >= 0.0
     config = json.loads((out / "config.json").read_text())
+    again = tmp_path / "again"  # the same run, scored against the first draft: the same student, saved in bf16
+    main(["--target", str(target), "--out", str(again), "--layers", "1", "--intermediate", "64", "--steps", "4",
+          "--max-tokens", "12", "--top-k", "8", "--batch-size", "2", "--prompts", str(prompts), "--seed", "3",
+          "--val-every", "4", "--baseline", str(out)])
+    meta2 = json.loads((again / "distill.json").read_text())
+    assert meta2["val_kl"] == meta["val_kl"] and meta2["val_positions_baseline"] == meta["val_positions"]
+    assert abs(meta2["val_kl_baseline"] - meta["val_kl"]) < 0.01 * meta["val_kl"]
     assert config["specgate_shared_embeddings"] and config["num_hidden_layers"] == 1
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert not any("embed" in n or "lm_head" in n for n in f.keys())  # reattached from the target on load
