@@ -79,7 +79,7 @@ for stage in "$@"; do
       cp "$OUT/draft/distill.json" "$OUT/distill_meta.json" 2>/dev/null ;;
     distill_mix)
       python -m draft.distill --target embedded --out .cache/draft_mix --layers 3 --device cuda \
-        --prompts draft/data/distill_prompts.txt draft/data/distill_prompts_mix.txt --samples 3 --temperature 0,0.7,1.0 \
+        --prompts draft/data/distill_prompts.txt draft/data/distill_prompts_mix.txt --samples "${SAMPLES:-3}" --temperature "${TEMPS:-0,0.7,1.0}" \
         --max-tokens 256 --sample-batch 256 --sample-dtype bfloat16 --teacher-batch 32 --steps "${STEPS:-6000}" \
         --batch-size 32 --lr 6e-4 --top-k 64 --seed 0 --corpus .cache/corpus_mix.json --val-every 50 \
         --baseline draft/weights/smollm2-135m-instruct > .cache/distill_mix.log 2>&1
