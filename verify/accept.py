@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import SamplingParams, apply_penalties, process_logits, sample, tree_path_counts
+from verify.sampling import SamplingParams, apply_penalties, process_logits, sample, sample_rows, tree_path_counts
 
 
 @dataclass(slots=True)
@@ -71,7 +71,8 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
     rows ``starts[k]:starts[k + 1]``.
 
     - Greedy trees: one argmax over every row; the walk down each tree is host Python over those ids.
-    - One-node sampled trees (plain decoding): one draw each, the same draw ``accept`` makes.
+    - One-node sampled trees (plain decoding): processed together per (temperature, top-k, top-p) and drawn
+      with ``sample_rows``: each the same draw ``accept`` makes, one tiny draw per sequence.
     - Stochastic trees: every node's accept/reject decisions at once on the device
       (``_stochastic_parallel``), then the host walks the accepted children.
     - Requests with penalties go through ``accept`` one by one (their logits depend on the path).
@@ -92,15 +93,22 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
         picks.append(best)
         at.update((k, starts[k]) for k in greedy)
         size = best.shape[0]
+    plain: dict[tuple[float, int, float], list[int]] = {}  # one-node sampled trees by processing knobs
     for k, (tree, p) in enumerate(zip(trees, params)):
         if p.is_greedy or p.use_penalties:
             continue
-        rows = logits[starts[k] : starts[k + 1]]
         if tree.num_nodes == 1:
-            add(k, sample(process_logits(rows, p)[0], generators[k]).reshape(1))
+            plain.setdefault((p.temperature, p.top_k, p.top_p), []).append(k)
         else:
+            rows = logits[starts[k] : starts[k + 1]]
             _check_shapes(tree, rows)
             add(k, _stochastic_parallel(tree, process_logits(rows, p), generators[k]))  # [2N + 1]
+    for ks in plain.values():  # one processing pass and one draw pass per group (sample_rows)
+        rows = logits[torch.tensor([starts[k] for k in ks], device=logits.device)]  # [n, V]
+        ids = sample_rows(process_logits(rows, params[ks[0]]), [generators[k] for k in ks])  # [n]
+        at.update((k, size + j) for j, k in enumerate(ks))
+        picks.append(ids)
+        size += len(ks)
     ids = torch.cat(picks).tolist() if picks else []  # the step's one host copy
     results = []
     for k, tree in enumerate(trees):

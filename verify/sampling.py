@@ -135,5 +135,29 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row: probs [V] -> [] or [N, V] -> [N], int64. Rows need not be normalised."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One draw per row: probs [V] -> [] or [N, V] -> [N], int64. Rows need not be normalised.
+
+    Inverse-CDF sampling: one float64 uniform per row from ``generator`` (in row order), against the row's
+    float64 running sum. ``sample_rows`` makes the same draws for rows that each have their own generator.
+    """
+    rows = probs.reshape(-1, probs.shape[-1])  # [N, V]
+    u = torch.rand(rows.shape[0], generator=generator, device=probs.device, dtype=torch.float64)  # [N]
+    return _inverse_cdf(rows, u).reshape(probs.shape[:-1])
+
+
+def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """Row i drawn with ``generators[i]``: probs [N, V] -> [N] int64, each row the draw ``sample(probs[i],
+    generators[i])`` makes. One uniform per generator, then one pass over every row: a batch of plain
+    sampled decodes costs one tiny draw per request, not a softmax-and-multinomial each."""
+    u = torch.cat([torch.rand(1, generator=g, device=probs.device, dtype=torch.float64) for g in generators])  # [N]
+    return _inverse_cdf(probs, u)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] (unnormalised, >= 0), u [N] in [0, 1) -> [N]: the first index whose running sum exceeds
+    ``u`` times the row's total, so a zero-probability token is never drawn."""
+    cdf = probs.to(torch.float64).cumsum(-1)  # [N, V]; float64: 49k float32 terms would drift by ~1e-3
+    total = cdf[:, -1:]  # [N, 1]
+    # u * total can round up to the total itself, past every token; the largest double below it cannot.
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # [N, 1]
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1)  # [N]

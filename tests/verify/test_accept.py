@@ -126,6 +126,22 @@ def test_zero_draft_probability_is_rejected() -> None:
         accept_stochastic(tree, torch.full((2, V), 1 / V), torch.Generator())
 
 
+def test_batched_plain_draws_equal_one_by_one_accepts() -> None:
+    """One-node sampled trees of several processing settings share a step: each sequence still gets the draw
+    accept() makes with its own generator, whatever its neighbours (sample_rows per settings group)."""
+    settings = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0),
+                SamplingParams(temperature=0.7), SamplingParams(top_p=0.5), SamplingParams(temperature=1.0, top_k=3)]
+    logits = torch.randn(len(settings), V, generator=torch.Generator().manual_seed(3))  # [B, V], one row each
+    trees = [TokenTree.root_only(i % V) for i in range(len(settings))]
+    for seed in range(25):
+        gens = [torch.Generator().manual_seed(seed * 100 + i) for i in range(len(settings))]
+        batched = accept_batch(trees, logits, list(range(len(settings) + 1)), settings, gens,
+                               [(None, None)] * len(settings))
+        alone = [accept(t, logits[i : i + 1], p, torch.Generator().manual_seed(seed * 100 + i))
+                 for i, (t, p) in enumerate(zip(trees, settings))]
+        assert [r.tokens for r in batched] == [r.tokens for r in alone]
+
+
 def test_seeded_runs_reproduce() -> None:
     gen = torch.Generator().manual_seed(0)
     q = torch.softmax(torch.randn(7, V, generator=gen), -1)

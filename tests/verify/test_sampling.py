@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import (SamplingParams, apply_penalties, make_generator, process_logits, sample,
+from verify.sampling import (SamplingParams, _inverse_cdf, apply_penalties, make_generator, process_logits, sample,
+                             sample_rows,
                              tree_path_counts)
 
 
@@ -148,3 +149,24 @@ def test_sample_frequencies() -> None:
     draws = sample(probs.expand(30_000, 3), torch.Generator().manual_seed(3))  # [30000]
     freq = torch.bincount(draws, minlength=3) / draws.numel()
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
+
+
+def test_sample_rows_makes_each_rows_own_draw() -> None:
+    """Row i of sample_rows is the draw sample(probs[i], generator i) makes: batching rows that each have
+    their own generator changes no request's tokens."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(6, 50, generator=g), -1) * (torch.rand(6, 50, generator=g) > 0.3)  # zeros too
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(seed * 10 + i) for i in range(6)]
+        one_by_one = [int(sample(probs[i], torch.Generator().manual_seed(seed * 10 + i))) for i in range(6)]
+        assert sample_rows(probs, gens).tolist() == one_by_one
+        assert all(probs[i, t] > 0 for i, t in enumerate(one_by_one))
+
+
+def test_inverse_cdf_never_draws_a_zero_probability_token() -> None:
+    """Zero-mass tokens inside and at the end of a row, against the smallest and the largest uniforms, and
+    against uniforms that land exactly on a running sum."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]] * 4 + [[0.5, 0.5, 0.0, 0.0, 0.0, 0.0]])  # [5, 6]
+    below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    u = torch.tensor([0.0, 0.25, 0.2499999, float(below_one), 0.5], dtype=torch.float64)
+    assert _inverse_cdf(probs, u).tolist() == [1, 3, 1, 3, 1]

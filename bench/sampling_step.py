@@ -1,0 +1,120 @@
+"""The sampled-decode draw of one engine step: one draw per sequence, per-request generators, one host copy.
+
+Two arms in one process, on the same logits, alternating, each timed wall-clock (host and device: at
+these sizes the cost is launches, not arithmetic):
+
+* ``per_row``: each sequence processed and drawn alone (``process_logits`` + ``torch.multinomial`` with its
+  generator): the engine's path before ``verify.sampling.sample_rows``, restated here.
+* ``batched``: ``verify.accept.accept_batch`` as the engine calls it: sequences grouped by processing
+  knobs, one processing pass and one uniform per sequence (``sample_rows``).
+
+    python bench/sampling_step.py --device cuda --out bench/results/sampling_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import provenance  # noqa: E402  (bench/, this script's own directory)
+from draft.tree import TokenTree  # noqa: E402
+from verify.accept import accept_batch  # noqa: E402
+from verify.sampling import SamplingParams, make_generator, process_logits  # noqa: E402
+
+SETTINGS = {"T=0.7": SamplingParams(temperature=0.7), "T=0.7 top_p=0.95": SamplingParams(temperature=0.7, top_p=0.95),
+            "greedy": SamplingParams(temperature=0)}
+
+
+def per_row(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]) -> list[int]:
+    picks = [torch.multinomial(process_logits(logits[i : i + 1], params)[0], 1, generator=g) for i, g in enumerate(gens)]
+    return torch.cat(picks).tolist()
+
+
+def batched(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]) -> list[int]:
+    B = logits.shape[0]
+    trees = [TokenTree.root_only(0) for _ in range(B)]
+    return [r.tokens[-1] for r in accept_batch(trees, logits, list(range(B + 1)), [params] * B, gens,
+                                               [(None, None)] * B)]
+
+
+def wall_ms(fn, device: torch.device, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()  # ends with its host copy, as the engine's step does
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    rows = []
+    for B in [int(b) for b in args.batches.split(",")]:
+        logits = torch.randn(B, args.vocab, device=device, generator=torch.Generator(device).manual_seed(B)) * 3
+        for name, params in SETTINGS.items():
+            arms = {"per_row": per_row, "batched": batched}
+            if params.is_greedy:
+                arms = {"batched": batched}
+            gens = [make_generator(SamplingParams(seed=i), device) for i in range(B)]
+            for fn in arms.values():  # warm-up: allocator, kernels
+                fn(logits, params, gens)
+            got = {k: [] for k in arms}
+            for _ in range(3):  # arms alternate; each figure the median of its own reps
+                for k, fn in arms.items():
+                    got[k].append(wall_ms(lambda: fn(logits, params, gens), device, args.reps // 3))
+            row = {"B": B, "setting": name, **{f"{k}_ms": round(min(v), 3) for k, v in got.items()}}
+            if "per_row" in arms:
+                row["speedup"] = round(row["per_row_ms"] / row["batched_ms"], 2)
+            rows.append(row)
+            print(row, flush=True)
+    if args.out:
+        out = Path(args.out)
+        res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+               "date": datetime.date.today().isoformat(), "commit": provenance.commit(), "torch": torch.__version__,
+               "vocab": args.vocab, "command": "python bench/sampling_step.py " + " ".join(sys.argv[1:]),
+               "notes": __doc__.split("\n\n", 1)[1].split("\n\n")[0].strip(), "rows": rows}
+        out.write_text(json.dumps(res, indent=2) + "\n")
+        plot(res, out.with_suffix(".png"))
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in SETTINGS:
+        rows = [r for r in res["rows"] if r["setting"] == name]
+        for arm, ls in (("per_row", "--"), ("batched", "-")):
+            if all(f"{arm}_ms" in r for r in rows):
+                ax.plot([r["B"] for r in rows], [r[f"{arm}_ms"] for r in rows], ls, marker="o", label=f"{name}, {arm}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequences in the step")
+    ax.set_ylabel("ms per step (draw + host copy)")
+    ax.set_title(f"Sampled plain decoding: the step's draw, {res['device']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
