@@ -6,7 +6,8 @@ these sizes the cost is launches, not arithmetic):
 * ``per_row``: each sequence processed and drawn alone (``process_logits`` + ``torch.multinomial`` with its
   generator): the engine's path before ``verify.sampling.sample_rows``, restated here.
 * ``batched``: ``verify.accept.accept_batch`` as the engine calls it: sequences grouped by processing
-  knobs, one processing pass and one uniform per sequence (``sample_rows``).
+  knobs, one processing pass, one small draw per sequence and one pass over all rows (``sample_rows``:
+  an exponential race on CUDA, an inverse CDF on the CPU).
 
     python bench/sampling_step.py --device cuda --out bench/results/sampling_step.json
 """

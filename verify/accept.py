@@ -104,7 +104,11 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
             _check_shapes(tree, rows)
             add(k, _stochastic_parallel(tree, process_logits(rows, p), generators[k]))  # [2N + 1]
     for ks in plain.values():  # one processing pass and one draw pass per group (sample_rows)
-        rows = logits[torch.tensor([starts[k] for k in ks], device=logits.device)]  # [n, V]
+        first = starts[ks[0]]
+        if all(starts[k] == first + j for j, k in enumerate(ks)):  # the usual case: adjacent rows, a view
+            rows = logits[first : first + len(ks)]  # [n, V]
+        else:
+            rows = logits[torch.tensor([starts[k] for k in ks], device=logits.device)]
         ids = sample_rows(process_logits(rows, params[ks[0]]), [generators[k] for k in ks])  # [n]
         at.update((k, size + j) for j, k in enumerate(ks))
         picks.append(ids)

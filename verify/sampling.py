@@ -135,27 +135,44 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row: probs [V] -> [] or [N, V] -> [N], int64. Rows need not be normalised.
+    """One draw per row: probs [V] -> [] or [N, V] -> [N], int64. Rows need not be normalised, but each
+    needs some mass. ``sample_rows`` makes the same draws for rows that each have their own generator.
 
-    Inverse-CDF sampling: one float64 uniform per row from ``generator`` (in row order), against the row's
-    float64 running sum. ``sample_rows`` makes the same draws for rows that each have their own generator.
+    Two exact draws, by where the cost lies. On CUDA, launches dominate: an exponential race, one fill of
+    ``generator`` for the whole block (``_race``). On the CPU, arithmetic does: one float64 uniform per row
+    against the row's running sum (``_inverse_cdf``), where the race would draw V numbers a row.
     """
     rows = probs.reshape(-1, probs.shape[-1])  # [N, V]
-    u = torch.rand(rows.shape[0], generator=generator, device=probs.device, dtype=torch.float64)  # [N]
-    return _inverse_cdf(rows, u).reshape(probs.shape[:-1])
+    if rows.is_cuda:
+        out = _race(rows, torch.empty(rows.shape, device=rows.device).exponential_(generator=generator))
+    else:
+        out = _inverse_cdf(rows, torch.rand(rows.shape[0], generator=generator, dtype=torch.float64))
+    return out.reshape(probs.shape[:-1])
 
 
 def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """Row i drawn with ``generators[i]``: probs [N, V] -> [N] int64, each row the draw ``sample(probs[i],
-    generators[i])`` makes. One uniform per generator, then one pass over every row: a batch of plain
-    sampled decodes costs one tiny draw per request, not a softmax-and-multinomial each."""
-    u = torch.cat([torch.rand(1, generator=g, device=probs.device, dtype=torch.float64) for g in generators])  # [N]
-    return _inverse_cdf(probs, u)
+    generators[i])`` makes. One small draw per generator, then one pass over every row: a batch of plain
+    sampled decodes costs a launch per request, not a softmax and a multinomial each."""
+    if probs.is_cuda:
+        race = torch.empty(probs.shape, device=probs.device)  # [N, V]
+        for row, generator in zip(race, generators):
+            row.exponential_(generator=generator)
+        return _race(probs, race)
+    return _inverse_cdf(probs, torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]))
+
+
+def _race(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """probs, race [N, V] (race ~ Exp(1) i.i.d.) -> [N]: ``p_i / E_i`` is largest at i with probability
+    ``p_i / sum(p)`` (the exponential race, the Gumbel-max trick in another form; the bonus draw of
+    ``verify.accept._stochastic_parallel``). An exponential of exactly 0 makes a token with mass win (a
+    valid draw) and never lets a zero-probability token win through 0 / 0."""
+    return torch.where(probs > 0, probs / race, -1.0).argmax(-1)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs [N, V] (unnormalised, >= 0), u [N] in [0, 1) -> [N]: the first index whose running sum exceeds
-    ``u`` times the row's total, so a zero-probability token is never drawn."""
+    """probs [N, V] (>= 0), u [N] float64 in [0, 1) -> [N]: the first index whose running sum exceeds ``u``
+    times the row's total, so a zero-probability token is never drawn."""
     cdf = probs.to(torch.float64).cumsum(-1)  # [N, V]; float64: 49k float32 terms would drift by ~1e-3
     total = cdf[:, -1:]  # [N, 1]
     # u * total can round up to the total itself, past every token; the largest double below it cannot.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import (SamplingParams, _inverse_cdf, apply_penalties, make_generator, process_logits, sample,
+from verify.sampling import (SamplingParams, _inverse_cdf, _race, apply_penalties, make_generator, process_logits, sample,
                              sample_rows,
                              tree_path_counts)
 
@@ -151,16 +151,35 @@ def test_sample_frequencies() -> None:
     torch.testing.assert_close(freq, probs, atol=0.015, rtol=0)
 
 
-def test_sample_rows_makes_each_rows_own_draw() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sample_rows_makes_each_rows_own_draw(device: str) -> None:
     """Row i of sample_rows is the draw sample(probs[i], generator i) makes: batching rows that each have
-    their own generator changes no request's tokens."""
+    their own generator changes no request's tokens (inverse CDF on the CPU, the exponential race on CUDA)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(6, 50, generator=g), -1) * (torch.rand(6, 50, generator=g) > 0.3)  # zeros too
+    probs = probs.to(device)
     for seed in range(20):
-        gens = [torch.Generator().manual_seed(seed * 10 + i) for i in range(6)]
-        one_by_one = [int(sample(probs[i], torch.Generator().manual_seed(seed * 10 + i))) for i in range(6)]
+        gens = [torch.Generator(device).manual_seed(seed * 10 + i) for i in range(6)]
+        one_by_one = [int(sample(probs[i], torch.Generator(device).manual_seed(seed * 10 + i))) for i in range(6)]
         assert sample_rows(probs, gens).tolist() == one_by_one
         assert all(probs[i, t] > 0 for i, t in enumerate(one_by_one))
+
+
+def test_race_follows_the_distribution() -> None:
+    """The CUDA draw, run here on CPU tensors: frequencies match the probabilities."""
+    probs = torch.tensor([0.1, 0.6, 0.3, 0.0]).expand(30_000, 4)
+    race = torch.empty(probs.shape).exponential_(generator=torch.Generator().manual_seed(3))
+    freq = torch.bincount(_race(probs, race), minlength=4) / probs.shape[0]
+    torch.testing.assert_close(freq, torch.tensor([0.1, 0.6, 0.3, 0.0]), atol=0.015, rtol=0)
+
+
+def test_race_never_draws_a_zero_probability_token() -> None:
+    """Exponential draws of exactly zero, on tokens with and without mass."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75], [0.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.0, 0.0]])  # [3, 4]
+    race = torch.tensor([[0.0, 2.0, 1.0, 9.0], [1.0, 0.0, 0.0, 5.0], [1.0, 0.0, 0.0, 1.0]])
+    assert _race(probs, race).tolist() == [1, 3, 1]  # 0.25 / 2 > 0.75 / 9; row 2: 0.5 / 0 = inf, a token with mass
 
 
 def test_inverse_cdf_never_draws_a_zero_probability_token() -> None:
