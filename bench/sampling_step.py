@@ -1,4 +1,4 @@
-"""The sampled-decode draw of one engine step: one draw per sequence, per-request generators, one host copy.
+"""The sampled draws of one engine step: per-request generators, one host copy.
 
 Two arms in one process, on the same logits, alternating, each timed wall-clock (host and device: at
 these sizes the cost is launches, not arithmetic):
@@ -8,6 +8,10 @@ these sizes the cost is launches, not arithmetic):
 * ``batched``: ``verify.accept.accept_batch`` as the engine calls it: sequences grouped by processing
   knobs, one processing pass, one small draw per sequence and one pass over all rows (``sample_rows``:
   an exponential race on CUDA, an inverse CDF on the CPU).
+
+Setting ``tree16`` verifies a 16-node tree per sequence (a binary heap with draft probabilities, T=0.7):
+``per_row`` is then each tree processed and decided alone (``_stochastic_parallel`` on one tree, the
+engine's path before trees were stacked), ``batched`` every tree of the step in one pass.
 
     python bench/sampling_step.py --device cuda --out bench/results/sampling_step.json
 """
@@ -27,11 +31,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import provenance  # noqa: E402  (bench/, this script's own directory)
 from draft.tree import TokenTree  # noqa: E402
-from verify.accept import accept_batch  # noqa: E402
+from verify.accept import _stochastic_parallel, accept_batch  # noqa: E402
 from verify.sampling import SamplingParams, make_generator, process_logits  # noqa: E402
 
 SETTINGS = {"T=0.7": SamplingParams(temperature=0.7), "T=0.7 top_p=0.95": SamplingParams(temperature=0.7, top_p=0.95),
-            "greedy": SamplingParams(temperature=0)}
+            "greedy": SamplingParams(temperature=0), "tree16": SamplingParams(temperature=0.7)}
+TREE_NODES = 16
+
+
+def heap_tree(V: int, device: torch.device, seed: int) -> TokenTree:
+    """16 nodes, node i's parent (i - 1) // 2, distinct sibling tokens, random draft probabilities."""
+    g = torch.Generator(device).manual_seed(seed)
+    q = torch.softmax(torch.randn(TREE_NODES, V, device=device, generator=g), -1)
+    return TokenTree.from_lists([3 + i for i in range(TREE_NODES)], [-1] + [(i - 1) // 2 for i in range(1, TREE_NODES)],
+                                device=device, draft_probs=q)
+
+
+def per_tree(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator], trees: list[TokenTree]) -> list[int]:
+    picks = [_stochastic_parallel([t], process_logits(logits[i * TREE_NODES : (i + 1) * TREE_NODES], params), [g])
+             for i, (t, g) in enumerate(zip(trees, gens))]
+    return torch.cat(picks).tolist()
+
+
+def trees_batched(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator],
+                  trees: list[TokenTree]) -> list[int]:
+    B = len(trees)
+    return [r.tokens[-1] for r in accept_batch(trees, logits, [i * TREE_NODES for i in range(B + 1)], [params] * B,
+                                               gens, [(None, None)] * B)]
 
 
 def per_row(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]) -> list[int]:
@@ -68,11 +94,15 @@ def main() -> None:
     device = torch.device(args.device)
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
-        logits = torch.randn(B, args.vocab, device=device, generator=torch.Generator(device).manual_seed(B)) * 3
         for name, params in SETTINGS.items():
-            arms = {"per_row": per_row, "batched": batched}
-            if params.is_greedy:
-                arms = {"batched": batched}
+            gen = torch.Generator(device).manual_seed(B)
+            if name == "tree16":
+                trees = [heap_tree(args.vocab, device, i) for i in range(B)]
+                logits = torch.randn(B * TREE_NODES, args.vocab, device=device, generator=gen) * 3
+                arms = {"per_row": lambda l, p, g: per_tree(l, p, g, trees), "batched": lambda l, p, g: trees_batched(l, p, g, trees)}
+            else:
+                logits = torch.randn(B, args.vocab, device=device, generator=gen) * 3
+                arms = {"batched": batched} if params.is_greedy else {"per_row": per_row, "batched": batched}
             gens = [make_generator(SamplingParams(seed=i), device) for i in range(B)]
             for fn in arms.values():  # warm-up: allocator, kernels
                 fn(logits, params, gens)

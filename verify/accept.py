@@ -73,8 +73,9 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
     - Greedy trees: one argmax over every row; the walk down each tree is host Python over those ids.
     - One-node sampled trees (plain decoding): processed together per (temperature, top-k, top-p) and drawn
       with ``sample_rows``: each the same draw ``accept`` makes, one tiny draw per sequence.
-    - Stochastic trees: every node's accept/reject decisions at once on the device
-      (``_stochastic_parallel``), then the host walks the accepted children.
+    - Stochastic trees: every node's accept/reject decisions at once on the device, every tree of a group
+      (same knobs, draft probabilities or point masses) in one pass (``_stochastic_parallel``); the host
+      walks the accepted children.
     - Requests with penalties go through ``accept`` one by one (their logits depend on the path).
     """
     picks: list[torch.Tensor] = []
@@ -94,40 +95,49 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
         at.update((k, starts[k]) for k in greedy)
         size = best.shape[0]
     plain: dict[tuple[float, int, float], list[int]] = {}  # one-node sampled trees by processing knobs
+    stochastic: dict[tuple[float, int, float, bool], list[int]] = {}  # sampled trees by knobs, draft probs or not
     for k, (tree, p) in enumerate(zip(trees, params)):
         if p.is_greedy or p.use_penalties:
             continue
+        knobs = (p.temperature, p.top_k, p.top_p)
         if tree.num_nodes == 1:
-            plain.setdefault((p.temperature, p.top_k, p.top_p), []).append(k)
+            plain.setdefault(knobs, []).append(k)
         else:
-            rows = logits[starts[k] : starts[k + 1]]
-            _check_shapes(tree, rows)
-            add(k, _stochastic_parallel(tree, process_logits(rows, p), generators[k]))  # [2N + 1]
+            _check_shapes(tree, logits[starts[k] : starts[k + 1]])
+            stochastic.setdefault(knobs + (tree.draft_probs is None,), []).append(k)
     for ks in plain.values():  # one processing pass and one draw pass per group (sample_rows)
-        first = starts[ks[0]]
-        if all(starts[k] == first + j for j, k in enumerate(ks)):  # the usual case: adjacent rows, a view
-            rows = logits[first : first + len(ks)]  # [n, V]
-        else:
-            rows = logits[torch.tensor([starts[k] for k in ks], device=logits.device)]
+        rows = _rows(logits, [(starts[k], starts[k] + 1) for k in ks])  # [n, V]
         ids = sample_rows(process_logits(rows, params[ks[0]]), [generators[k] for k in ks])  # [n]
         at.update((k, size + j) for j, k in enumerate(ks))
         picks.append(ids)
         size += len(ks)
+    nodes_at: dict[int, tuple[int, int, int]] = {}  # stochastic sequence -> offsets of its children, bonuses, flags
+    for ks in stochastic.values():  # every node of every tree of the group at once
+        group = [trees[k] for k in ks]
+        R = sum(t.num_nodes for t in group)
+        rows = _rows(logits, [(starts[k], starts[k + 1]) for k in ks])  # [R, V]
+        decided = _stochastic_parallel(group, process_logits(rows, params[ks[0]]), [generators[k] for k in ks])  # [3R]
+        off = 0
+        for k, t in zip(ks, group):
+            nodes_at[k] = (size + off, size + R + off, size + 2 * R + off)
+            off += t.num_nodes
+        picks.append(decided)
+        size += 3 * R
     ids = torch.cat(picks).tolist() if picks else []  # the step's one host copy
     results = []
     for k, tree in enumerate(trees):
         n = tree.num_nodes
-        if k not in at:
+        if k not in at and k not in nodes_at:
             rows = logits[starts[k] : starts[k + 1]]
             results.append(accept(tree, rows, params[k], generators[k], *penalties[k]))
         elif params[k].is_greedy:
             results.append(_walk_greedy(tree, ids[at[k] : at[k] + n]))
         elif n == 1:
             results.append(_result(tree.host()[0], [0], ids[at[k]]))
-        elif ids[at[k] + 2 * n]:  # a draft token with zero draft probability: let accept() name it
-            results.append(accept(tree, logits[starts[k] : starts[k + 1]], params[k], generators[k]))
+        elif any(ids[nodes_at[k][2] : nodes_at[k][2] + n]):  # a draft token with zero draft probability:
+            results.append(accept(tree, logits[starts[k] : starts[k + 1]], params[k], generators[k]))  # accept() names it
         else:
-            child, bonus = ids[at[k] : at[k] + n], ids[at[k] + n : at[k] + 2 * n]
+            child, bonus = ids[nodes_at[k][0] : nodes_at[k][0] + n], ids[nodes_at[k][1] : nodes_at[k][1] + n]
             nodes = [0]
             while child[nodes[-1]] >= 0:
                 nodes.append(child[nodes[-1]])
@@ -135,8 +145,16 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
     return results
 
 
-def _stochastic_parallel(tree: TokenTree, p: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The recursive rejection sampling of ``accept_stochastic`` for every node of the tree at once.
+def _rows(logits: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows of ``spans`` (lo, hi), in order: a view when each span starts where the last ended (the usual
+    case), else one indexed copy."""
+    if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+        return logits[spans[0][0] : spans[-1][1]]
+    return logits[torch.tensor([r for lo, hi in spans for r in range(lo, hi)], device=logits.device)]
+
+
+def _stochastic_parallel(trees: list[TokenTree], p: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """The recursive rejection sampling of ``accept_stochastic`` for every node of every tree at once.
 
     A node's decisions depend only on its own target row, its draft row and its children's tokens, never
     on which path reached it: so every node tries its children in order against its running residual,
@@ -145,41 +163,58 @@ def _stochastic_parallel(tree: TokenTree, p: torch.Tensor, generator: torch.Gene
     final residual). The host then follows accepted children from the root. Each emitted token is drawn
     exactly as in the sequential walk, so the output distribution is the target's.
 
-    p: [N, V] processed target probabilities. Returns int64 ``[2N + 1]`` on p's device: each node's
-    accepted child (-1 for none), each node's bonus token, and a flag set when a draft token has zero
-    draft probability (``accept`` then raises the error that names it).
+    Rows are independent, so the trees of one step are stacked: ``trees`` share their processing and are
+    all drafted with probabilities or all with point masses. Each tree draws from its own generator, in
+    the order one tree alone would (its uniforms, then its race), so batching changes no sequence's
+    tokens.
+
+    p: [R, V] processed target probabilities, tree after tree. Returns int64 ``[3R]`` on p's device: each
+    node's accepted child (its index in its own tree, -1 for none), each node's bonus token, and a flag per
+    node set when a draft token it tried has zero draft probability (``accept`` then raises the error that
+    names it).
     """
-    N, V = p.shape
-    tokens, children = _tree_lists(tree)
-    K = max(len(c) for c in children)
-    kid = torch.tensor([c + [-1] * (K - len(c)) for c in children], dtype=torch.int64)  # [N, K]
-    kid_tok = torch.tensor(tokens, dtype=torch.int64)[kid.clamp_min(0)]  # [N, K]
+    R, V = p.shape
+    lists = [_tree_lists(t) for t in trees]
+    K = max(len(c) for _, children in lists for c in children)
+    kid_rows: list[list[int]] = []  # [R, K]: each node's children, indices within its tree, -1 padded
+    tok_rows: list[list[int]] = []  # [R, K]: their tokens (0 where padded: never live)
+    for tokens, children in lists:
+        for c in children:
+            kid_rows.append(c + [-1] * (K - len(c)))
+            tok_rows.append([tokens[i] for i in c] + [0] * (K - len(c)))
+    kid, kid_tok = torch.tensor(kid_rows, dtype=torch.int64), torch.tensor(tok_rows, dtype=torch.int64)
     kid, kid_tok = kid.to(p.device, non_blocking=True), kid_tok.to(p.device, non_blocking=True)
-    u = torch.rand(N, K, generator=generator, device=p.device)
-    race = torch.empty(N, V, device=p.device).exponential_(generator=generator)
-    q = tree.draft_probs
-    if q is not None:  # p - q needs both on one scale
-        q = q.to(p.device, torch.float32)
+    u = torch.ones(R, K, device=p.device)  # padded siblings are never live
+    race = torch.empty(R, V, device=p.device)
+    off = 0
+    for (tokens, children), generator in zip(lists, generators):
+        n, k = len(tokens), max(len(c) for c in children)
+        u[off : off + n, :k] = torch.rand(n, k, generator=generator, device=p.device)
+        race[off : off + n].exponential_(generator=generator)
+        off += n
+    q = None
+    if trees[0].draft_probs is not None:  # p - q needs both on one scale
+        q = torch.cat([t.draft_probs.to(p.device, torch.float32) for t in trees])  # [R, V]
         p, q = _normalise(p, fallback=p), _normalise(q, fallback=q)
-    child = torch.full((N,), -1, dtype=torch.int64, device=p.device)
-    bad = torch.zeros((), dtype=torch.bool, device=p.device)
+    child = torch.full((R,), -1, dtype=torch.int64, device=p.device)
+    bad = torch.zeros(R, dtype=torch.bool, device=p.device)
     for j in range(K):
-        t = kid_tok[:, j : j + 1]  # [N, 1]
-        live = (kid[:, j] >= 0) & (child < 0)  # [N]: a child to try, none accepted yet
+        t = kid_tok[:, j : j + 1]  # [R, 1]
+        live = (kid[:, j] >= 0) & (child < 0)  # [R]: a child to try, none accepted yet
         p_t = p.gather(1, t)[:, 0]
         q_t = p.sum(-1) if q is None else q.gather(1, t)[:, 0]  # a point mass is one-hot(t) at p's scale
-        bad = bad | (live & (q_t <= 0)).any()
+        bad = bad | (live & (q_t <= 0))
         ok = live & (u[:, j] * q_t < p_t)  # u < p_t / q_t
         child = torch.where(ok, kid[:, j], child)
-        rejected = (live & ~ok)[:, None]  # [N, 1]
+        rejected = (live & ~ok)[:, None]  # [R, 1]
         without_t = p.scatter(1, t, 0.0)
         if q is None:
             p = torch.where(rejected, without_t, p)
         else:
             p = torch.where(rejected, _normalise((p - q).clamp_min(0), fallback=p), p)
             q = torch.where(rejected, _normalise(q.scatter(1, t, 0.0), fallback=q), q)
-    bonus = (p / race).argmax(-1)  # [N]: p_i / Exp(1) is largest at i with probability p_i / sum(p)
-    return torch.cat((child, bonus, bad.long().reshape(1)))
+    bonus = (p / race).argmax(-1)  # [R]: p_i / Exp(1) is largest at i with probability p_i / sum(p)
+    return torch.cat((child, bonus, bad.long()))
 
 
 def accept_greedy(tree: TokenTree, target_logits: torch.Tensor) -> AcceptResult:

@@ -142,6 +142,33 @@ def test_batched_plain_draws_equal_one_by_one_accepts() -> None:
         assert [r.tokens for r in batched] == [r.tokens for r in alone]
 
 
+def test_a_step_of_many_trees_draws_what_each_tree_alone_draws() -> None:
+    """Sampled trees of several shapes, knobs and draft kinds (probabilities or point masses), beside plain and
+    greedy sequences, in one accept_batch: every sequence gets the tokens it gets in a batch of its own."""
+    g = torch.Generator().manual_seed(11)
+
+    def tree(tokens: list[int], parents: list[int], probs: bool) -> TokenTree:
+        q = torch.softmax(torch.randn(len(tokens), V, generator=g), -1) if probs else None
+        return TokenTree.from_lists(tokens, parents, draft_probs=q)
+
+    trees = [tree([1, 2, 3, 4], [-1, 0, 0, 1], True), tree([0, 5, 1], [-1, 0, 1], False), TokenTree.root_only(2),
+             tree([3, 0, 1, 2, 4], [-1, 0, 0, 0, 1], True), tree([4, 4, 5], [-1, 0, 0], False),
+             tree([5, 1, 2], [-1, 0, 0], True), TokenTree.root_only(3)]
+    knobs = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(top_p=0.8), SamplingParams(),
+             SamplingParams(temperature=0.7), SamplingParams(temperature=0), SamplingParams(top_k=3)]
+    starts = [0]
+    for t in trees:
+        starts.append(starts[-1] + t.num_nodes)
+    logits = torch.randn(starts[-1], V, generator=g) * 2  # [R, V]
+    none = [(None, None)] * len(trees)
+    for seed in range(30):
+        together = accept_batch(trees, logits, starts, knobs, [torch.Generator().manual_seed(seed * 10 + i)
+                                                               for i in range(len(trees))], none)
+        alone = [accept_batch([t], logits[starts[i] : starts[i + 1]], [0, t.num_nodes], [knobs[i]],
+                              [torch.Generator().manual_seed(seed * 10 + i)], none[:1])[0] for i, t in enumerate(trees)]
+        assert [r.tokens for r in together] == [r.tokens for r in alone]
+
+
 def test_seeded_runs_reproduce() -> None:
     gen = torch.Generator().manual_seed(0)
     q = torch.softmax(torch.randn(7, V, generator=gen), -1)
