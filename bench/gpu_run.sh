@@ -30,6 +30,15 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=".:tests:.cache/pkgs" SPECGATE_CACHE="$PWD/.cache/specgate" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
+# drafts_<name>.json for a candidate draft (arms draft and ngram) and for the shipped draft (arm draft)
+sweep_beside_shipped() {
+  for d in "$1" draft/weights/smollm2-135m-instruct; do
+    arms=draft; [ "$d" = "$1" ] && arms=draft,ngram
+    timeout 240 python bench/drafters.py --sweep --arms "$arms" --prompts 16 --batch 8 --max-tokens 128 \
+      --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
+      --draft "$d" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts_$(basename $d).json" 2>&1 | tail -8
+  done
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
@@ -44,13 +53,7 @@ for stage in "$@"; do
         --samples 2 --temperature 0,0.9 --max-tokens 192 --sample-batch 128 --steps "${FEATURE_STEPS:-2000}" --batch-size 16 \
         --lr 6e-4 --top-k 64 --seed 0 --corpus .cache/corpus.json 2>&1 | grep -v "it/s\]$" | tail -12
       mkdir -p "$OUT/feature_draft" && cp .cache/feature_draft/* "$OUT/feature_draft/" ;;
-    fdrafts)
-      for d in .cache/feature_draft draft/weights/smollm2-135m-instruct; do
-        arms=draft; [ "$d" = .cache/feature_draft ] && arms=draft,ngram
-        timeout 200 python bench/drafters.py --sweep --arms "$arms" --prompts 16 --batch 8 --max-tokens 128 \
-          --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
-          --draft "$d" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts_$(basename $d).json" 2>&1 | tail -8
-      done ;;
+    fdrafts) sweep_beside_shipped .cache/feature_draft ;;
     profile) timeout 300 python bench/step_profile.py --batches 1,16 --tokens 64 --trees "${TREES:-1/2,2,2,1}" \
                --out "$OUT/step_profile.json" 2>&1 | grep -v '^{' | tail -10 ;;
     synthetic) timeout 300 python bench/engine.py --synthetic --profile --out "$OUT/engine_synthetic.json" 2>&1 \
@@ -84,13 +87,7 @@ for stage in "$@"; do
         --batch-size 32 --lr 6e-4 --top-k 64 --seed 0 --corpus .cache/corpus_mix.json --val-every 50 \
         --baseline draft/weights/smollm2-135m-instruct > .cache/distill_mix.log 2>&1
       tr '\r' '\n' < .cache/distill_mix.log | grep -v "it/s\]$" | tail -12 ;;
-    drafts_ab)
-      for d in .cache/draft_mix draft/weights/smollm2-135m-instruct; do
-        arms=draft; [ "$d" = .cache/draft_mix ] && arms=draft,ngram
-        timeout 240 python bench/drafters.py --sweep --arms "$arms" --prompts 16 --batch 8 --max-tokens 128 \
-          --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
-          --draft "$d" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts_$(basename $d).json" 2>&1 | tail -8
-      done ;;
+    drafts_ab) sweep_beside_shipped .cache/draft_mix ;;
     drafts)
       timeout 200 python bench/drafters.py --sweep --arms "${ARMS:-draft,ngram,self}" --prompts 16 --batch 8 --max-tokens 128 \
         --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
