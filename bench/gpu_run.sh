@@ -15,7 +15,8 @@
 #   bash bench/gpu_run.sh drafts     drafts.json with the new draft (DRAFT=DIR another draft, ARMS=a,b the drafters)
 #   bash bench/gpu_run.sh distill_mix   the draft on the mixed prompt list (both prompt files, 3 samples each,
 #                                    bf16 sampling), scored on held-out prompts beside the shipped draft; into
-#                                    .cache/draft_mix (run it under setsid and poll: it can outlast one call)
+#                                    .cache/draft_mix (run it under setsid and poll: it can outlast one call);
+#                                    SELF_INSTRUCT=N adds N prompts the target writes itself
 #   bash bench/gpu_run.sh drafts_ab  drafts.json: the .cache/draft_mix draft, the shipped draft and n-grams
 #   bash bench/gpu_run.sh feature    train a feature draft (EAGLE-style) for the embedded model into .cache/feature_draft
 #   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
@@ -82,7 +83,8 @@ for stage in "$@"; do
       cp "$OUT/draft/distill.json" "$OUT/distill_meta.json" 2>/dev/null ;;
     distill_mix)
       python -m draft.distill --target embedded --out .cache/draft_mix --layers 3 --device cuda \
-        --prompts draft/data/distill_prompts.txt draft/data/distill_prompts_mix.txt --samples "${SAMPLES:-3}" --temperature "${TEMPS:-0,0.7,1.0}" \
+        --prompts draft/data/distill_prompts.txt draft/data/distill_prompts_mix.txt --self-instruct "${SELF_INSTRUCT:-0}" \
+        --samples "${SAMPLES:-3}" --temperature "${TEMPS:-0,0.7,1.0}" \
         --max-tokens 256 --sample-batch 256 --sample-dtype bfloat16 --teacher-batch 32 --steps "${STEPS:-6000}" \
         --batch-size 32 --lr 6e-4 --top-k 64 --seed 0 --corpus .cache/corpus_mix.json --val-every 50 \
         --baseline draft/weights/smollm2-135m-instruct > .cache/distill_mix.log 2>&1

@@ -58,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", nargs="+", default=[str(PROMPTS)], help="files of one instruction per line")
     ap.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
+    ap.add_argument("--self-instruct", type=int, default=0,
+                    help="also N prompts written by the target itself (its user turn, sampled at T=1, top-p 0.95)")
     ap.add_argument("--samples", type=int, default=1, help="sampled continuations per prompt")
     ap.add_argument("--corpus", default=None, help="JSON of sampled token ids: reused when it exists, else written")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens sampled per continuation")
@@ -116,9 +118,11 @@ class Corpus:
 
 
 def sample_corpus(target: str, prompts: list[str], samples: int, max_tokens: int, temperatures: list[float],
-                  seed: int, device: str, batch: int = 32, dtype: str = "float32") -> Corpus:
-    """Prompt + sampled continuation token ids, ``samples`` per prompt, from the unquantized target.
-    Sample ``s`` uses ``temperatures[s % len(temperatures)]``."""
+                  seed: int, device: str, batch: int = 32, dtype: str = "float32",
+                  self_instruct: int = 0) -> tuple[Corpus, list[str]]:
+    """Prompt + sampled continuation token ids, ``samples`` per prompt, from the unquantized target, and the
+    prompts it answered: ``prompts`` then the ``self_instruct`` ones it wrote itself (``write_prompts``).
+    Sample ``s`` uses ``temperatures[s % len(temperatures)]``; every request has its own seed."""
     ids_max = 512 + max_tokens  # a prompt longer than this is cut (see below)
     # A step may prefill a whole batch of prompts at once: sampling is throughput work, not latency work.
     engine_cfg = EngineConfig(num_blocks=batch * -(-ids_max // 16) + 64, page_size=16,
@@ -126,19 +130,47 @@ def sample_corpus(target: str, prompts: list[str], samples: int, max_tokens: int
                                                         max_step_tokens=max(1024, 64 * batch)))
     llm = LLM.load(LoadConfig(model=target, draft="none", quantize="none", device=device, dtype=dtype),
                    engine_cfg, log=lambda m: print(m, file=sys.stderr))
+    if self_instruct:
+        prompts = prompts + write_prompts(llm, self_instruct, seed, batch)
     ids = [llm.encode(p)[-512:] for p in prompts]
     chunk = batch  # one engine-full per call: the same batches, and progress
     corpus = Corpus([], [], [])
     for s in range(samples):
-        sampling = SamplingParams(temperature=temperatures[s % len(temperatures)], max_tokens=max_tokens,
-                                  seed=seed * 1000 + s)
         for lo in tqdm(range(0, len(ids), chunk), desc=f"sample {s + 1}/{samples}", unit="batch"):
+            sampling = [SamplingParams(temperature=temperatures[s % len(temperatures)], max_tokens=max_tokens,
+                                       seed=(seed * 1000 + s) * 1_000_000 + i) for i in range(lo, min(lo + chunk, len(ids)))]
             gens = llm.generate(ids[lo : lo + chunk], sampling, SpeculationParams(enabled=False))
             for j, (p, g) in enumerate(zip(ids[lo : lo + chunk], gens)):
                 corpus.sequences.append(p + g.token_ids)
                 corpus.prompt_lens.append(len(p))
                 corpus.prompt_index.append(lo + j)
-    return corpus
+    return corpus, prompts
+
+
+SELF_INSTRUCT_MARK = "\u2063"  # an invisible separator: where the user's words go in the rendered template
+
+
+def write_prompts(llm: LLM, n: int, seed: int, batch: int, max_tokens: int = 96) -> list[str]:
+    """Up to ``n`` distinct user requests written by the target: its chat template opened at a user turn
+    and sampled (T=1, top-p 0.95, seeded per request) until the turn ends. A target answers the questions
+    it imagines in its own style, so these widen the corpus beyond any shipped prompt list (self-instruct).
+    Without a chat template the model continues its BOS alone."""
+    tok, template = llm.loaded.checkpoint.tokenizer, llm.loaded.checkpoint.chat_template
+    if template:
+        text = tok.apply_chat_template([{"role": "user", "content": SELF_INSTRUCT_MARK}], tokenize=False,
+                                       chat_template=template)
+        opening = tok.encode(text[: text.index(SELF_INSTRUCT_MARK)], add_special_tokens=False)
+    else:
+        opening = [tok.bos_token_id if tok.bos_token_id is not None else 0]
+    out: list[str] = []
+    for lo in tqdm(range(0, n, batch), desc="self-instruct", unit="batch"):
+        sampling = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=seed * 1_000_003 + i)
+                    for i in range(lo, min(lo + batch, n))]
+        for g in llm.generate([list(opening)] * len(sampling), sampling, SpeculationParams(enabled=False)):
+            text = " ".join(g.text.split())  # one line: the prompt files' form
+            if text and g.finish_reason == "stop" and text not in out:
+                out.append(text)
+    return out
 
 
 def _load_draft(path: str, target: LoadedCheckpoint):
@@ -169,8 +201,8 @@ def main(argv: list[str] | None = None) -> Path:
         corpus = Corpus.from_json(corpus_path.read_text())
     else:
         temps = [float(t) for t in str(args.temperature).split(",")]
-        corpus = sample_corpus(args.target, prompts, args.samples, args.max_tokens, temps, args.seed, args.device,
-                               args.sample_batch, args.sample_dtype)
+        corpus, prompts = sample_corpus(args.target, prompts, args.samples, args.max_tokens, temps, args.seed,
+                                        args.device, args.sample_batch, args.sample_dtype, args.self_instruct)
         if corpus_path is not None:
             corpus_path.write_text(corpus.to_json())
     t_sample = time.perf_counter() - t0
@@ -203,7 +235,8 @@ def main(argv: list[str] | None = None) -> Path:
             held |= {f"val_{k}": v for k, v in evaluate(student, val, args.teacher_batch).items()}
     held = {k: round(v, 4) if isinstance(v, float) else v for k, v in held.items()}
     meta = {"command": "python -m draft.distill " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "seed": args.seed, "target": Path(args.target).name, "sequences": len(train_idx),
+            "seed": args.seed, "target": Path(args.target).name, "prompts": len(set(corpus.prompt_index)),
+            "self_instruct": args.self_instruct, "sequences": len(train_idx),
             "val_sequences": len(val_idx), **held,
             "tokens": sum(len(seqs[i]) for i in train_idx), "sample_seconds": round(t_sample, 1),
             "train_seconds": round(time.perf_counter() - t1, 1),

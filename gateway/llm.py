@@ -252,14 +252,19 @@ class LLM:
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(prompt)
 
-    def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams = SamplingParams(),
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
                  speculation: SpeculationParams = SpeculationParams()) -> list[Generation]:
-        """Run all prompts to completion in one continuous batch; results in prompt order."""
+        """Run all prompts to completion in one continuous batch; results in prompt order. ``sampling``: one
+        for every prompt, or one per prompt (distinct seeds, say)."""
         ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
+        per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(ids)
+        if len(per_prompt) != len(ids):
+            raise ValueError(f"sampling: {len(per_prompt)} SamplingParams for {len(ids)} prompts")
         rids = [uuid.uuid4().hex for _ in ids]
         try:
-            for rid, p in zip(rids, ids):
-                self.engine.add(rid, p, sampling, speculation)
+            for rid, p, sp in zip(rids, ids, per_prompt):
+                self.engine.add(rid, p, sp, speculation)
         except Exception:  # one bad prompt queues nothing
             for rid in rids:
                 self.engine.abort(rid)

@@ -12,7 +12,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from draft.dense_lm import student_from_teacher, teacher_from_checkpoint
-from draft.distill import Corpus, draft_config, main
+from draft.distill import Corpus, draft_config, main, write_prompts
 from draft.distill_train import Tokens, evaluate, feature_loss, teacher_targets, train
 from draft.feature_drafter import FeatureDrafter
 from draft.params import SpeculationParams
@@ -92,6 +92,24 @@ def test_evaluate_scores_only_the_sampled_positions() -> None:
     small = student_from_teacher(teacher, draft_config(cfg, 1, None, 16))
     assert evaluate(small, data)["kl"] > 1e-2
     assert evaluate(small, teacher_targets(teacher, seqs, k=64))["positions"] == 9 + 14 + 6
+
+
+def test_self_instruct_adds_prompts_the_target_wrote(tmp_path: Path) -> None:
+    """The target opens a user turn and writes requests; finished, distinct ones join the prompt list, are
+    answered like the file's and reproduce under the same seed."""
+    target = tiny_target(tmp_path)
+    llm = LLM.load(LoadConfig(model=str(target), draft="none", quantize="none"), log=lambda m: None)
+    written = write_prompts(llm, 16, seed=5, batch=8, max_tokens=64)  # a random model ends about half its turns
+    assert written == write_prompts(llm, 16, seed=5, batch=8, max_tokens=64)
+    assert 1 <= len(written) <= 16 and len(set(written)) == len(written)
+    assert all(w and "\n" not in w for w in written)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Say hello.\nCount to five.\n")
+    out = tmp_path / "draft"
+    main(["--target", str(target), "--out", str(out), "--layers", "1", "--steps", "2", "--max-tokens", "6",
+          "--top-k", "8", "--batch-size", "2", "--prompts", str(prompts), "--self-instruct", "16", "--val-every", "0"])
+    meta = json.loads((out / "distill.json").read_text())
+    assert meta["self_instruct"] == 16 and meta["prompts"] > 2 and meta["sequences"] == meta["prompts"]
 
 
 def test_distill_command_writes_a_loadable_lossless_draft(tmp_path: Path) -> None:
