@@ -47,7 +47,8 @@ def heap_tree(V: int, device: torch.device, seed: int) -> TokenTree:
                                 device=device, draft_probs=q)
 
 
-def per_tree(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator], trees: list[TokenTree]) -> list[int]:
+def per_tree(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator],
+             trees: list[TokenTree]) -> list[int]:
     picks = [_stochastic_parallel([t], process_logits(logits[i * TREE_NODES : (i + 1) * TREE_NODES], params), [g])
              for i, (t, g) in enumerate(zip(trees, gens))]
     return torch.cat(picks).tolist()
@@ -61,7 +62,8 @@ def trees_batched(logits: torch.Tensor, params: SamplingParams, gens: list[torch
 
 
 def per_row(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]) -> list[int]:
-    picks = [torch.multinomial(process_logits(logits[i : i + 1], params)[0], 1, generator=g) for i, g in enumerate(gens)]
+    picks = [torch.multinomial(process_logits(logits[i : i + 1], params)[0], 1, generator=g)
+             for i, g in enumerate(gens)]
     return torch.cat(picks).tolist()
 
 
@@ -99,7 +101,8 @@ def main() -> None:
             if name == "tree16":
                 trees = [heap_tree(args.vocab, device, i) for i in range(B)]
                 logits = torch.randn(B * TREE_NODES, args.vocab, device=device, generator=gen) * 3
-                arms = {"per_row": lambda l, p, g: per_tree(l, p, g, trees), "batched": lambda l, p, g: trees_batched(l, p, g, trees)}
+                arms = {"per_row": lambda l, p, g: per_tree(l, p, g, trees),
+                        "batched": lambda l, p, g: trees_batched(l, p, g, trees)}
             else:
                 logits = torch.randn(B, args.vocab, device=device, generator=gen) * 3
                 arms = {"batched": batched} if params.is_greedy else {"per_row": per_row, "batched": batched}
@@ -117,7 +120,8 @@ def main() -> None:
             print(row, flush=True)
     if args.out:
         out = Path(args.out)
-        res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
+        cpu = f"cpu ({torch.get_num_threads()} threads)"
+        res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
                "date": datetime.date.today().isoformat(), "commit": provenance.commit(), "torch": torch.__version__,
                "vocab": args.vocab, "command": "python bench/sampling_step.py " + " ".join(sys.argv[1:]),
                "notes": __doc__.split("\n\n", 1)[1].split("\n\n")[0].strip(), "rows": rows}

@@ -138,7 +138,8 @@ def sample_corpus(target: str, prompts: list[str], samples: int, max_tokens: int
     for s in range(samples):
         for lo in tqdm(range(0, len(ids), chunk), desc=f"sample {s + 1}/{samples}", unit="batch"):
             sampling = [SamplingParams(temperature=temperatures[s % len(temperatures)], max_tokens=max_tokens,
-                                       seed=(seed * 1000 + s) * 1_000_000 + i) for i in range(lo, min(lo + chunk, len(ids)))]
+                                       seed=(seed * 1000 + s) * 1_000_000 + i)
+                        for i in range(lo, min(lo + chunk, len(ids)))]
             gens = llm.generate(ids[lo : lo + chunk], sampling, SpeculationParams(enabled=False))
             for j, (p, g) in enumerate(zip(ids[lo : lo + chunk], gens)):
                 corpus.sequences.append(p + g.token_ids)
@@ -183,14 +184,16 @@ def _load_draft(path: str, target: LoadedCheckpoint):
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     if args.val_every == 1 or args.val_every < 0:
-        raise ValueError(f"--val-every must be 0 (no held-out set) or >= 2, got {args.val_every}: 1 holds out every prompt")
+        raise ValueError(f"--val-every must be 0 (no held-out set) or >= 2, got {args.val_every}: "
+                         "1 would hold out every prompt")
     if args.threads:
         torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     if args.target == "embedded":  # a portable name for the recorded command of the shipped draft
         args.target = str(resolve_model_path(LoadConfig()))
-    prompts = [l.strip() for f in args.prompts for l in Path(f).read_text().splitlines() if l.strip()][: args.max_prompts]
+    lines = [l.strip() for f in args.prompts for l in Path(f).read_text().splitlines()]
+    prompts = [l for l in lines if l][: args.max_prompts]
     ckpt: LoadedCheckpoint = load_checkpoint(args.target, torch.float32)
     if ckpt.quantized:
         raise ValueError(f"{args.target} is a quantized checkpoint: distil from its dense source")

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import SamplingParams, apply_penalties, process_logits, sample, sample_rows, tree_path_counts
+from verify.sampling import (SamplingParams, apply_penalties, process_logits, race_argmax, sample, sample_rows,
+                             tree_path_counts)
 
 
 @dataclass(slots=True)
@@ -134,8 +135,8 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
             results.append(_walk_greedy(tree, ids[at[k] : at[k] + n]))
         elif n == 1:
             results.append(_result(tree.host()[0], [0], ids[at[k]]))
-        elif any(ids[nodes_at[k][2] : nodes_at[k][2] + n]):  # a draft token with zero draft probability:
-            results.append(accept(tree, logits[starts[k] : starts[k + 1]], params[k], generators[k]))  # accept() names it
+        elif any(ids[nodes_at[k][2] : nodes_at[k][2] + n]):  # a draft token with zero draft probability
+            results.append(accept(tree, logits[starts[k] : starts[k + 1]], params[k], generators[k]))  # names it
         else:
             child, bonus = ids[nodes_at[k][0] : nodes_at[k][0] + n], ids[nodes_at[k][1] : nodes_at[k][1] + n]
             nodes = [0]
@@ -207,13 +208,12 @@ def _stochastic_parallel(trees: list[TokenTree], p: torch.Tensor, generators: li
         ok = live & (u[:, j] * q_t < p_t)  # u < p_t / q_t
         child = torch.where(ok, kid[:, j], child)
         rejected = (live & ~ok)[:, None]  # [R, 1]
-        without_t = p.scatter(1, t, 0.0)
         if q is None:
-            p = torch.where(rejected, without_t, p)
+            p = torch.where(rejected, p.scatter(1, t, 0.0), p)
         else:
             p = torch.where(rejected, _normalise((p - q).clamp_min(0), fallback=p), p)
             q = torch.where(rejected, _normalise(q.scatter(1, t, 0.0), fallback=q), q)
-    bonus = (p / race).argmax(-1)  # [R]: p_i / Exp(1) is largest at i with probability p_i / sum(p)
+    bonus = race_argmax(p, race)  # [R]: p_i / Exp(1) is largest at i with probability p_i / sum(p)
     return torch.cat((child, bonus, bad.long()))
 
 

@@ -139,12 +139,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     needs some mass. ``sample_rows`` makes the same draws for rows that each have their own generator.
 
     Two exact draws, by where the cost lies. On CUDA, launches dominate: an exponential race, one fill of
-    ``generator`` for the whole block (``_race``). On the CPU, arithmetic does: one float64 uniform per row
-    against the row's running sum (``_inverse_cdf``), where the race would draw V numbers a row.
+    ``generator`` for the whole block (``race_argmax``). On the CPU, arithmetic does: one float64 uniform
+    per row against the row's running sum (``_inverse_cdf``), where the race would draw V numbers a row.
     """
     rows = probs.reshape(-1, probs.shape[-1])  # [N, V]
     if rows.is_cuda:
-        out = _race(rows, torch.empty(rows.shape, device=rows.device).exponential_(generator=generator))
+        out = race_argmax(rows, torch.empty(rows.shape, device=rows.device).exponential_(generator=generator))
     else:
         out = _inverse_cdf(rows, torch.rand(rows.shape[0], generator=generator, dtype=torch.float64))
     return out.reshape(probs.shape[:-1])
@@ -158,15 +158,15 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch
         race = torch.empty(probs.shape, device=probs.device)  # [N, V]
         for row, generator in zip(race, generators):
             row.exponential_(generator=generator)
-        return _race(probs, race)
+        return race_argmax(probs, race)
     return _inverse_cdf(probs, torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]))
 
 
-def _race(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+def race_argmax(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
     """probs, race [N, V] (race ~ Exp(1) i.i.d.) -> [N]: ``p_i / E_i`` is largest at i with probability
     ``p_i / sum(p)`` (the exponential race, the Gumbel-max trick in another form; the bonus draw of
     ``verify.accept._stochastic_parallel``). An exponential of exactly 0 makes a token with mass win (a
-    valid draw) and never lets a zero-probability token win through 0 / 0."""
+    valid draw) and never lets a zero-probability token win through 0 / 0. Rows need some mass."""
     return torch.where(probs > 0, probs / race, -1.0).argmax(-1)
 
 

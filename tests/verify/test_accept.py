@@ -129,8 +129,9 @@ def test_zero_draft_probability_is_rejected() -> None:
 def test_batched_plain_draws_equal_one_by_one_accepts() -> None:
     """One-node sampled trees of several processing settings share a step: each sequence still gets the draw
     accept() makes with its own generator, whatever its neighbours (sample_rows per settings group)."""
-    settings = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0),
-                SamplingParams(temperature=0.7), SamplingParams(top_p=0.5), SamplingParams(temperature=1.0, top_k=3)]
+    settings = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=3),
+                SamplingParams(temperature=0), SamplingParams(temperature=0.7), SamplingParams(top_p=0.5),
+                SamplingParams(temperature=1.0, top_k=3)]
     logits = torch.randn(len(settings), V, generator=torch.Generator().manual_seed(3))  # [B, V], one row each
     trees = [TokenTree.root_only(i % V) for i in range(len(settings))]
     for seed in range(25):

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import (SamplingParams, _inverse_cdf, _race, apply_penalties, make_generator, process_logits, sample,
-                             sample_rows,
-                             tree_path_counts)
+from verify.sampling import (SamplingParams, _inverse_cdf, apply_penalties, make_generator, process_logits,
+                             race_argmax, sample, sample_rows, tree_path_counts)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -167,19 +166,20 @@ def test_sample_rows_makes_each_rows_own_draw(device: str) -> None:
         assert all(probs[i, t] > 0 for i, t in enumerate(one_by_one))
 
 
-def test_race_follows_the_distribution() -> None:
+def test_race_argmax_follows_the_distribution() -> None:
     """The CUDA draw, run here on CPU tensors: frequencies match the probabilities."""
     probs = torch.tensor([0.1, 0.6, 0.3, 0.0]).expand(30_000, 4)
     race = torch.empty(probs.shape).exponential_(generator=torch.Generator().manual_seed(3))
-    freq = torch.bincount(_race(probs, race), minlength=4) / probs.shape[0]
+    freq = torch.bincount(race_argmax(probs, race), minlength=4) / probs.shape[0]
     torch.testing.assert_close(freq, torch.tensor([0.1, 0.6, 0.3, 0.0]), atol=0.015, rtol=0)
 
 
-def test_race_never_draws_a_zero_probability_token() -> None:
+def test_race_argmax_never_draws_a_zero_probability_token() -> None:
     """Exponential draws of exactly zero, on tokens with and without mass."""
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75], [0.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.0, 0.0]])  # [3, 4]
     race = torch.tensor([[0.0, 2.0, 1.0, 9.0], [1.0, 0.0, 0.0, 5.0], [1.0, 0.0, 0.0, 1.0]])
-    assert _race(probs, race).tolist() == [1, 3, 1]  # 0.25 / 2 > 0.75 / 9; row 2: 0.5 / 0 = inf, a token with mass
+    # 0.25 / 2 > 0.75 / 9; row 2: 0.5 / 0 = inf, a token with mass
+    assert race_argmax(probs, race).tolist() == [1, 3, 1]
 
 
 def test_inverse_cdf_never_draws_a_zero_probability_token() -> None:
