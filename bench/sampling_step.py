@@ -13,6 +13,10 @@ Setting ``tree16`` verifies a 16-node tree per sequence (a binary heap with draf
 ``per_row`` is then each tree processed and decided alone (``_stochastic_parallel`` on one tree, the
 engine's path before trees were stacked), ``batched`` every tree of the step in one pass.
 
+Setting ``draft_level`` grows one level of a sampled draft tree (two frontier nodes a sequence, two children
+in all, T=0.7): ``per_row`` restates ``draft.base``'s draw before its race top-k (a multinomial and two host copies
+per frontier node), ``batched`` is ``draft.base.expand_all`` (a race top-k over every row, one host copy).
+
     python bench/sampling_step.py --device cuda --out bench/results/sampling_step.json
 """
 
@@ -30,12 +34,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import provenance  # noqa: E402  (bench/, this script's own directory)
+from draft.base import TreeBuilder, _allocate, expand_all  # noqa: E402
 from draft.tree import TokenTree  # noqa: E402
 from verify.accept import _stochastic_parallel, accept_batch  # noqa: E402
 from verify.sampling import SamplingParams, make_generator, process_logits  # noqa: E402
 
 SETTINGS = {"T=0.7": SamplingParams(temperature=0.7), "T=0.7 top_p=0.95": SamplingParams(temperature=0.7, top_p=0.95),
-            "greedy": SamplingParams(temperature=0), "tree16": SamplingParams(temperature=0.7)}
+            "greedy": SamplingParams(temperature=0), "tree16": SamplingParams(temperature=0.7),
+            "draft_level": SamplingParams(temperature=0.7)}
 TREE_NODES = 16
 
 
@@ -45,6 +51,35 @@ def heap_tree(V: int, device: torch.device, seed: int) -> TokenTree:
     q = torch.softmax(torch.randn(TREE_NODES, V, device=device, generator=g), -1)
     return TokenTree.from_lists([3 + i for i in range(TREE_NODES)], [-1] + [(i - 1) // 2 for i in range(1, TREE_NODES)],
                                 device=device, draft_probs=q)
+
+
+def level_builders(B: int, params: SamplingParams, gens: list[torch.Generator]) -> list[TreeBuilder]:
+    """B builders whose depth-1 frontier holds two nodes (root children 3 and 4)."""
+    out = []
+    for g in gens[:B]:
+        b = TreeBuilder(2, (2, 2), params, g)
+        b._add(0, 3, -0.5)
+        b._add(0, 4, -1.0)
+        out.append(b)
+    return out
+
+
+def level_per_row(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]) -> None:
+    for i, b in enumerate(level_builders(len(gens), params, gens)):
+        front = b.frontier(1)
+        q = process_logits(logits[2 * i : 2 * i + 2].float(), params)
+        support = (q > 0).sum(-1).tolist()
+        for j, (f, k) in enumerate(zip(front, _allocate(2, [b.cum_logp[f] for f in front]))):
+            k = min(k, support[j])
+            if k:
+                drawn = torch.multinomial(q[j], k, replacement=False, generator=b.generator)
+                for tok, lp in zip(drawn.tolist(), q[j][drawn].log().tolist()):
+                    b._add(f, tok, b.cum_logp[f] + lp)
+
+
+def level_batched(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]) -> None:
+    builders = level_builders(len(gens), params, gens)
+    expand_all(builders, 1, [logits[2 * i : 2 * i + 2] for i in range(len(builders))])
 
 
 def per_tree(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator],
@@ -98,7 +133,10 @@ def main() -> None:
     for B in [int(b) for b in args.batches.split(",")]:
         for name, params in SETTINGS.items():
             gen = torch.Generator(device).manual_seed(B)
-            if name == "tree16":
+            if name == "draft_level":
+                logits = torch.randn(2 * B, args.vocab, device=device, generator=gen) * 3
+                arms = {"per_row": level_per_row, "batched": level_batched}
+            elif name == "tree16":
                 trees = [heap_tree(args.vocab, device, i) for i in range(B)]
                 logits = torch.randn(B * TREE_NODES, args.vocab, device=device, generator=gen) * 3
                 arms = {"per_row": lambda l, p, g: per_tree(l, p, g, trees),

@@ -85,20 +85,15 @@ class TreeBuilder:
         for cum, i, j in sorted(best, key=lambda c: (c[1], c[2])):
             self._add(front[i], top_tok[i][j], cum)
 
-    def _expand_sampled(self, front: list[int], logits: torch.Tensor, width: int) -> None:
-        # Children are the first k draws without replacement from the draft's processed distribution q,
-        # k fixed before drawing (Sequoia's condition for lossless multi-candidate verification).
-        q = process_logits(logits.float(), self.sampling)  # [F, V] on the draft's device
-        counts = _allocate(width, [self.cum_logp[f] for f in front])
-        support = (q > 0).sum(-1).tolist()  # [F]: one host copy for the frontier, not one per node
+    def _add_sampled(self, front: list[int], q: torch.Tensor, counts: list[int], drawn: list[list[int]],
+                     logq: list[list[float]], support: list[int]) -> None:
+        # The first min(k, support) draws of each frontier node, in draw order, and the row they came from.
         for i, (f, k) in enumerate(zip(front, counts)):
-            row = q[i]
             k = min(k, support[i])
             if k == 0:
                 continue
-            self.q_rows[f] = row
-            drawn = torch.multinomial(row, k, replacement=False, generator=self.generator)  # [k]
-            for tok, lp in zip(drawn.tolist(), row[drawn].log().tolist()):
+            self.q_rows[f] = q[i]
+            for tok, lp in zip(drawn[i][:k], logq[i][:k]):
                 self._add(f, tok, self.cum_logp[f] + lp)
 
     def _add(self, parent: int, token: int, cum: float) -> None:
@@ -122,7 +117,8 @@ def expand_all(builders: list[TreeBuilder], depth: int, rows: list[torch.Tensor]
     """Grow each builder by one level from its frontier's logits ``rows[i]`` [F_i, V].
 
     Greedy builders share one log-softmax and top-k on the draft's device and one host copy for all of
-    them; sampled builders draw from their own generator one by one.
+    them; sampled builders that share their processing knobs share one pass and one host copy too, each
+    drawing from its own generator (``_expand_sampled``).
     """
     greedy = [i for i, b in enumerate(builders) if b.sampling.is_greedy]
     if greedy:
@@ -136,9 +132,47 @@ def expand_all(builders: list[TreeBuilder], depth: int, rows: list[torch.Tensor]
             b._expand_top(b.frontier(depth), lp[at : at + n], [[int(t) for t in r] for r in tok[at : at + n]],
                           b.widths[depth])
             at += n
+    sampled: dict[tuple[float, int, float], list[int]] = {}  # by processing knobs
     for i, b in enumerate(builders):
         if not b.sampling.is_greedy:
-            b._expand_sampled(b.frontier(depth), rows[i], b.widths[depth])
+            sampled.setdefault((b.sampling.temperature, b.sampling.top_k, b.sampling.top_p), []).append(i)
+    for idx in sampled.values():
+        _expand_sampled([builders[i] for i in idx], depth, [rows[i] for i in idx])
+
+
+def _expand_sampled(builders: list[TreeBuilder], depth: int, rows: list[torch.Tensor]) -> None:
+    """Sampled children for builders that share their processing: one processing pass and one host copy.
+
+    Children are the first k draws without replacement from the draft's processed distribution q, k fixed
+    before drawing (Sequoia's condition for lossless multi-candidate verification). The draws are an
+    exponential race (the Gumbel-top-k trick, Kool et al. 2019): ranking tokens by ``q_i / E_i``, E_i ~ Exp(1)
+    from the builder's own generator, orders them exactly as successive draws without replacement do, so
+    one top-k per row replaces a multinomial and a host copy per frontier node.
+    """
+    q = process_logits(torch.cat(rows).float(), builders[0].sampling)  # [sum F, V] on the draft's device
+    race = torch.empty_like(q)
+    counts: list[list[int]] = []
+    at = 0
+    for b, r in zip(builders, rows):
+        race[at : at + r.shape[0]].exponential_(generator=b.generator)  # this builder's frontier rows
+        counts.append(_allocate(b.widths[depth], [b.cum_logp[f] for f in b.frontier(depth)]))
+        at += r.shape[0]
+    k = min(max(max(c) for c in counts), q.shape[-1])
+    if k == 0:
+        return
+    score = torch.where(q > 0, q / race, -1.0)  # zero-mass tokens rank last; ``support`` cuts them off
+    drawn = score.topk(k, dim=-1).indices  # [sum F, k], in draw order
+    logq = q.gather(1, drawn).log()
+    support = (q > 0).sum(-1, keepdim=True)  # [sum F, 1]
+    # float64 holds every token id and count exactly: one host copy for the whole group
+    host = torch.cat((drawn.double(), logq.double(), support.double()), dim=1).tolist()  # [sum F, 2k + 1]
+    at = 0
+    for b, r, c in zip(builders, rows, counts):
+        n = r.shape[0]
+        block = host[at : at + n]
+        b._add_sampled(b.frontier(depth), q[at : at + n], c, [[int(t) for t in h[:k]] for h in block],
+                       [h[k : 2 * k] for h in block], [int(h[2 * k]) for h in block])
+        at += n
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

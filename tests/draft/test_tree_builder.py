@@ -60,3 +60,33 @@ def test_host_ancestor_bits_match_the_mask(n: int) -> None:
         tree = TokenTree.from_lists(list(range(n)), par)
         assert tree.ancestor_bit_list() == mask_to_bits(tree.ancestor_mask()).tolist()
         assert tree.ancestor_bits().tolist() == tree.ancestor_bit_list()
+
+
+def test_sampled_children_are_draws_without_replacement() -> None:
+    """Many sampled builders grown in one call: the first child follows q and the second follows q with the
+    first removed (successive draws without replacement), each builder from its own generator."""
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7, -2.0]])  # [1, 5]
+    q = torch.softmax(logits[0], -1)
+    sampled = SamplingParams(temperature=1.0)
+    n = 20_000
+    builders = [TreeBuilder(0, (2,), sampled, torch.Generator().manual_seed(i)) for i in range(n)]
+    expand_all(builders, 0, [logits] * n)
+    pairs = torch.zeros(5, 5)
+    for b in builders:
+        assert b.parents == [-1, 0, 0] and b.tokens[1] != b.tokens[2]
+        pairs[b.tokens[1], b.tokens[2]] += 1
+    expected = q[:, None] * q[None, :] / (1 - q[:, None])  # P(first a) P(second b | first a)
+    expected.fill_diagonal_(0)
+    torch.testing.assert_close(pairs / n, expected, atol=0.012, rtol=0)
+    assert torch.equal(builders[0].build().draft_probs[0], q)  # the row the children were drawn from
+
+
+def test_sampled_children_stop_at_the_support() -> None:
+    """top-k 2 leaves two tokens with mass: a width of 3 gets two children, never a zero-mass token."""
+    sampled = SamplingParams(temperature=0.9, top_k=2)
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(4))
+    keep = set(logits[0].topk(2).indices.tolist())
+    for seed in range(20):
+        b = TreeBuilder(1, (3,), sampled, torch.Generator().manual_seed(seed))
+        b.expand(0, logits)
+        assert len(b.tokens) == 3 and set(b.tokens[1:]) == keep
