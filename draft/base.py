@@ -157,7 +157,7 @@ def _expand_sampled(builders: list[TreeBuilder], depth: int, rows: list[torch.Te
         race[at : at + r.shape[0]].exponential_(generator=b.generator)  # this builder's frontier rows
         counts.append(_allocate(b.widths[depth], [b.cum_logp[f] for f in b.frontier(depth)]))
         at += r.shape[0]
-    k = min(max(max(c) for c in counts), q.shape[-1])
+    k = min(max((max(c) for c in counts if c), default=0), q.shape[-1])  # an empty frontier draws none
     if k == 0:
         return
     score = torch.where(q > 0, q / race, -1.0)  # zero-mass tokens rank last; ``support`` cuts them off

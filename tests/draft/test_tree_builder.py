@@ -90,3 +90,10 @@ def test_sampled_children_stop_at_the_support() -> None:
         b = TreeBuilder(1, (3,), sampled, torch.Generator().manual_seed(seed))
         b.expand(0, logits)
         assert len(b.tokens) == 3 and set(b.tokens[1:]) == keep
+
+
+def test_an_empty_sampled_frontier_adds_nothing() -> None:
+    sampled = SamplingParams(temperature=0.8)
+    b = TreeBuilder(1, (2, 2), sampled, torch.Generator().manual_seed(0))
+    expand_all([b], 1, [torch.zeros(0, V)])  # depth 1 has no nodes yet
+    assert b.tokens == [1] and b.build().draft_probs is None
