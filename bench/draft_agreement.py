@@ -24,18 +24,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draft.dense_lm import DenseLM, teacher_from_checkpoint  # noqa: E402
+from draft.dense_lm import DenseLM, draft_from_checkpoint, teacher_from_checkpoint  # noqa: E402
 from gateway.llm import LoadConfig, resolve_model_path  # noqa: E402
 from provenance import commit  # noqa: E402
-from target.loader import attach_shared_embeddings, load_checkpoint  # noqa: E402
+from target.loader import load_checkpoint  # noqa: E402
 
 MT_BENCH = ROOT / ".cache" / "mt_bench.jsonl"
-
-
-def load_draft(path: str, target) -> DenseLM:
-    ck = load_checkpoint(path, torch.float32)
-    attach_shared_embeddings(ck, target)
-    return teacher_from_checkpoint(ck.config, ck.weights)
 
 
 @torch.no_grad()
@@ -96,7 +90,7 @@ def main() -> None:
     texts = greedy_texts(teacher, prompts, args.new_tokens)
     rows = []
     for path in args.drafts:
-        draft = load_draft(path, target).to(args.device)
+        draft = draft_from_checkpoint(path, target).to(args.device)
         rows.append({"draft": path, "layers": draft.config.num_layers, "feature": draft.feature,
                      **agreement(draft, teacher, texts)})
         print(rows[-1], flush=True)

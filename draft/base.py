@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import SamplingParams, process_logits
+from verify.sampling import SamplingParams, process_logits, race_scores
 
 
 @dataclass(slots=True)
@@ -151,26 +151,25 @@ def _expand_sampled(builders: list[TreeBuilder], depth: int, rows: list[torch.Te
     """
     q = process_logits(torch.cat(rows).float(), builders[0].sampling)  # [sum F, V] on the draft's device
     race = torch.empty_like(q)
-    counts: list[list[int]] = []
+    fronts = [b.frontier(depth) for b in builders]
+    counts = [_allocate(b.widths[depth], [b.cum_logp[f] for f in front]) for b, front in zip(builders, fronts)]
     at = 0
     for b, r in zip(builders, rows):
         race[at : at + r.shape[0]].exponential_(generator=b.generator)  # this builder's frontier rows
-        counts.append(_allocate(b.widths[depth], [b.cum_logp[f] for f in b.frontier(depth)]))
         at += r.shape[0]
     k = min(max((max(c) for c in counts if c), default=0), q.shape[-1])  # an empty frontier draws none
     if k == 0:
         return
-    score = torch.where(q > 0, q / race, -1.0)  # zero-mass tokens rank last; ``support`` cuts them off
-    drawn = score.topk(k, dim=-1).indices  # [sum F, k], in draw order
+    drawn = race_scores(q, race).topk(k, dim=-1).indices  # [sum F, k], in draw order; zero mass ranks last
     logq = q.gather(1, drawn).log()
     support = (q > 0).sum(-1, keepdim=True)  # [sum F, 1]
     # float64 holds every token id and count exactly: one host copy for the whole group
     host = torch.cat((drawn.double(), logq.double(), support.double()), dim=1).tolist()  # [sum F, 2k + 1]
     at = 0
-    for b, r, c in zip(builders, rows, counts):
+    for b, r, front, c in zip(builders, rows, fronts, counts):
         n = r.shape[0]
         block = host[at : at + n]
-        b._add_sampled(b.frontier(depth), q[at : at + n], c, [[int(t) for t in h[:k]] for h in block],
+        b._add_sampled(front, q[at : at + n], c, [[int(t) for t in h[:k]] for h in block],
                        [h[k : 2 * k] for h in block], [int(h[2 * k]) for h in block])
         at += n
 

@@ -18,6 +18,7 @@ from torch import nn
 from target.config import FC_NAME, ModelConfig
 from kernels.fused_norm_rope import apply_rope
 from kernels.fused_norm_rope import rms_norm_ref as rms_norm
+from target.loader import LoadedCheckpoint, attach_shared_embeddings, load_checkpoint
 from target.model import rope_inv_freq
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -110,6 +111,14 @@ def teacher_from_checkpoint(config: ModelConfig, weights: dict[str, torch.Tensor
     model = DenseLM(config, weights[EMBED].float(), None if head is None else head.float(), FC_NAME in weights)
     model.load_hf({k: v.float() for k, v in weights.items() if k not in (EMBED, HEAD)})
     return model.requires_grad_(False).eval()
+
+
+def draft_from_checkpoint(path: str, target: LoadedCheckpoint) -> DenseLM:
+    """A saved draft of ``target`` as a frozen float32 ``DenseLM``, the target's embedding and head attached
+    when the draft shares them."""
+    ck = load_checkpoint(path, torch.float32)
+    attach_shared_embeddings(ck, target)
+    return teacher_from_checkpoint(ck.config, ck.weights)
 
 
 def pick_layers(num_target: int, num_draft: int) -> list[int]:

@@ -31,14 +31,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draft.dense_lm import student_from_teacher, teacher_from_checkpoint
+from draft.dense_lm import draft_from_checkpoint, student_from_teacher, teacher_from_checkpoint
 from draft.distill_train import Tokens, evaluate, feature_loss, save_draft, teacher_targets, train
 from draft.params import SpeculationParams
 from gateway.engine import EngineConfig
 from gateway.llm import LLM, LoadConfig, resolve_model_path
 from gateway.scheduler import SchedulerConfig
 from target.config import ModelConfig
-from target.loader import LoadedCheckpoint, attach_shared_embeddings, load_checkpoint
+from target.loader import LoadedCheckpoint, load_checkpoint
 from verify.sampling import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "distill_prompts.txt"
@@ -164,21 +164,16 @@ def write_prompts(llm: LLM, n: int, seed: int, batch: int, max_tokens: int = 96)
     else:
         opening = [tok.bos_token_id if tok.bos_token_id is not None else 0]
     out: list[str] = []
+    seen: set[str] = set()
     for lo in tqdm(range(0, n, batch), desc="self-instruct", unit="batch"):
         sampling = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=seed * 1_000_003 + i)
                     for i in range(lo, min(lo + batch, n))]
         for g in llm.generate([list(opening)] * len(sampling), sampling, SpeculationParams(enabled=False)):
             text = " ".join(g.text.split())  # one line: the prompt files' form
-            if text and g.finish_reason == "stop" and text not in out:
+            if text and g.finish_reason == "stop" and text not in seen:
+                seen.add(text)
                 out.append(text)
     return out
-
-
-def _load_draft(path: str, target: LoadedCheckpoint):
-    """A saved draft of ``target`` as a frozen ``DenseLM``, the target's embedding and head attached."""
-    ck = load_checkpoint(path, torch.float32)
-    attach_shared_embeddings(ck, target)
-    return teacher_from_checkpoint(ck.config, ck.weights)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -229,7 +224,7 @@ def main(argv: list[str] | None = None) -> Path:
         if val:
             held |= {f"val_{k}_init": v for k, v in evaluate(student, val, args.teacher_batch).items()}
             if args.baseline:
-                base = _load_draft(args.baseline, ckpt).to(device)
+                base = draft_from_checkpoint(args.baseline, ckpt).to(device)
                 held |= {f"val_{k}_baseline": v for k, v in evaluate(base, val, args.teacher_batch).items()}
                 del base
         t1 = time.perf_counter()

@@ -162,12 +162,18 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch
     return _inverse_cdf(probs, torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]))
 
 
+def race_scores(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """probs, race [N, V] (race ~ Exp(1) i.i.d.) -> [N, V] scores ``p_i / E_i``, -1 where ``p_i`` is 0: their
+    argmax is a draw from p, their descending order successive draws without replacement (the exponential
+    race; the Gumbel-max / Gumbel-top-k trick in another form). An exponential of exactly 0 makes a token
+    with mass win (a valid draw) and never lets a zero-probability token win through 0 / 0."""
+    return torch.where(probs > 0, probs / race, -1.0)
+
+
 def race_argmax(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
-    """probs, race [N, V] (race ~ Exp(1) i.i.d.) -> [N]: ``p_i / E_i`` is largest at i with probability
-    ``p_i / sum(p)`` (the exponential race, the Gumbel-max trick in another form; the bonus draw of
-    ``verify.accept._stochastic_parallel``). An exponential of exactly 0 makes a token with mass win (a
-    valid draw) and never lets a zero-probability token win through 0 / 0. Rows need some mass."""
-    return torch.where(probs > 0, probs / race, -1.0).argmax(-1)
+    """One draw per row by ``race_scores`` (the bonus draw of ``verify.accept._stochastic_parallel`` too).
+    Rows need some mass."""
+    return race_scores(probs, race).argmax(-1)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
