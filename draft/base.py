@@ -132,10 +132,11 @@ def expand_all(builders: list[TreeBuilder], depth: int, rows: list[torch.Tensor]
             b._expand_top(b.frontier(depth), lp[at : at + n], [[int(t) for t in r] for r in tok[at : at + n]],
                           b.widths[depth])
             at += n
-    sampled: dict[tuple[float, int, float], list[int]] = {}  # by processing knobs
+    sampled: dict[tuple, list[int]] = {}  # by processing knobs; on the CPU one builder a group (as in accept_batch)
     for i, b in enumerate(builders):
         if not b.sampling.is_greedy:
-            sampled.setdefault((b.sampling.temperature, b.sampling.top_k, b.sampling.top_p), []).append(i)
+            alone = i if rows[i].device.type != "cuda" else -1
+            sampled.setdefault((b.sampling.temperature, b.sampling.top_k, b.sampling.top_p, alone), []).append(i)
     for idx in sampled.values():
         _expand_sampled([builders[i] for i in idx], depth, [rows[i] for i in idx])
 

@@ -96,7 +96,10 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
         at.update((k, starts[k]) for k in greedy)
         size = best.shape[0]
     plain: dict[tuple[float, int, float], list[int]] = {}  # one-node sampled trees by processing knobs
-    stochastic: dict[tuple[float, int, float, bool], list[int]] = {}  # sampled trees by knobs, draft probs or not
+    stochastic: dict[tuple, list[int]] = {}  # sampled trees by knobs and draft kind
+    # Stacking pays where launches dominate (CUDA); on the CPU arithmetic does, and stacked [R, V] temporaries
+    # outgrow the cache (sampling_step_cpu.json): there each tree is a group of its own, with the same draws.
+    alone = logits.device.type != "cuda"
     for k, (tree, p) in enumerate(zip(trees, params)):
         if p.is_greedy or p.use_penalties:
             continue
@@ -105,7 +108,7 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
             plain.setdefault(knobs, []).append(k)
         else:
             _check_shapes(tree, logits[starts[k] : starts[k + 1]])
-            stochastic.setdefault(knobs + (tree.draft_probs is None,), []).append(k)
+            stochastic.setdefault(knobs + (tree.draft_probs is None, k if alone else -1), []).append(k)
     for ks in plain.values():  # one processing pass and one draw pass per group (sample_rows)
         rows = _rows(logits, [(starts[k], starts[k] + 1) for k in ks])  # [n, V]
         ids = sample_rows(process_logits(rows, params[ks[0]]), [generators[k] for k in ks])  # [n]

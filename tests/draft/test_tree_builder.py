@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft.base import TreeBuilder, expand_all
+from draft.base import TreeBuilder, _expand_sampled, expand_all
 from draft.tree import TokenTree, mask_to_bits
 from verify.sampling import SamplingParams, make_generator
 
@@ -97,3 +97,19 @@ def test_an_empty_sampled_frontier_adds_nothing() -> None:
     b = TreeBuilder(1, (2, 2), sampled, torch.Generator().manual_seed(0))
     expand_all([b], 1, [torch.zeros(0, V)])  # depth 1 has no nodes yet
     assert b.tokens == [1] and b.build().draft_probs is None
+
+
+def test_stacked_sampled_levels_equal_each_builder_alone() -> None:
+    """The stacking CUDA steps use (the CPU expands each builder alone), on CPU tensors: builders expanded in
+    one call get the children each gets alone from the same generator."""
+    sampled = SamplingParams(temperature=0.8)
+    g = torch.Generator().manual_seed(2)
+    rows = [torch.randn(1, V, generator=g) * 2 for _ in range(4)]
+    for seed in range(10):
+        make = lambda: [TreeBuilder(i, (3,), sampled, torch.Generator().manual_seed(seed * 10 + i))  # noqa: E731
+                        for i in range(4)]
+        together, alone = make(), make()
+        _expand_sampled(together, 0, rows)
+        for b, r in zip(alone, rows):
+            _expand_sampled([b], 0, [r])
+        assert [(b.tokens, b.parents) for b in together] == [(b.tokens, b.parents) for b in alone]

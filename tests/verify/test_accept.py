@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from draft.tree import TokenTree
-from verify.accept import AcceptResult, accept, accept_batch, accept_greedy, accept_stochastic, sample_first
+from verify.accept import (AcceptResult, _stochastic_parallel, accept, accept_batch, accept_greedy, accept_stochastic,
+                           sample_first)
 from verify.sampling import SamplingParams, apply_penalties, process_logits
 
 V = 6
@@ -168,6 +169,26 @@ def test_a_step_of_many_trees_draws_what_each_tree_alone_draws() -> None:
         alone = [accept_batch([t], logits[starts[i] : starts[i + 1]], [0, t.num_nodes], [knobs[i]],
                               [torch.Generator().manual_seed(seed * 10 + i)], none[:1])[0] for i, t in enumerate(trees)]
         assert [r.tokens for r in together] == [r.tokens for r in alone]
+
+
+def test_stacked_tree_decisions_equal_each_tree_alone() -> None:
+    """The stacking CUDA steps use (the CPU decides each tree alone), run here on CPU tensors: one call over
+    several trees returns, per tree, what a call over that tree alone returns."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [([1, 2, 3, 4], [-1, 0, 0, 1]), ([0, 5, 1], [-1, 0, 1]), ([3, 0, 1, 2, 4], [-1, 0, 0, 0, 1])]
+    trees = [TokenTree.from_lists(t, par, draft_probs=torch.softmax(torch.randn(len(t), V, generator=g), -1))
+             for t, par in shapes]
+    p = torch.softmax(torch.randn(sum(t.num_nodes for t in trees), V, generator=g), -1)  # [R, V]
+    for seed in range(20):
+        together = _stochastic_parallel(trees, p, [torch.Generator().manual_seed(seed + i) for i in range(3)])
+        R, at, alone = p.shape[0], 0, []
+        for i, t in enumerate(trees):
+            n = t.num_nodes
+            one = _stochastic_parallel([t], p[at : at + n], [torch.Generator().manual_seed(seed + i)])
+            assert torch.equal(together[at : at + n], one[:n])  # children
+            assert torch.equal(together[R + at : R + at + n], one[n : 2 * n])  # bonuses
+            assert torch.equal(together[2 * R + at : 2 * R + at + n], one[2 * n :])  # flags
+            at += n
 
 
 def test_seeded_runs_reproduce() -> None:
