@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--trees", default="1,1,1,1/2,2,2,1")
     ap.add_argument("--draft", default="auto", help="draft model directory for arm 'draft' (auto = the shipped one)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--whole-trees", action=argparse.BooleanOptionalAction, default=True,
+                    help="--sweep: lift the global verify cap so every tree is verified whole")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON (a --sweep file)")
     args = ap.parse_args()
@@ -128,7 +130,12 @@ def forward_seconds(model: Transformer, context: int = 128, batch: int = 1, reps
 
 def sweep(args: argparse.Namespace, qs: list[str]) -> None:
     """Mean accepted length per drafter x tree x temperature, plus draft/target forward cost -> drafts.json."""
-    fixed = EngineConfig(scheduler=SchedulerConfig(budget=BudgetConfig(min_gain=0.0)))  # keep every depth
+    # Keep every tree whole: every depth (min_gain 0) and every node. The engine's global verify cap (64
+    # tokens a step over the batch) would otherwise cut a batch of 8 trees of 15 nodes to about 8 nodes
+    # each, so every template above that size measured a cut tree (drafts.json before this rule).
+    most = args.batch * (1 + max(sum(int(x) for x in t.split(",")) for t in args.trees.split("/")))
+    fixed = EngineConfig(scheduler=SchedulerConfig(max_step_tokens=max(1024, most), budget=BudgetConfig(
+        min_gain=0.0, max_verify_tokens=max(64, most) if args.whole_trees else 64)))
     llm = LLM.load(LoadConfig(model=args.model, quantize=args.quantize, draft=args.draft, device=args.device,
                               dtype=args.dtype), fixed, log=lambda m: None)
     cuda = llm.engine.target.device.type == "cuda"
