@@ -95,9 +95,12 @@ def main() -> None:
 
 
 def forward_seconds(model: Transformer, context: int = 128, batch: int = 1, reps: int = 20,
-                    graphs: bool = False) -> float:
+                    graphs: bool = False, pipelined: bool = False) -> float:
     """Median seconds of one decode forward (one new token per sequence after ``context`` cached tokens),
-    eager or replayed from a CUDA graph (``graphs``, CUDA only)."""
+    eager or replayed from a CUDA graph (``graphs``, CUDA only). Each forward is timed alone, from a
+    synchronised start to its synchronised end (host work, copies and the sync's latency included);
+    with ``pipelined`` it is the mean of ``reps`` forwards launched back to back and synchronised once:
+    the device's time per forward, as inside the draft's tree loop (one graph for every level)."""
     cache = model.new_cache(batch * (context // 16 + 2), 16)
     tables = [cache.new_table() for _ in range(batch)]
     prompt = list(range(1000, 1000 + context))
@@ -112,6 +115,18 @@ def forward_seconds(model: Transformer, context: int = 128, batch: int = 1, reps
     def forward(b, c):
         return run(b, c, step_feats)
     cuda = model.device.type == "cuda"
+    if pipelined:
+        segs = [Segment(t, context, [42]) for t in tables]
+        batch_ = build_batch(segs, cache, model.device)  # the same token rewritten in place each time
+        forward(batch_, cache)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            forward(batch_, cache)
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
     times = []
     for _ in range(reps + 2):
         segs = [Segment(t, context, [42]) for t in tables]
@@ -142,24 +157,41 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
     llm.engine.capture_graphs()  # on CUDA: no capture or kernel tuning inside the measured generations
     target_s = forward_seconds(llm.engine.target)
     target_g = forward_seconds(llm.engine.target, graphs=True) if cuda else None
-    rows = []
+    target_p = forward_seconds(llm.engine.target, graphs=True, pipelined=True, reps=50) if cuda else None
+    rows, off_tok_s = [], {}
+    for i in range(0, len(qs), args.batch):  # untimed: every prompt's prefill shapes meet their kernels once
+        llm.generate(qs[i : i + args.batch], SamplingParams(temperature=0, max_tokens=2), SpeculationParams(enabled=False))
+    for temp in (float(t) for t in args.temperatures.split(",")):  # the plain arm: tokens/s to compare against
+        sampling = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
+        t0 = time.perf_counter()
+        gens = [g for i in range(0, len(qs), args.batch)
+                for g in llm.generate(qs[i : i + args.batch], sampling, SpeculationParams(enabled=False))]
+        off_tok_s[temp] = sum(len(g.token_ids) for g in gens) / (time.perf_counter() - t0)
+        rows.append({"drafter": "off", "tree": [], "temperature": temp, "mean_accepted_length": 1.0,
+                     "tokens_per_s": round(off_tok_s[temp], 1)})
+        print(rows[-1], flush=True)
     for arm in args.arms.split(","):
         drafter = llm.engine.drafters[arm]
         model = getattr(getattr(drafter, "draft", drafter), "model", None)  # a hybrid costs its draft model
         cost = None if model is None else round(forward_seconds(model) / target_s, 4)
         cost_g = None if model is None or not cuda else round(forward_seconds(model, graphs=True) / target_g, 4)
+        cost_p = None if model is None or not cuda else round(
+            forward_seconds(model, graphs=True, pipelined=True, reps=50) / target_p, 4)
         for tree_s in args.trees.split("/"):
             tree = tuple(int(x) for x in tree_s.split(","))
             for temp in (float(t) for t in args.temperatures.split(",")):
                 sampling = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
                 spec = SpeculationParams(drafter=arm, tree=tree)
                 lookup_only = getattr(drafter, "lookup_only", 0)
+                t0 = time.perf_counter()
                 gens = [g for i in range(0, len(qs), args.batch) for g in llm.generate(qs[i : i + args.batch], sampling, spec)]
+                tok_s = sum(len(g.token_ids) for g in gens) / (time.perf_counter() - t0)
                 steps, acc = sum(g.stats.steps for g in gens), sum(g.stats.accepted_tokens for g in gens)
                 name = "feature" if getattr(model, "fc", None) is not None else "distilled"
                 rows.append({"drafter": {"draft": name}.get(arm, arm), "tree": list(tree), "temperature": temp,
                              "mean_accepted_length": round((acc + steps) / steps, 4), "draft_cost_ratio": cost,
-                             "draft_cost_ratio_graphs": cost_g})
+                             "draft_cost_ratio_graphs": cost_g, "draft_cost_ratio_pipelined": cost_p,
+                             "tokens_per_s": round(tok_s, 1), "speedup_vs_off": round(tok_s / off_tok_s[temp], 3)})
                 if getattr(drafter, "lookup_first", False):  # request-steps the model sat out
                     rows[-1]["lookup_only_share"] = round((drafter.lookup_only - lookup_only) / steps, 4)
                 print(rows[-1], flush=True)
@@ -170,10 +202,14 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
         "commit": commit, "quantize": args.quantize, "prompts": len(qs), "max_tokens": args.max_tokens,
         "batch": args.batch, "target_forward_ms": round(target_s * 1e3, 3),
         "target_forward_ms_graphs": None if target_g is None else round(target_g * 1e3, 3),
+        "target_forward_ms_pipelined": None if target_p is None else round(target_p * 1e3, 3),
         "self_draft_layers": llm.engine.drafters["self"].model.num_layers,
         "notes": "draft_cost_ratio: median decode forward (1 token, 128 cached) of the drafter / of the target, "
-                 "both eager; _graphs: both replayed from CUDA graphs; null for ngram (no model forward). Fixed "
-                 "trees (adaptive depth budget off). Seed 0 at T>0.",
+                 "both eager, each forward synchronised alone; _graphs: both replayed from CUDA graphs; _pipelined: "
+                 "graphs, 50 forwards back to back per sync (device time per forward); null for ngram (no model "
+                 "forward). Whole fixed trees (adaptive depth budget off, verify cap lifted). Seed 0 at T>0. "
+                 "tokens_per_s: the generations' output tokens over their wall time, batch as given; "
+                 "speedup_vs_off against the plain arm at the same temperature, same run.",
         "rows": rows}, indent=2) + "\n")
 
 
@@ -184,7 +220,7 @@ def plot_sweep(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = res["rows"]
+    rows = [r for r in res["rows"] if r["drafter"] != "off"]
     labels = sorted({(r["drafter"], tuple(r["tree"])) for r in rows}, key=str)
     temps = sorted({r["temperature"] for r in rows})
     fig, ax = plt.subplots(figsize=(9, 4))

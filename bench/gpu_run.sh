@@ -12,7 +12,8 @@
 #   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch off and on, 2 runs each
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in two parts) and convert it once
 #   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
-#   bash bench/gpu_run.sh drafts     drafts.json with the new draft (DRAFT=DIR another draft, ARMS=a,b the drafters)
+#   bash bench/gpu_run.sh drafts     drafts.json with the new draft (DRAFT=DIR another draft, ARMS=a,b the drafters,
+#                                    DRAFT_TREES=a/b the templates)
 #   bash bench/gpu_run.sh distill_mix   the draft on the mixed prompt list (both prompt files, 3 samples each,
 #                                    bf16 sampling), scored on held-out prompts beside the shipped draft; into
 #                                    .cache/draft_mix (run it under setsid and poll: it can outlast one call);
@@ -91,8 +92,8 @@ for stage in "$@"; do
       tr '\r' '\n' < .cache/distill_mix.log | grep -v "it/s\]$" | tail -12 ;;
     drafts_ab) sweep_beside_shipped .cache/draft_mix ;;
     drafts)
-      timeout 200 python bench/drafters.py --sweep --arms "${ARMS:-draft,ngram,self}" --prompts 16 --batch 8 --max-tokens 128 \
-        --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
+      timeout "${DRAFTS_TIMEOUT:-200}" python bench/drafters.py --sweep --arms "${ARMS:-draft,ngram,self}" --prompts 16 --batch 8 --max-tokens 128 \
+        --trees "${DRAFT_TREES:-1,1,1,1/2,2,2,1/3,3,3,2,2,1}" --temperatures 0,0.7 --device cuda --dtype bfloat16 \
         --draft "${DRAFT:-$OUT/draft}" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts.json" 2>&1 | tail -25 ;;
     real)
       timeout 560 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" \
