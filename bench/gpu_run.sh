@@ -36,8 +36,8 @@ mkdir -p "$OUT"
 sweep_beside_shipped() {
   for d in "$1" draft/weights/smollm2-135m-instruct; do
     arms=draft; [ "$d" = "$1" ] && arms=draft,ngram
-    timeout 240 python bench/drafters.py --sweep --arms "$arms" --prompts 16 --batch 8 --max-tokens 128 \
-      --trees 1,1,1,1/2,2,2,1/3,3,3,2,2,1 --temperatures 0,0.7 --device cuda --dtype bfloat16 \
+    timeout "${DRAFTS_TIMEOUT:-240}" python bench/drafters.py --sweep --arms "$arms" --prompts 16 --batch 8 --max-tokens 128 \
+      --trees "${DRAFT_TREES:-1,1,1,1/2,2,2,1/3,3,3,2,2,1}" --temperatures 0,0.7 --device cuda --dtype bfloat16 \
       --draft "$d" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts_$(basename $d).json" 2>&1 | tail -8
   done
 }

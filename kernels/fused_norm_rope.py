@@ -1,4 +1,5 @@
-"""Two fusions for the launch-bound part of a decode step: RMSNorm, and RoPE with the KV-cache write.
+"""Fusions for the launch-bound part of a decode step: RMSNorm, RoPE with the KV-cache write, and the
+gated activation of a dense MLP.
 
 At decode sizes every elementwise op is a kernel launch that moves a few KB; a 30-layer model spends
 more time between its matmuls than in them (bench/results/engine.json). Written as torch ops, RMSNorm
@@ -6,6 +7,9 @@ is five kernels and rotary embedding plus the cache write about a dozen per laye
 each.
 
 * ``rms_norm``: one program per row, fp32 statistics, ``(x * rsqrt(mean(x^2) + eps)).to(dtype) * w``.
+* ``silu_mul``: ``silu(gate) * up`` of a dense ``gate_up`` output in one pass (the INT4 matmul fuses it
+  into its epilogue; a bf16 draft's MLP otherwise spends two elementwise launches on it), fp32 math,
+  one rounding.
 * ``rope_and_cache``: one program per token reads its fused qkv row, rotates q and k (HF's rotate-half
   convention, angles ``position * inv_freq`` computed in fp32 and rounded to the activation dtype like
   the reference's cos/sin tables), writes the rotated q out and the rotated k and the v straight into
@@ -53,6 +57,39 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, use_triton: bool |
         _rms_norm_kernel[(x2.shape[0],)](x2, w, out, x2.stride(0), out.stride(0), hidden, eps, BLOCK=block,
                                          num_warps=4 if block <= 4096 else 8)
     return out.view(x.shape)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * stride_o + cols, (gate * tl.sigmoid(gate) * up).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
+    """gate_up: [..., 2 I], gate columns first -> [..., I]. Triton on CUDA (or when forced), else the reference."""
+    if not (gate_up.is_cuda if use_triton is None else use_triton):
+        return silu_mul_ref(gate_up)
+    two_i = gate_up.shape[-1]
+    if two_i % 2:
+        raise ValueError(f"gate_up has an odd width {two_i}: expected [gate | up] halves")
+    x2 = gate_up.reshape(-1, two_i)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = x2.new_empty(x2.shape[0], two_i // 2)
+    if x2.shape[0]:
+        block = min(1024, triton.next_power_of_2(two_i // 2))
+        _silu_mul_kernel[(x2.shape[0], triton.cdiv(two_i // 2, block))](
+            x2, out, x2.stride(0), out.stride(0), two_i // 2, BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], two_i // 2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from kernels.fused_norm_rope import rms_norm as fused_rms_norm
 from kernels.fused_norm_rope import rope_and_cache
+from kernels.fused_norm_rope import silu_mul as fused_silu_mul
 from kernels.int4_matmul import Int4Weight, dequantize, int4_matmul, int4_matmul_silu_mul, quantize_rtn
 from kernels.tree_attention import tree_attention
 from target.batch import ForwardBatch
@@ -42,6 +43,8 @@ class Linear:
         if self.dequantized is None and isinstance(self.weight, Int4Weight):
             return int4_matmul(x, self.weight, self.bias, residual=residual)
         w = self.dequantized.to(x.dtype) if self.dequantized is not None else self.weight
+        if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2:
+            return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
         y = F.linear(x, w, self.bias)
         return y if residual is None else y + residual
 
@@ -49,8 +52,7 @@ class Linear:
         """``silu(gate) * up`` for a gate_up projection (gate rows first), fused for INT4 weights."""
         if self.dequantized is None and isinstance(self.weight, Int4Weight):
             return int4_matmul_silu_mul(x if self.perm is None else x[..., self.perm], self.weight)
-        gate, up = self(x).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return fused_silu_mul(self(x))
 
     def quantized(self, group_size: int, use_zero_point: bool) -> "Linear":
         if isinstance(self.weight, Int4Weight):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernels.fused_norm_rope import rms_norm, rms_norm_ref, rope_and_cache, rope_and_cache_ref
+from kernels.fused_norm_rope import rms_norm, rms_norm_ref, rope_and_cache, rope_and_cache_ref, silu_mul, silu_mul_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -25,6 +25,25 @@ def test_rms_norm_matches_reference(rows: int, hidden: int, dtype: torch.dtype) 
     tol = dict(rtol=1e-2, atol=1e-2) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, ref, **tol)
     assert out.shape == x.shape and out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 8), (5, 1536), (3, 1100), (2, 2500)])
+def test_silu_mul_matches_reference(rows: int, inter: int, dtype: torch.dtype) -> None:
+    """Widths below, at and past one column block (1024), ragged; a strided input; every output written."""
+    g = torch.Generator(device=DEVICE).manual_seed(rows * inter)
+    wide = (torch.randn(rows, 2 * inter + 6, generator=g, device=DEVICE) * 4).to(dtype)
+    gate_up = wide[:, 3 : 3 + 2 * inter]  # a view with a row stride past its width
+    out = silu_mul(gate_up, use_triton=True)
+    ref = silu_mul_ref(gate_up.float()).to(dtype)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype != torch.float32 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, **tol)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+
+
+def test_silu_mul_rejects_an_odd_width() -> None:
+    with pytest.raises(ValueError, match="odd width"):
+        silu_mul(torch.zeros(2, 7), use_triton=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
