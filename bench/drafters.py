@@ -213,6 +213,13 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
         "rows": rows}, indent=2) + "\n")
 
 
+def _tree_label(widths: tuple[int, ...]) -> str:
+    """2x2x2x1, or 8^7 for a template of equal widths."""
+    if len(widths) > 2 and len(set(widths)) == 1:
+        return f"{widths[0]}^{len(widths)}"
+    return "x".join(map(str, widths))
+
+
 def plot_sweep(res: dict, path: Path) -> None:
     """Mean accepted length per drafter x tree, one bar group per temperature."""
     import matplotlib
@@ -229,8 +236,9 @@ def plot_sweep(res: dict, path: Path) -> None:
         vals = {(r["drafter"], tuple(r["tree"])): r["mean_accepted_length"] for r in rows if r["temperature"] == t}
         ax.bar([i + k * w for i in range(len(labels))], [vals.get(l, 0) for l in labels], w, label=f"T={t}")
     ax.axhline(2.5, color="k", ls=":", label="target at T=0 (2.5)")
+    ax.axhline(2.0, color="tab:orange", ls=":", label="target at T=0.7 (2.0)")
     ax.set_xticks([i + w * (len(temps) - 1) / 2 for i in range(len(labels))],
-                  [f"{d}\n{'x'.join(map(str, t))}" for d, t in labels], fontsize=8)
+                  [f"{d}\n{_tree_label(t)}" for d, t in labels], fontsize=8)
     ax.set_ylabel("mean accepted length (tokens / step)")
     ax.set_title(f"Drafters on MT-bench first turns, {res['device']}")
     ax.legend(fontsize=8)
