@@ -8,6 +8,7 @@ the paged cache before attention, and logits only for the rows that need them.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,6 +22,11 @@ from kernels.tree_attention import tree_attention
 from target.batch import ForwardBatch
 from target.config import FC_NAME, ModelConfig
 from target.kv_cache import KVCache
+
+
+# Dense (bf16) projections on CUDA: the residual add rides the GEMM (addmm) and silu(gate) * up is one
+# Triton kernel. SPECGATE_DENSE_FUSION=0 restores F.linear + add and F.silu * up (bench/draft_step.py's A/B).
+DENSE_FUSION = os.environ.get("SPECGATE_DENSE_FUSION", "1") != "0"
 
 
 @dataclass(slots=True)
@@ -43,7 +49,7 @@ class Linear:
         if self.dequantized is None and isinstance(self.weight, Int4Weight):
             return int4_matmul(x, self.weight, self.bias, residual=residual)
         w = self.dequantized.to(x.dtype) if self.dequantized is not None else self.weight
-        if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2:
+        if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2 and DENSE_FUSION:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
         y = F.linear(x, w, self.bias)
         return y if residual is None else y + residual
@@ -52,6 +58,9 @@ class Linear:
         """``silu(gate) * up`` for a gate_up projection (gate rows first), fused for INT4 weights."""
         if self.dequantized is None and isinstance(self.weight, Int4Weight):
             return int4_matmul_silu_mul(x if self.perm is None else x[..., self.perm], self.weight)
+        if not DENSE_FUSION:
+            gate, up = self(x).chunk(2, dim=-1)
+            return F.silu(gate) * up
         return fused_silu_mul(self(x))
 
     def quantized(self, group_size: int, use_zero_point: bool) -> "Linear":
