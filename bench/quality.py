@@ -71,12 +71,15 @@ def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def windowed_log_probs(model: Transformer, ids: list[int], window: int = 1024,
-                       stride: int = 512) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def windowed_log_probs(model: Transformer, ids: list[int], window: int = 1024, stride: int = 512,
+                       logits: Callable[[list[int]], torch.Tensor] | None = None,
+                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Per window of ``windows``: fp32 next-token log-probs ``[k, V]`` of its scored targets, and the targets
-    ``[k]``. Each window is its own prefill from position 0 (``logits_over``)."""
+    ``[k]``. Each window is its own prefill from position 0: ``logits(ids)`` ``[T, V]`` (default
+    ``logits_over(model, ids)``)."""
+    logits = logits or (lambda w: logits_over(model, w))
     for begin, end, first in windows(len(ids), window, stride):
-        lg = logits_over(model, ids[begin:end]).float()[first - 1 - begin : end - 1 - begin]
+        lg = logits(ids[begin:end]).float()[first - 1 - begin : end - 1 - begin]
         yield lg.log_softmax(-1), torch.tensor(ids[first:end])
 
 

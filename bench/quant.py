@@ -30,6 +30,8 @@ import platform
 import re
 import subprocess
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +45,7 @@ from gateway.engine import Engine, EngineConfig
 from gateway.llm import LLM, Loaded, LoadConfig, resolve_model_path, target_checkpoint
 from quality import greedy, logits_over, perplexity_ids, windowed_log_probs, windows
 from target.gptq import quantize_gptq, sample_calibration
+from target.qtune import TuneConfig, mean_kl, on_device, sequence_logits, tune_scales
 from target.loader import LoadedCheckpoint, load_checkpoint
 from target.quant_formats import save_quantized
 from target.model import Transformer
@@ -51,6 +54,7 @@ from verify.sampling import SamplingParams
 HERE = Path(__file__).resolve().parent
 MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
 TREE = (2, 2, 2, 1)
+TUNE = TuneConfig()  # the _tune arms' defaults
 ARMS = ("dense_fp32", "dense_bf16", "gguf_q4", "rtn_g128", "gptq_g128", "gptq_g128_act_intzero", "gptq_g128_act",
         "gptq_g128_act_group", "gptq_g128_act_perm", "gptq_g128_act_mse", "gptq_g128_act_group_mse",
         "gptq_g128_act_perm_mse", "gptq_g128_act_mse_damp0.1", "rtn_g64", "gptq_g64_act_mse", "rtn_g32",
@@ -73,8 +77,21 @@ PYDOC_NOTE = ("Perplexity and kl_to_dense here are over {scored} tokens of CPyth
               "one, replaces the file's). perplexity_ratio_to_dense_bf16 divides by this file's dense_bf16 row. ")
 
 
+@dataclass(slots=True)
+class Tuning:
+    """What a ``_tune{N}`` arm trains on: ``TuneConfig`` less its steps, the device, the training sequences and
+    the held-out ones its KL is reported on (both sampled from the dense model, never the perplexity text)."""
+
+    cfg: TuneConfig
+    device: str
+    train: list[list[int]]
+    held_out: list[list[int]]
+    report: dict = field(default_factory=dict)  # filled by build_arm: the arm's tuning figures
+
+
 def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
-              cache: Path | None, model: str | None = None) -> tuple[Transformer, float | None]:
+              cache: Path | None, model: str | None = None, tuning: Tuning | None = None,
+              gptq_device: str = "cpu") -> tuple[Transformer, float | None]:
     """``dense_fp32``, ``dense_bf16``, ``gguf_q4`` (the GGUF's own Q4_0 / Q4_1 blocks repacked, what the server
     runs for a GGUF target under --quantize int4; ``model`` is the --model argument), ``rtn_g{G}`` or
     ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}][_calib{S}x{L}]``, and the seconds quantizing took
@@ -87,7 +104,12 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     set (S sequences of L tokens) ``main`` passes as ``calib`` instead of --calib-seqs x --calib-len. No flag:
     natural order, min-max grids.
     (``_refit`` arms in quant.json were measured with a least-squares grid refit that did not pay and was removed.)
+
+    ``_tune{N}`` last (any arm before it, RTN too): that arm, then ``N`` steps of ``target.qtune.tune_scales`` on
+    ``tuning``'s sequences; ``tuning.report`` gets the held-out KL before and after and the loss curve's ends.
     """
+    if (m := re.fullmatch(r"(.+)_tune(\d+)", name)) is not None:
+        return tuned_arm(m[1], int(m[2]), dense, ck, calib, cache, model, tuning, gptq_device)
     if name == "dense_fp32":
         return dense, 0.0
     if name == "dense_bf16":
@@ -111,12 +133,38 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     order = "off" if "act" not in flags else "perm" if "perm" in flags else "group" if "group" in flags else "static"
     t0 = time.perf_counter()
     model = dense.quantize(G) if method == "rtn" else \
-        quantize_gptq(dense, calib, G, act_order=order, mse="mse" in flags, damp=damps[0] if damps else 0.01,
-                      round_zero="intzero" in flags)
+        quantize_gptq(dense.to(gptq_device), calib, G, act_order=order, mse="mse" in flags,
+                      damp=damps[0] if damps else 0.01, round_zero="intzero" in flags).to("cpu")
     secs = time.perf_counter() - t0
     if cache is not None:
         save_quantized(model, cache / name, ck.tokenizer, ck.chat_template, {"method": name})
     return model, secs
+
+
+def tuned_arm(base: str, steps: int, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
+              cache: Path | None, model: str | None, tuning: Tuning | None,
+              gptq_device: str = "cpu") -> tuple[Transformer, float | None]:
+    """``base``'s model (built or taken from ``cache``), its scales and zeros then tuned for ``steps`` steps."""
+    if tuning is None:
+        raise ValueError("a _tune arm needs the tuning sequences (main samples them)")
+    start, base_s = build_arm(base, dense, ck, calib, cache, model, gptq_device=gptq_device)
+    t0 = time.perf_counter()
+    losses: list[float] = []
+    tuned = tune_scales(start, dense, tuning.train, replace(tuning.cfg, steps=steps), tuning.device,
+                        log=lambda step, loss: losses.append(loss))
+    secs = time.perf_counter() - t0
+    window = max(1, min(20, steps // 5))
+    tuning.report.update({
+        "tune_steps": steps, "tune_config": asdict(replace(tuning.cfg, steps=steps)), "tune_device": tuning.device,
+        "tune_train": f"{len(tuning.train)} x {len(tuning.train[0])} tokens sampled from the dense model",
+        "tune_loss_first": round(sum(losses[:window]) / window, 5),
+        "tune_loss_last": round(sum(losses[-window:]) / window, 5), "tune_seconds": round(secs, 1),
+        "held_out_kl_before": round(mean_kl(start, dense, tuning.held_out, tuning.device), 5),
+        "held_out_kl_after": round(mean_kl(tuned, dense, tuning.held_out, tuning.device), 5),
+        "held_out": f"{len(tuning.held_out)} x {len(tuning.held_out[0])} tokens sampled from the dense model "
+                    f"(another seed)"})
+    print(f"tuned {base} for {steps} steps in {secs:.0f}s: {tuning.report}", flush=True)
+    return tuned, None if base_s is None else base_s + secs
 
 
 def calib_flag(flag: str) -> tuple[int, int] | None:
@@ -154,18 +202,29 @@ def draft(dense: Transformer, num_layers: int) -> Drafter:
     return ModelDrafter("self", dense.truncated(num_layers), 512, 16)
 
 
+def scorer(model: Transformer, device: str | None) -> Callable[[list[int]], torch.Tensor]:
+    """``ids -> [T, V]`` logits of one prefill: the serving forward on the CPU (``device`` None), or
+    ``target.qtune.sequence_logits`` (the same maths in float32, tested against it) on ``device``; log-probs
+    come back to the CPU either way."""
+    if device is None:
+        return lambda ids: logits_over(model, ids)
+    on = on_device(model, torch.device(device))
+    return lambda ids: sequence_logits(on, torch.tensor([ids], device=device))[0].cpu()
+
+
 def evaluate(model: Transformer, ref: dict, text: list[int], prompts: list[list[int]], max_tokens: int,
-             window: int, stride: int) -> dict:
-    """Perplexity and KL to dense on ``text`` (sliding windows, each target once); greedy agreement on dense's
-    continuations; free-running common prefix."""
+             window: int, stride: int, device: str | None = None) -> dict:
+    """Perplexity and KL to dense on ``text`` (sliding windows, each target once) and greedy agreement on dense's
+    continuations, scored on ``device`` (see ``scorer``); free-running common prefix (the CPU's serving forward)."""
     nll, kl, count = 0.0, 0.0, 0
-    scored = ref["text"] if model is ref["model"] else windowed_log_probs(model, text, window, stride)
+    score = scorer(model, device)
+    scored = ref["text"] if model is ref["model"] else windowed_log_probs(model, text, window, stride, score)
     for (lp, tgt), (ref_lp, _) in zip(scored, ref["text"], strict=True):
         nll -= float(lp.gather(-1, tgt[:, None]).double().sum())
         kl += float(F.kl_div(lp, ref_lp, log_target=True, reduction="sum"))  # KL(dense || model), summed
         count += len(tgt)
     # teacher-forced: does this model's argmax match dense's greedy token at each of the 64 positions?
-    agree = [logits_over(model, p + g).argmax(-1)[len(p) - 1:-1] == torch.tensor(g)
+    agree = [score(p + g).argmax(-1)[len(p) - 1:-1] == torch.tensor(g)
              for p, g in zip(prompts, ref["greedy"])]
     free = [greedy(model, p, max_tokens) for p in prompts]
     prefix = [next((i for i, (a, b) in enumerate(zip(f, g)) if a != b), len(g)) for f, g in zip(free, ref["greedy"])]
@@ -184,14 +243,32 @@ def main() -> None:
     ap.add_argument("--arm-cache", default=None, help="directory to keep quantized arms in (our format)")
     ap.add_argument("--draft-layers", type=int, default=20, help="layers of the fixed dense self-draft")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts-file", default=str(MT_BENCH), help="MT-bench questions (jsonl), first turns used")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ppl-text", default="pydoc", help="held-out text: 'pydoc' or 'file:PATH'")
     ap.add_argument("--ppl-tokens", type=int, default=16384, help="cut the held-out text to this many tokens")
     ap.add_argument("--ppl-window", type=int, default=1024, help="tokens per perplexity prefill")
     ap.add_argument("--ppl-stride", type=int, default=512, help="tokens each perplexity window moves by")
+    ap.add_argument("--eval-device", default=None,
+                    help="score perplexity, KL and agreement there in float32 (target.qtune.sequence_logits) instead "
+                         "of through the CPU's serving forward; generation stays on the CPU")
+    ap.add_argument("--gptq-device", default="cpu", help="where GPTQ arms quantize (the result is evaluated on the CPU)")
+    ap.add_argument("--tune-device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where _tune arms train (and sample their sequences)")
+    ap.add_argument("--tune-seqs", type=int, default=4096, help="training sequences for _tune arms")
+    ap.add_argument("--tune-len", type=int, default=256, help="tokens per tuning sequence")
+    ap.add_argument("--tune-held-out", type=int, default=32, help="held-out sequences the tuning KL is reported on")
+    ap.add_argument("--tune-batch", type=int, default=TUNE.batch_size)
+    ap.add_argument("--tune-lr-scale", type=float, default=TUNE.lr_scale)
+    ap.add_argument("--tune-lr-zero", type=float, default=TUNE.lr_zero)
+    ap.add_argument("--tune-cache", default=None, help="json file to keep the tuning sequences in")
+    ap.add_argument("--plot-only", default=None, metavar="JSON", help="redraw the PNG beside a results file and exit")
     ap.add_argument("--out", default=None,
                     help="default bench/results/quant_pydoc.json for --ppl-text pydoc, else bench/results/quant.json")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text()), Path(args.plot_only).with_suffix(".png"))
+        return
     if args.out is None:
         args.out = str(HERE / "results" / ("quant_pydoc.json" if args.ppl_text == "pydoc" else "quant.json"))
     # the code this run measures: HEAD when it starts (a commit landing during a long run is not in it)
@@ -202,35 +279,70 @@ def main() -> None:
     text, text_name = perplexity_ids(args.ppl_text, ck.tokenizer.encode, args.ppl_tokens)
     spans = windows(len(text), args.ppl_window, args.ppl_stride)
     text_desc = describe_text(args, text, text_name, len(spans))
+    if args.eval_device:
+        text_desc += f"; scored on {args.eval_device} in float32 (target.qtune.sequence_logits)"
     print(f"perplexity text: {text_desc}", flush=True)
-    prompts = chat_ids(ck, [json.loads(l)["turns"][0] for l in MT_BENCH.open()][: args.prompts])
+    prompts = chat_ids(ck, [json.loads(l)["turns"][0] for l in Path(args.prompts_file).open()][: args.prompts])
     ref_greedy = [greedy(dense, p, args.max_tokens) for p in prompts]
     t0 = time.perf_counter()
     ref = {"model": dense, "greedy": ref_greedy,
-           "text": list(windowed_log_probs(dense, text, args.ppl_window, args.ppl_stride))}
+           "text": list(windowed_log_probs(dense, text, args.ppl_window, args.ppl_stride,
+                                           scorer(dense, args.eval_device)))}
     print(f"dense reference over {len(spans)} windows ({time.perf_counter() - t0:.0f}s)", flush=True)
     # one fixed model draft for every arm: the dense model's first layers (the ngram draft ignores the target's
     # quality, but its acceptance follows how repetitive the target's text is)
     cache = Path(args.arm_cache) if args.arm_cache else None
     rows, calibs = [], {}
+    tuning = load_tuning(args, dense, ck) if "_tune" in args.arms else None
     for arm in args.arms.split(","):
         size = calib_size(arm, args)
         if size is not None and size not in calibs:
             t0 = time.perf_counter()
             calibs[size] = load_calibration(args, dense, ck, *size)
             print(f"calibration: {size[0]} x {size[1]} tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
-        model, build_s = build_arm(arm, dense, ck, calibs.get(size, []), cache, args.model)
-        row = {"method": arm, **evaluate(model, ref, text, prompts, args.max_tokens, args.ppl_window, args.ppl_stride),
+        if tuning is not None:
+            tuning.report = {}
+        model, build_s = build_arm(arm, dense, ck, calibs.get(size, []), cache, args.model, tuning, args.gptq_device)
+        row = {"method": arm, **evaluate(model, ref, text, prompts, args.max_tokens, args.ppl_window, args.ppl_stride,
+                                         args.eval_device),
                "mean_accepted_length": round(accepted_length(model, ck, prompts, args.max_tokens, NgramDrafter()), 4),
                "mean_accepted_length_model_draft": round(
                    accepted_length(model, ck, prompts, args.max_tokens, draft(dense, args.draft_layers)), 4),
                "quantize_seconds": None if build_s is None else round(build_s, 1)}
+        if tuning is not None and tuning.report:
+            row.update(tuning.report)
+        if arm.startswith("gptq_") and args.gptq_device != "cpu":
+            row["gptq_device"] = args.gptq_device
         if size is not None and size != (args.calib_seqs, args.calib_len):
             row["calibration"] = f"{size[0]} x {size[1]} tokens sampled from the dense model (seed 0)"
         rows.append(row)
         print(row, flush=True)
         # after every arm, so a long run that stops keeps the rows it measured
         write(args, ck, rows, text_desc, len(text) - 1, commit)
+    plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+
+
+def plot(res: dict, path: Path) -> None:
+    """Perplexity over dense bf16's and KL to dense per arm, from one results file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["rows"] if "perplexity_ratio_to_dense_bf16" in r]
+    names = [r["method"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 1.6), sharey=True)
+    a.barh(names, [r["perplexity_ratio_to_dense_bf16"] - 1 for r in rows], color="tab:blue")
+    a.axvline(0.03, color="tab:red", ls="--", lw=1, label="target: +3%")
+    a.set_xlabel("perplexity over dense bf16's - 1")
+    a.legend(fontsize=8)
+    b.barh(names, [r["kl_to_dense"] for r in rows], color="tab:orange")
+    b.set_xlabel("KL(dense || arm) per token, nats")
+    b.set_xscale("log")
+    fig.suptitle(f"{res['model']}, {res['date']}, {res['commit']}: held-out text ({res['perplexity_tokens_scored']} "
+                 f"tokens)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def describe_text(args: argparse.Namespace, text: list[int], name: str, num_windows: int) -> str:
@@ -268,6 +380,32 @@ def load_calibration(args: argparse.Namespace, dense: Transformer, ck: LoadedChe
     if cache is not None:
         cache.write_text(json.dumps(calib))
     return calib
+
+
+def load_tuning(args: argparse.Namespace, dense: Transformer, ck: LoadedCheckpoint) -> Tuning:
+    """The _tune arms' sequences: --tune-seqs to train on (seed 1) and --tune-held-out to report on (seed 2),
+    sampled from the dense model on --tune-device (in bf16 on CUDA: sampling there is a serving forward, in batches
+    drawn on the device), kept in --tune-cache. Seeds 1 and 2, so neither repeats GPTQ's calibration set (seed 0)."""
+    cache = Path(args.tune_cache) if args.tune_cache else None
+    if cache is not None and cache.is_file():
+        data = json.loads(cache.read_text())
+    else:
+        t0 = time.perf_counter()
+        dev = torch.device(args.tune_device)
+        sampler = dense if dev.type == "cpu" else Transformer.from_weights(ck.config, ck.weights, torch.bfloat16, dev)
+        specials = set(ck.tokenizer.all_special_ids)
+        first = [i for i in range(ck.config.vocab_size) if i not in specials]
+        # on a GPU a batch draws from one device generator (sample_calibration's per_sequence=False): the CPU's
+        # row-by-row draws cost minutes for a few hundred sequences there
+        fast = dict(batch_size=512, per_sequence=False) if dev.type == "cuda" else dict(batch_size=32)
+        data = {"train": sample_calibration(sampler, args.tune_seqs, args.tune_len, first, seed=1, **fast),
+                "held_out": sample_calibration(sampler, args.tune_held_out, args.tune_len, first, seed=2, **fast),
+                "sampled_on": f"{dev}, {fast}"}
+        print(f"tuning sequences sampled on {dev} ({time.perf_counter() - t0:.0f}s)", flush=True)
+        if cache is not None:
+            cache.write_text(json.dumps(data))
+    cfg = TuneConfig(batch_size=args.tune_batch, lr_scale=args.tune_lr_scale, lr_zero=args.tune_lr_zero)
+    return Tuning(cfg, args.tune_device, data["train"], data["held_out"])
 
 
 def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text_desc: str, scored: int,

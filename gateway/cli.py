@@ -34,6 +34,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["int4", "gptq", "none"], default="int4",
                    help="target weights: int4 (W4A16 RTN, default), gptq (calibrated once, cached) or none")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=128)
+    p.add_argument("--gptq-tune-steps", type=int, default=0,
+                   help="with --quantize gptq: then tune the INT4 scales and zeros by distillation for N steps "
+                        "(minutes on a GPU, once; cached with the GPTQ weights)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--cache-dir", default=None, help="where the embedded model is converted and kept")
@@ -62,7 +65,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def load(args: argparse.Namespace) -> LLM:
     cfg = LoadConfig(model=args.model, draft=args.draft, self_draft_layers=args.self_draft_layers,
-                     quantize=args.quantize, group_size=args.group_size, dtype=args.dtype, device=args.device,
+                     quantize=args.quantize, group_size=args.group_size, gptq_tune_steps=args.gptq_tune_steps,
+                     dtype=args.dtype, device=args.device,
                      cache_dir=args.cache_dir, tensor_parallel=args.tensor_parallel)
     penalty = args.plain_penalty if args.plain_penalty >= 0 else None
     ecfg = EngineConfig(num_blocks=args.num_blocks, page_size=args.page_size,

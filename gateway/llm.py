@@ -47,6 +47,7 @@ class LoadConfig:
     self_draft_layers: int | None = None  # None = four fifths of the target's layers
     quantize: str = "int4"  # "int4" (RTN), "gptq" (calibrated once, then cached) or "none"; INT4 checkpoints load as is
     group_size: int = 128
+    gptq_tune_steps: int = 0  # with quantize="gptq": then tune the INT4 scales and zeros (target/qtune.py)
     dtype: str | None = None  # None = bfloat16 on CUDA, float32 on CPU
     device: str | None = None  # None = cuda when available
     cache_dir: str | None = None  # where the embedded model is converted and kept
@@ -59,6 +60,9 @@ class LoadConfig:
             raise ValueError(f"quantize must be 'int4', 'gptq' or 'none', got {self.quantize!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.gptq_tune_steps < 0 or (self.gptq_tune_steps and self.quantize != "gptq"):
+            raise ValueError(f"gptq_tune_steps must be >= 0 and needs quantize='gptq', got {self.gptq_tune_steps} "
+                             f"with quantize={self.quantize!r}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size must be 32, 64 or 128, got {self.group_size}")
 
@@ -192,7 +196,7 @@ def load_target(cfg: LoadConfig, ckpt: LoadedCheckpoint, dtype: torch.dtype, dev
         log(f"quantized to INT4 W4A16, group {cfg.group_size} ({time.perf_counter() - t0:.1f}s)")
     elif cfg.quantize == "gptq":
         cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-        target = cached_gptq(target, ckpt, cache / "quantized", cfg.group_size, log=log)
+        target = cached_gptq(target, ckpt, cache / "quantized", cfg.group_size, tune_steps=cfg.gptq_tune_steps, log=log)
         log(f"GPTQ INT4 W4A16, group {cfg.group_size} ({time.perf_counter() - t0:.1f}s)")
     return target
 

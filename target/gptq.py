@@ -60,6 +60,7 @@ from kernels.fused_norm_rope import rms_norm_ref as rms_norm
 from target.batch import Segment, build_batch
 from target.loader import LoadedCheckpoint, load_checkpoint
 from target.model import Layer, Linear, Transformer, int4_group_size, int4_linear
+from target.qtune import TuneConfig, tune_scales
 from target.quant_formats import save_quantized
 
 BLOCK_SIZE = 128  # columns per lazy batch update (GPTQ's default)
@@ -69,6 +70,9 @@ ACT_ORDERS: tuple[str, ...] = get_args(ActOrder)
 DEFAULT_ACT_ORDER: ActOrder = "static"
 DEFAULT_MSE = True
 CALIB_SEQS, CALIB_LEN = 128, 256  # what ``cached_gptq`` samples: 5 to 10 minutes on two CPU cores for 135M
+# ``cached_gptq(tune_steps=...)`` tunes scales on this many more sampled sequences (seed 1): on SmolLM2, 512 were
+# overfit within an epoch (bench/results/quant_tuned.json), so there are enough for a few hundred steps of 8
+TUNE_SEQS = 4096
 
 
 # --- one weight -------------------------------------------------------------------------------------
@@ -351,24 +355,31 @@ def _attention(model: Transformer, qkv: torch.Tensor) -> torch.Tensor:
 # --- calibration data -------------------------------------------------------------------------------
 
 def sample_calibration(model: Transformer, num_seqs: int, seq_len: int, first_tokens: list[int], seed: int = 0,
-                       batch_size: int = 32) -> list[list[int]]:
+                       batch_size: int = 32, per_sequence: bool = True) -> list[list[int]]:
     """Sequences sampled from the model itself at temperature 1, each from a random first token.
 
     Data-free calibration (as in LLM-QAT): the model's own text covers the activations it produces at
     inference, and no corpus has to ship. ``first_tokens``: ids to draw starts from (no special tokens).
-    Sequence i has its own generator, so it does not depend on ``batch_size``.
+    ``per_sequence``: sequence i has its own (CPU) generator, so it does not depend on ``batch_size``; each
+    step then copies the batch's probabilities to the host and draws row by row. Otherwise each batch draws
+    on the model's device from one generator (seeded by ``seed`` and the batch's place) with one host copy a
+    step: the thousands of sequences that scale tuning wants, in seconds on a GPU, at the price of sequences
+    that depend on ``batch_size``.
     """
     gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(num_seqs)]
     seqs = [[first_tokens[int(torch.randint(len(first_tokens), (1,), generator=g))]] for g in gens]
     out: list[list[int]] = []
     for b in range(0, num_seqs, batch_size):
-        out += _sample_batch(model, seqs[b:b + batch_size], seq_len, gens[b:b + batch_size])
+        draw = gens[b:b + batch_size] if per_sequence else \
+            torch.Generator(model.device).manual_seed(seed * 1_000_003 + num_seqs + b)
+        out += _sample_batch(model, seqs[b:b + batch_size], seq_len, draw)
     return out
 
 
 def _sample_batch(model: Transformer, seqs: list[list[int]], seq_len: int,
-                  gens: list[torch.Generator]) -> list[list[int]]:
-    """Extend every sequence to ``seq_len`` tokens by ancestral sampling through the paged cache."""
+                  gens: list[torch.Generator] | torch.Generator) -> list[list[int]]:
+    """Extend every sequence to ``seq_len`` tokens by ancestral sampling through the paged cache: row by row
+    from ``gens`` (one per sequence) on the host, or from one device generator for the batch."""
     page = 16
     cache = model.new_cache(len(seqs) * (-(-seq_len // page) + 1), page)
     tables = [cache.new_table() for _ in seqs]
@@ -376,8 +387,12 @@ def _sample_batch(model: Transformer, seqs: list[list[int]], seq_len: int,
     while len(seqs[0]) < seq_len:
         segs = [Segment(t, c, s[c:]) for t, c, s in zip(tables, ctx, seqs)]
         logits = model.forward(build_batch(segs, cache, model.device), cache)  # [B, V]
-        probs = torch.softmax(logits.float().cpu(), dim=-1)  # [B, V]
         ctx = [len(s) for s in seqs]
+        if isinstance(gens, torch.Generator):
+            drawn = torch.multinomial(torch.softmax(logits.float(), dim=-1), 1, generator=gens)[:, 0].tolist()  # [B]
+            seqs = [s + [t] for s, t in zip(seqs, drawn)]
+            continue
+        probs = torch.softmax(logits.float().cpu(), dim=-1)  # [B, V]
         seqs = [s + [int(torch.multinomial(p, 1, generator=g))] for s, p, g in zip(seqs, probs, gens)]
     return seqs
 
@@ -395,12 +410,16 @@ def text_windows(ids: list[int], num_seqs: int, seq_len: int, seed: int = 0) -> 
 
 def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, group_size: int = 128,
                 act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, damp: float = 0.01,
-                num_seqs: int = CALIB_SEQS, seq_len: int = CALIB_LEN,
+                num_seqs: int = CALIB_SEQS, seq_len: int = CALIB_LEN, tune_steps: int = 0, tune_seqs: int = TUNE_SEQS,
                 log: Callable[[str], None] = print) -> Transformer:
     """GPTQ ``model`` (built from ``ckpt``) once per checkpoint and settings; later calls reload the result
-    saved under ``cache_root`` in our format. Calibration: ``num_seqs`` sequences sampled from the model."""
+    saved under ``cache_root`` in our format. Calibration: ``num_seqs`` sequences sampled from the model.
+    ``tune_steps``: then tune the scales and zeros (``target.qtune``) on ``tune_seqs`` more sampled sequences,
+    on the model's device (minutes on a GPU; far slower on a CPU)."""
     settings = {"method": "gptq", "group_size": group_size, "act_order": act_order, "mse": mse, "damp": damp,
                 "zeros": "fractional", "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype)}
+    if tune_steps:
+        settings["tune"] = f"{tune_steps} steps on {tune_seqs}x{seq_len} sampled with seed 1, {TuneConfig()}"
     key = json.dumps({"source": _fingerprint(Path(ckpt.source)), **settings}, sort_keys=True)
     out = cache_root / f"{Path(ckpt.source).stem}-gptq-g{group_size}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
@@ -412,6 +431,11 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
     log(f"GPTQ: sampling {num_seqs} calibration sequences of {seq_len} tokens, then quantizing (once)")
     calib = sample_calibration(model, num_seqs, seq_len, first, seed=0)
     q = quantize_gptq(model, calib, group_size, act_order, mse, damp)
+    if tune_steps:
+        log(f"tuning INT4 scales and zeros for {tune_steps} steps on {tune_seqs} more sampled sequences")
+        fast = dict(batch_size=512, per_sequence=False) if model.device.type == "cuda" else {}
+        tune = sample_calibration(model, tune_seqs, seq_len, first, seed=1, **fast)
+        q = tune_scales(q, model, tune, replace(TuneConfig(), steps=tune_steps))
     cache_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root, prefix=".gptq-") as tmp:
         save_quantized(q, Path(tmp) / "q", ckpt.tokenizer, ckpt.chat_template, settings)

@@ -191,6 +191,22 @@ class Transformer:
                           down=l.down.quantized(group_size, use_zero_point)) for l in self.layers]
         return Transformer(self.config, self.embed, layers, self.norm, self.lm_head, self.dtype, self.fc)
 
+    def to(self, device: torch.device | str) -> "Transformer":
+        """A copy on ``device``, dtypes kept; INT4 projections get the CPU's dequantized copy there (``int4_linear``)."""
+        def lin(x: Linear | None) -> Linear | None:
+            if x is None:
+                return None
+            bias = None if x.bias is None else x.bias.to(device)
+            perm = None if x.perm is None else x.perm.to(device)
+            if isinstance(x.weight, Int4Weight):
+                return int4_linear(x.weight.to(device), bias, perm)
+            return Linear(x.weight.to(device), bias, None, perm)
+
+        layers = [replace(l, input_norm=l.input_norm.to(device), post_norm=l.post_norm.to(device), qkv=lin(l.qkv),
+                          o=lin(l.o), gate_up=lin(l.gate_up), down=lin(l.down)) for l in self.layers]
+        return Transformer(self.config, self.embed.to(device), layers, self.norm.to(device), lin(self.lm_head),
+                           self.dtype, lin(self.fc))
+
     def truncated(self, num_layers: int) -> "Transformer":
         """The first ``num_layers`` layers plus the final norm and head (a layer-skip self-draft)."""
         if not 1 <= num_layers <= self.num_layers:

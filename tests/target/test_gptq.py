@@ -223,6 +223,19 @@ def test_calibration_data_is_seeded(tiny_dense: Transformer) -> None:
         quantize_gptq(tiny_dense, [], progress=False)
 
 
+def test_batch_drawn_calibration_follows_the_model(tiny_dense: Transformer) -> None:
+    """``per_sequence=False`` draws a batch from one device generator: seeded, and distributed as the model says
+    (second tokens after a fixed first one against the model's softmax, over 4000 draws in batches of 1000)."""
+    a = sample_calibration(tiny_dense, 5, 6, first_tokens=[4, 5, 6], seed=3, batch_size=2, per_sequence=False)
+    assert a == sample_calibration(tiny_dense, 5, 6, first_tokens=[4, 5, 6], seed=3, batch_size=2, per_sequence=False)
+    assert [len(s) for s in a] == [6] * 5 and all(s[0] in (4, 5, 6) for s in a)
+    seqs = sample_calibration(tiny_dense, 4000, 2, first_tokens=[9], seed=0, batch_size=1000, per_sequence=False)
+    counts = torch.bincount(torch.tensor([s[1] for s in seqs]), minlength=tiny_dense.config.vocab_size).float()
+    cache = tiny_dense.new_cache(2, 16)
+    probs = torch.softmax(tiny_dense.forward(build_batch([Segment(cache.new_table(), 0, [9])], cache, "cpu"), cache)[0], -1)
+    assert (counts / 4000 - probs).abs().max() < 4 * (probs * (1 - probs) / 4000).sqrt().max() + 1e-3
+
+
 def test_cached_gptq_calibrates_once(make_model, make_hf_dir, tmp_path) -> None:
     ck = load_checkpoint(make_hf_dir(make_model("llama", hidden_size=64, intermediate_size=64)))
     dense = Transformer.from_weights(ck.config, ck.weights)
@@ -237,6 +250,17 @@ def test_cached_gptq_calibrates_once(make_model, make_hf_dir, tmp_path) -> None:
         assert torch.equal(a.o.weight.zeros, b.o.weight.zeros)
     cached_gptq(dense, ck, tmp_path / "q", 64, num_seqs=4, seq_len=16, log=logs.append)  # new settings, new entry
     assert len(list((tmp_path / "q").iterdir())) == 2
+    # tuned scales are another entry: same codes as the untuned GPTQ, other scales, reloaded as tuned
+    tuned = cached_gptq(dense, ck, tmp_path / "q", 32, num_seqs=4, seq_len=16, tune_steps=2, tune_seqs=8,
+                        log=logs.append)
+    assert len(list((tmp_path / "q").iterdir())) == 3 and "tuning INT4 scales" in logs[-1]
+    again = cached_gptq(dense, ck, tmp_path / "q", 32, num_seqs=4, seq_len=16, tune_steps=2, tune_seqs=8,
+                        log=logs.append)
+    assert "loading cached" in logs[-1]
+    for a, b, c in zip(first.layers, tuned.layers, again.layers):
+        assert torch.equal(a.qkv.weight.qweight, b.qkv.weight.qweight)
+        assert not torch.equal(a.qkv.weight.scales, b.qkv.weight.scales)
+        assert torch.equal(b.qkv.weight.scales, c.qkv.weight.scales) and torch.equal(b.qkv.weight.zeros, c.qkv.weight.zeros)
 
 
 @pytest.mark.parametrize("act_order", ["group", "perm"])

@@ -1,0 +1,116 @@
+"""target/qtune.py: scale and zero-point tuning by distillation, on tiny random models (CPU, seconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_util import random_weights, tiny_config
+from kernels.int4_matmul import Int4Weight, dequantize
+from target.gptq import quantize_gptq
+from target.batch import Segment, build_batch
+from target.model import Transformer
+from target.qtune import TuneConfig, kl_to_teacher, mean_kl, sequence_logits, tune_scales
+
+
+def random_seqs(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (num, length), generator=g).tolist()
+
+
+def serving_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
+    """[T, V] logits of every position through the paged serving forward."""
+    cache = model.new_cache(-(-len(ids) // 16) + 1, 16)
+    return model.forward(build_batch([Segment(cache.new_table(), 0, ids, logits="all")], cache, model.device), cache)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("int4", [False, True])
+def test_sequence_logits_match_the_serving_forward(family: str, int4: bool) -> None:
+    """The differentiable restatement computes what ``Transformer.forward`` does: dense and INT4, with and
+    without qkv bias, two sequences in one batch."""
+    cfg = tiny_config(family, layers=2)
+    model = Transformer.from_weights(cfg, random_weights(cfg, seed=5))
+    model = model.quantize(32) if int4 else model
+    seqs = random_seqs(2, 21, cfg.vocab_size, seed=6)
+    got = sequence_logits(model, torch.tensor(seqs))  # [2, 21, V]
+    for b, ids in enumerate(seqs):
+        torch.testing.assert_close(got[b], serving_logits(model, ids), atol=2e-4, rtol=2e-4)
+
+
+def test_kl_to_teacher_masks_and_is_zero_on_itself() -> None:
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
+    mask = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    assert float(kl_to_teacher(a, a, mask)) == pytest.approx(0.0, abs=1e-6)
+    kl = float(kl_to_teacher(a, b, mask))
+    b2 = b.clone()
+    b2[1, 2:] = 100 * torch.randn(3, 11, generator=g)  # masked positions must not count
+    assert float(kl_to_teacher(a, b2, mask)) == pytest.approx(kl, rel=1e-6) and kl > 0
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Transformer, Transformer]:
+    cfg = tiny_config(layers=2, vocab=96, hidden_size=64, intermediate_size=128)
+    dense = Transformer.from_weights(cfg, random_weights(cfg, seed=7, scale=0.2))
+    return dense, dense.quantize(32)
+
+
+def test_tuning_lowers_held_out_kl_and_keeps_the_codes(pair: tuple[Transformer, Transformer]) -> None:
+    dense, rtn = pair
+    train = random_seqs(256, 24, dense.config.vocab_size, seed=8)  # fewer overfit: held-out KL then rises
+    held = random_seqs(32, 24, dense.config.vocab_size, seed=9)
+    losses: list[float] = []
+    tuned = tune_scales(rtn, dense, train, TuneConfig(steps=30, batch_size=32, lr_scale=1e-2, lr_zero=3e-2, warmup=2),
+                        progress=False, log=lambda step, loss: losses.append(loss))
+    assert len(losses) == 30 and sum(losses[-5:]) < 0.85 * sum(losses[:5])
+    before, after = mean_kl(rtn, dense, held), mean_kl(tuned, dense, held)
+    assert after < 0.92 * before, (before, after)  # 0.178 -> 0.154 when written
+    for old, new in zip(rtn.layers, tuned.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            a, b = getattr(old, name).weight, getattr(new, name).weight
+            assert isinstance(b, Int4Weight) and b.group_size == a.group_size
+            assert torch.equal(a.qweight, b.qweight)  # codes frozen
+            assert b.scales.dtype == a.scales.dtype and b.zeros is not None
+            assert not torch.equal(a.scales, b.scales) and not torch.equal(a.zeros, b.zeros)
+            # the CPU path multiplies by the dequantized copy: it must be the tuned weight's
+            torch.testing.assert_close(getattr(new, name).dequantized, dequantize(b))
+    # the serving forward runs the tuned model as sequence_logits does
+    ids = held[0]
+    torch.testing.assert_close(serving_logits(tuned, ids), sequence_logits(tuned, torch.tensor([ids]))[0],
+                               atol=2e-4, rtol=2e-4)
+
+
+def test_scales_only_and_symmetric_weights(pair: tuple[Transformer, Transformer]) -> None:
+    """``tune_zeros=False`` moves scales alone; symmetric codes (no zeros) keep their fixed zero point."""
+    dense, rtn = pair
+    train = random_seqs(8, 16, dense.config.vocab_size, seed=10)
+    cfg = TuneConfig(steps=3, batch_size=4, lr_scale=1e-2, lr_zero=1e-2, warmup=0, tune_zeros=False)
+    tuned = tune_scales(rtn, dense, train, cfg, progress=False)
+    qkv_old, qkv_new = rtn.layers[0].qkv.weight, tuned.layers[0].qkv.weight
+    assert torch.equal(qkv_old.zeros, qkv_new.zeros) and not torch.equal(qkv_old.scales, qkv_new.scales)
+    sym = dense.quantize(64, use_zero_point=False)
+    tuned_sym = tune_scales(sym, dense, train, cfg, progress=False)
+    assert tuned_sym.layers[0].qkv.weight.zeros is None
+    assert not torch.equal(sym.layers[0].qkv.weight.scales, tuned_sym.layers[0].qkv.weight.scales)
+
+
+def test_tuning_starts_from_gptq_and_is_deterministic(pair: tuple[Transformer, Transformer]) -> None:
+    dense, _ = pair
+    calib = random_seqs(8, 32, dense.config.vocab_size, seed=11)
+    start = quantize_gptq(dense, calib, group_size=32, progress=False)
+    cfg = TuneConfig(steps=5, batch_size=4, warmup=1)
+    a, b = (tune_scales(start, dense, calib, cfg, progress=False) for _ in range(2))
+    for la, lb in zip(a.layers, b.layers):
+        assert torch.equal(la.down.weight.scales, lb.down.weight.scales)
+        assert torch.equal(la.down.weight.zeros, lb.down.weight.zeros)
+
+
+def test_bad_input(pair: tuple[Transformer, Transformer]) -> None:
+    dense, rtn = pair
+    with pytest.raises(ValueError, match="at least two tokens"):
+        tune_scales(rtn, dense, [[1]], TuneConfig(steps=1), progress=False)
+    with pytest.raises(ValueError, match="no INT4 projections"):
+        tune_scales(dense, dense, [[1, 2, 3]], TuneConfig(steps=1), progress=False)
+    with pytest.raises(ValueError, match="steps and batch_size"):
+        TuneConfig(steps=0)
