@@ -134,9 +134,13 @@ def sequence_logits(model: Transformer, tokens: torch.Tensor,
 def on_device(model: Transformer, device: torch.device) -> Transformer:
     """``model`` on ``device`` with its dense tensors in float32, for ``sequence_logits``."""
     m = model.to(device)
-    f32 = lambda t: t.float()  # noqa: E731
+    # GPTQ's tensors are made under inference mode, which autograd may not save: plain copies of those
+    f32 = lambda t: (t.clone() if t.is_inference() else t).float()  # noqa: E731
     def lin(x: Linear) -> Linear:
-        return x if isinstance(x.weight, Int4Weight) else replace(x, weight=f32(x.weight))
+        perm = None if x.perm is None else x.perm.clone()
+        bias = None if x.bias is None else f32(x.bias)
+        return replace(x, perm=perm, bias=bias) if isinstance(x.weight, Int4Weight) else \
+            replace(x, weight=f32(x.weight), perm=perm, bias=bias)
 
     layers = [replace(l, input_norm=f32(l.input_norm), post_norm=f32(l.post_norm), qkv=lin(l.qkv), o=lin(l.o),
                       gate_up=lin(l.gate_up), down=lin(l.down)) for l in m.layers]

@@ -38,6 +38,25 @@ def test_sequence_logits_match_the_serving_forward(family: str, int4: bool) -> N
         torch.testing.assert_close(got[b], serving_logits(model, ids), atol=2e-4, rtol=2e-4)
 
 
+def test_input_orders_survive_tuning(pair: tuple[Transformer, Transformer]) -> None:
+    """A true act-order GPTQ model gathers its inputs (``Linear.perm``): ``sequence_logits`` must gather alike,
+    and the tuned model keeps every permutation."""
+    dense, _ = pair
+    calib = random_seqs(8, 32, dense.config.vocab_size, seed=12)
+    start = quantize_gptq(dense, calib, group_size=32, act_order="perm", progress=False)
+    assert start.layers[0].qkv.perm is not None and start.layers[0].gate_up.perm is not None
+    ids = calib[0][:19]
+    torch.testing.assert_close(sequence_logits(start, torch.tensor([ids]))[0], serving_logits(start, ids),
+                               atol=2e-4, rtol=2e-4)
+    tuned = tune_scales(start, dense, calib, TuneConfig(steps=2, batch_size=4, warmup=0), progress=False)
+    for a, b in zip(start.layers, tuned.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            pa, pb = getattr(a, name).perm, getattr(b, name).perm
+            assert (pa is None and pb is None) or torch.equal(pa, pb)
+    torch.testing.assert_close(sequence_logits(tuned, torch.tensor([ids]))[0], serving_logits(tuned, ids),
+                               atol=2e-4, rtol=2e-4)
+
+
 def test_kl_to_teacher_masks_and_is_zero_on_itself() -> None:
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(2, 5, 11, generator=g), torch.randn(2, 5, 11, generator=g)
