@@ -79,7 +79,7 @@ for stage in "$@"; do
     quant)
       mkdir -p .cache/quant
       timeout "${QUANT_TIMEOUT:-540}" python bench/quant.py --arms \
-        "${QUANT_ARMS:-dense_bf16,rtn_g128,gptq_g128_act_mse,gptq_g128_act_mse_tune512}" --gptq-device cuda \
+        "${QUANT_ARMS:-dense_bf16,rtn_g128,gptq_g128_act_mse,gptq_g128_act_mse_tune512,gptq_g128_act_mse_tunenorm512}" --gptq-device cuda \
         --tune-device cuda --eval-device cuda --calib-cache .cache/quant/calib.json --tune-cache .cache/quant/tune.json \
         --arm-cache .cache/quant/arms --prompts-file .cache/mt_bench.jsonl --out "$OUT/quant_pydoc.json" ${QUANT_ARGS:-} 2>&1 \
         | grep -v "it/s\]$\|s/it\]$\|Warning\|warn(" | tail -30 ;;

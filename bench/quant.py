@@ -107,9 +107,10 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
 
     ``_tune{N}`` last (any arm before it, RTN too): that arm, then ``N`` steps of ``target.qtune.tune_scales`` on
     ``tuning``'s sequences; ``tuning.report`` gets the held-out KL before and after and the loss curve's ends.
+    ``_tunenorm{N}``: the same, the norm weights tuned too (``TuneConfig.tune_norms``).
     """
-    if (m := re.fullmatch(r"(.+)_tune(\d+)", name)) is not None:
-        return tuned_arm(m[1], int(m[2]), dense, ck, calib, cache, model, tuning, gptq_device)
+    if (m := re.fullmatch(r"(.+)_tune(norm)?(\d+)", name)) is not None:
+        return tuned_arm(m[1], int(m[3]), bool(m[2]), dense, ck, calib, cache, model, tuning, gptq_device)
     if name == "dense_fp32":
         return dense, 0.0
     if name == "dense_bf16":
@@ -141,21 +142,22 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     return model, secs
 
 
-def tuned_arm(base: str, steps: int, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
-              cache: Path | None, model: str | None, tuning: Tuning | None,
+def tuned_arm(base: str, steps: int, norms: bool, dense: Transformer, ck: LoadedCheckpoint,
+              calib: list[list[int]], cache: Path | None, model: str | None, tuning: Tuning | None,
               gptq_device: str = "cpu") -> tuple[Transformer, float | None]:
-    """``base``'s model (built or taken from ``cache``), its scales and zeros then tuned for ``steps`` steps."""
+    """``base``'s model (built or taken from ``cache``), its scales and zeros (and ``norms``) then tuned for
+    ``steps`` steps."""
     if tuning is None:
         raise ValueError("a _tune arm needs the tuning sequences (main samples them)")
     start, base_s = build_arm(base, dense, ck, calib, cache, model, gptq_device=gptq_device)
     t0 = time.perf_counter()
     losses: list[float] = []
-    tuned = tune_scales(start, dense, tuning.train, replace(tuning.cfg, steps=steps), tuning.device,
-                        log=lambda step, loss: losses.append(loss))
+    cfg = replace(tuning.cfg, steps=steps, tune_norms=norms)
+    tuned = tune_scales(start, dense, tuning.train, cfg, tuning.device, log=lambda step, loss: losses.append(loss))
     secs = time.perf_counter() - t0
     window = max(1, min(20, steps // 5))
     tuning.report.update({
-        "tune_steps": steps, "tune_config": asdict(replace(tuning.cfg, steps=steps)), "tune_device": tuning.device,
+        "tune_steps": steps, "tune_config": asdict(cfg), "tune_device": tuning.device,
         "tune_train": f"{len(tuning.train)} x {len(tuning.train[0])} tokens sampled from the dense model",
         "tune_loss_first": round(sum(losses[:window]) / window, 5),
         "tune_loss_last": round(sum(losses[-window:]) / window, 5), "tune_seconds": round(secs, 1),

@@ -41,7 +41,10 @@ PROJ_NAMES = ("qkv", "o", "gate_up", "down")
 class TuneConfig:
     """``steps`` optimizer steps over batches of ``batch_size`` calibration sequences (cycled in a seeded
     order); ``lr_scale`` for the log-scale multipliers, ``lr_zero`` for zero points in code units; both decay
-    to zero on a cosine after ``warmup`` steps. ``tune_zeros=False`` trains scales alone (E2E-QP's choice)."""
+    to zero on a cosine after ``warmup`` steps. ``tune_zeros=False`` trains scales alone (E2E-QP's choice).
+    ``tune_norms`` also trains every RMSNorm weight (as a multiplier, ``lr_norm``): a per-channel factor
+    that the INT4 projections after it see as an input scaling, the degree of freedom AWQ and OmniQuant's
+    equivalent transforms use; the norms stay dense, as they always are."""
 
     steps: int = 400
     batch_size: int = 8
@@ -49,12 +52,14 @@ class TuneConfig:
     lr_zero: float = 1e-3
     warmup: int = 20
     tune_zeros: bool = True
+    tune_norms: bool = False
+    lr_norm: float = 1e-3
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError(f"steps and batch_size must be >= 1, got {self.steps} and {self.batch_size}")
-        if self.lr_scale < 0 or self.lr_zero < 0 or self.warmup < 0:
+        if min(self.lr_scale, self.lr_zero, self.lr_norm, self.warmup) < 0:
             raise ValueError("learning rates and warmup must be >= 0")
 
 
@@ -91,6 +96,29 @@ class _Tuned(torch.nn.Module):
         zeros = None if w.zeros is None else self.zero.detach().to(dev, dtype)
         return int4_linear(Int4Weight(w.qweight, self.scales().detach().to(dev, dtype), zeros, self.G),
                            self.lin.bias, self.lin.perm)
+
+
+class _Norms(torch.nn.Module):
+    """Trainable log-multipliers of a model's RMSNorm weights: ``[L, 2, hidden]`` (each layer's input and
+    post-attention norm) and ``[hidden]`` (the final norm)."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        hidden = model.config.hidden_size
+        self.layer_mult = torch.nn.Parameter(torch.zeros(model.num_layers, 2, hidden, device=model.device))
+        self.final_mult = torch.nn.Parameter(torch.zeros(hidden, device=model.device))
+
+    def applied(self, model: Transformer, dtype: torch.dtype | None = None) -> Transformer:
+        """``model`` with every norm weight multiplied (differentiably, unless ``dtype`` asks for a stored
+        copy: then detached, in ``dtype``, on ``model``'s device)."""
+        def mult(w: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+            out = w.float() * a.to(w.device).exp()
+            return out if dtype is None else out.detach().to(dtype)
+
+        layers = [replace(l, input_norm=mult(l.input_norm, self.layer_mult[i, 0]),
+                          post_norm=mult(l.post_norm, self.layer_mult[i, 1])) for i, l in enumerate(model.layers)]
+        return Transformer(model.config, model.embed, layers, mult(model.norm, self.final_mult), model.lm_head,
+                           model.dtype, model.fc)
 
 
 def sequence_logits(model: Transformer, tokens: torch.Tensor,
@@ -176,7 +204,8 @@ def _batches(calib: list[list[int]], batch_size: int, seed: int, device: torch.d
 def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]], cfg: TuneConfig = TuneConfig(),
                 device: torch.device | str | None = None, progress: bool = True,
                 log: Callable[[int, float], None] | None = None) -> Transformer:
-    """A copy of ``qmodel`` whose INT4 scales and zero points minimise KL(``dense`` || INT4) over ``calib``.
+    """A copy of ``qmodel`` whose INT4 scales and zero points (and with ``cfg.tune_norms`` its norm weights)
+    minimise KL(``dense`` || INT4) over ``calib``.
 
     ``qmodel`` and ``dense`` share config, embeddings, norms and head (``qmodel`` is a quantization of
     ``dense``); codes, dense projections and everything else are kept. ``device``: where to train (default
@@ -191,9 +220,11 @@ def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]],
     student, teacher = on_device(qmodel, dev), on_device(dense, dev)
     if not tuned:
         raise ValueError("the model has no INT4 projections to tune")
+    norms = _Norms(student) if cfg.tune_norms else None
     params = [{"params": [t.log_scale for t in tuned.values()], "lr": cfg.lr_scale},
               {"params": [t.zero for t in tuned.values() if t.zero.requires_grad and cfg.tune_zeros],
-               "lr": cfg.lr_zero}]
+               "lr": cfg.lr_zero},
+              {"params": [] if norms is None else list(norms.parameters()), "lr": cfg.lr_norm}]
     opt = torch.optim.Adam([g for g in params if g["params"]], betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup, 1)) * 0.5 *
                                               (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
@@ -206,7 +237,8 @@ def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]],
         with torch.no_grad():
             target = sequence_logits(teacher, tokens, lambda i, n: teacher_w[i, n])
         weights = {**frozen, **{k: t.weight() for k, t in tuned.items()}}
-        loss = kl_to_teacher(sequence_logits(student, tokens, lambda i, n: weights[i, n]), target, mask)
+        model = student if norms is None else norms.applied(student)
+        loss = kl_to_teacher(sequence_logits(model, tokens, lambda i, n: weights[i, n]), target, mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -215,7 +247,8 @@ def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]],
             log(step, float(loss.detach()))
     layers = [replace(layer, **{n: tuned[i, n].tuned(qmodel.dtype) for n in PROJ_NAMES if (i, n) in tuned})
               for i, layer in enumerate(qmodel.layers)]
-    return Transformer(qmodel.config, qmodel.embed, layers, qmodel.norm, qmodel.lm_head, qmodel.dtype, qmodel.fc)
+    out = Transformer(qmodel.config, qmodel.embed, layers, qmodel.norm, qmodel.lm_head, qmodel.dtype, qmodel.fc)
+    return out if norms is None else norms.applied(out, qmodel.dtype)
 
 
 @torch.no_grad()

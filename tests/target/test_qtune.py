@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -112,6 +114,22 @@ def test_scales_only_and_symmetric_weights(pair: tuple[Transformer, Transformer]
     tuned_sym = tune_scales(sym, dense, train, cfg, progress=False)
     assert tuned_sym.layers[0].qkv.weight.zeros is None
     assert not torch.equal(sym.layers[0].qkv.weight.scales, tuned_sym.layers[0].qkv.weight.scales)
+
+
+def test_norms_tune_with_the_scales(pair: tuple[Transformer, Transformer]) -> None:
+    """``tune_norms`` moves every norm weight (and only with it set); the tuned model serves as it trained."""
+    dense, rtn = pair
+    train = random_seqs(64, 16, dense.config.vocab_size, seed=13)
+    cfg = TuneConfig(steps=4, batch_size=16, lr_scale=1e-2, lr_zero=1e-2, lr_norm=1e-2, warmup=0)
+    plain = tune_scales(rtn, dense, train, cfg, progress=False)
+    normed = tune_scales(rtn, dense, train, replace(cfg, tune_norms=True), progress=False)
+    assert torch.equal(plain.norm, rtn.norm) and torch.equal(plain.layers[1].post_norm, rtn.layers[1].post_norm)
+    assert not torch.equal(normed.norm, rtn.norm) and normed.norm.dtype == rtn.norm.dtype
+    for a, b in zip(rtn.layers, normed.layers):
+        assert not torch.equal(a.input_norm, b.input_norm) and not torch.equal(a.post_norm, b.post_norm)
+    ids = train[0]
+    torch.testing.assert_close(serving_logits(normed, ids), sequence_logits(normed, torch.tensor([ids]))[0],
+                               atol=2e-4, rtol=2e-4)
 
 
 def test_tuning_starts_from_gptq_and_is_deterministic(pair: tuple[Transformer, Transformer]) -> None:
