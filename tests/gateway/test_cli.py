@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--prompt", "hi", "--draft", "no-such-drafter"], "unknown drafter"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["--prompt", "hi", "--tree", "2,0"], "widths"),
+    (["--prompt", "hi", "--gptq-tune-steps", "5"], "needs quantize='gptq'"),
+    (["--prompt", "hi", "--quantize", "gptq", "--gptq-tune-steps", "-1"], "gptq_tune_steps must be >= 0"),
 ])
 def test_bad_input_names_the_problem(argv, message, capsys) -> None:
     try:
