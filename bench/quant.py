@@ -416,7 +416,10 @@ def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text
     way. Each row records the date and commit it was measured at."""
     date = datetime.date.today().isoformat()
     out = {"date": date, "commit": commit, "model": Path(ck.source).name,
-           "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+           "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)" + "".join(
+               f"; {what} on {dev}" for what, dev in (("GPTQ", args.gptq_device), ("tuning", args.tune_device),
+                                                      ("scoring", args.eval_device))
+               if dev not in (None, "cpu") and (what != "tuning" or "_tune" in args.arms)),
            "perplexity_text": text_desc,
            "perplexity_tokens_scored": scored,
            "greedy_agreement": f"teacher-forced top-1 agreement with dense fp32's greedy {args.max_tokens}-token "
