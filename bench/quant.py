@@ -31,7 +31,7 @@ import re
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,7 +44,7 @@ from draft.params import SpeculationParams
 from gateway.engine import Engine, EngineConfig
 from gateway.llm import LLM, Loaded, LoadConfig, resolve_model_path, target_checkpoint
 from quality import greedy, logits_over, perplexity_ids, windowed_log_probs, windows
-from target.gptq import quantize_gptq, sample_calibration
+from target.gptq import quantize_gptq, sample_calibration, sample_tuning_set
 from target.qtune import TuneConfig, mean_kl, on_device, sequence_logits, tune_scales
 from target.loader import LoadedCheckpoint, load_checkpoint
 from target.quant_formats import save_quantized
@@ -86,16 +86,15 @@ class Tuning:
     device: str
     train: list[list[int]]
     held_out: list[list[int]]
-    report: dict = field(default_factory=dict)  # filled by build_arm: the arm's tuning figures
 
 
 def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[list[int]],
               cache: Path | None, model: str | None = None, tuning: Tuning | None = None,
-              gptq_device: str = "cpu") -> tuple[Transformer, float | None]:
+              gptq_device: str = "cpu") -> tuple[Transformer, float | None, dict]:
     """``dense_fp32``, ``dense_bf16``, ``gguf_q4`` (the GGUF's own Q4_0 / Q4_1 blocks repacked, what the server
     runs for a GGUF target under --quantize int4; ``model`` is the --model argument), ``rtn_g{G}`` or
     ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}][_calib{S}x{L}]``, and the seconds quantizing took
-    (None when ``cache`` already held the arm).
+    (None when ``cache`` already held the arm), and the arm's own fields for its row.
 
     GPTQ flags: ``act`` alone is act-order with static groups, ``act_group`` group-aware reordering, ``act_perm``
     true act-order stored with an input permutation (``target.gptq``'s ``act_order``); ``mse`` searches each
@@ -106,24 +105,24 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     (``_refit`` arms in quant.json were measured with a least-squares grid refit that did not pay and was removed.)
 
     ``_tune{N}`` last (any arm before it, RTN too): that arm, then ``N`` steps of ``target.qtune.tune_scales`` on
-    ``tuning``'s sequences; ``tuning.report`` gets the held-out KL before and after and the loss curve's ends.
+    ``tuning``'s sequences; its row gets the held-out KL before and after and the loss curve's ends.
     ``_tunenorm{N}``: the same, the norm weights tuned too (``TuneConfig.tune_norms``).
     """
     if (m := re.fullmatch(r"(.+)_tune(norm)?(\d+)", name)) is not None:
         return tuned_arm(m[1], int(m[3]), bool(m[2]), dense, ck, calib, cache, model, tuning, gptq_device)
     if name == "dense_fp32":
-        return dense, 0.0
+        return dense, 0.0, {}
     if name == "dense_bf16":
-        return Transformer.from_weights(ck.config, ck.weights, torch.bfloat16), 0.0
+        return Transformer.from_weights(ck.config, ck.weights, torch.bfloat16), 0.0, {}
     if name == "gguf_q4":
         t0 = time.perf_counter()
         q = target_checkpoint(LoadConfig(model=model, quantize="int4"), torch.float32)
         if not q.quantized:
             raise ValueError(f"arm gguf_q4 needs a GGUF target with Q4_0 / Q4_1 blocks; {model} has none")
-        return Transformer.from_weights(q.config, q.weights, quantized=q.quantized), time.perf_counter() - t0
+        return Transformer.from_weights(q.config, q.weights, quantized=q.quantized), time.perf_counter() - t0, {}
     if cache is not None and (cache / name / "config.json").is_file():
         q = load_checkpoint(cache / name)
-        return Transformer.from_weights(q.config, q.weights, quantized=q.quantized), None
+        return Transformer.from_weights(q.config, q.weights, quantized=q.quantized), None, {}
     method, group, *flags = name.split("_")
     G = int(group.removeprefix("g"))
     damps = [float(f.removeprefix("damp")) for f in flags if f.startswith("damp")]
@@ -139,34 +138,34 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     secs = time.perf_counter() - t0
     if cache is not None:
         save_quantized(model, cache / name, ck.tokenizer, ck.chat_template, {"method": name})
-    return model, secs
+    return model, secs, {}
 
 
 def tuned_arm(base: str, steps: int, norms: bool, dense: Transformer, ck: LoadedCheckpoint,
               calib: list[list[int]], cache: Path | None, model: str | None, tuning: Tuning | None,
-              gptq_device: str = "cpu") -> tuple[Transformer, float | None]:
+              gptq_device: str = "cpu") -> tuple[Transformer, float | None, dict]:
     """``base``'s model (built or taken from ``cache``), its scales and zeros (and ``norms``) then tuned for
     ``steps`` steps."""
     if tuning is None:
         raise ValueError("a _tune arm needs the tuning sequences (main samples them)")
-    start, base_s = build_arm(base, dense, ck, calib, cache, model, gptq_device=gptq_device)
+    start, base_s, fields = build_arm(base, dense, ck, calib, cache, model, gptq_device=gptq_device)
     t0 = time.perf_counter()
     losses: list[float] = []
     cfg = replace(tuning.cfg, steps=steps, tune_norms=norms)
     tuned = tune_scales(start, dense, tuning.train, cfg, tuning.device, log=lambda step, loss: losses.append(loss))
     secs = time.perf_counter() - t0
     window = max(1, min(20, steps // 5))
-    tuning.report.update({
-        "tune_steps": steps, "tune_config": asdict(cfg), "tune_device": tuning.device,
+    fields = {
+        **fields, "tune_steps": steps, "tune_config": asdict(cfg), "tune_device": tuning.device,
         "tune_train": f"{len(tuning.train)} x {len(tuning.train[0])} tokens sampled from the dense model",
         "tune_loss_first": round(sum(losses[:window]) / window, 5),
         "tune_loss_last": round(sum(losses[-window:]) / window, 5), "tune_seconds": round(secs, 1),
         "held_out_kl_before": round(mean_kl(start, dense, tuning.held_out, tuning.device), 5),
         "held_out_kl_after": round(mean_kl(tuned, dense, tuning.held_out, tuning.device), 5),
         "held_out": f"{len(tuning.held_out)} x {len(tuning.held_out[0])} tokens sampled from the dense model "
-                    f"(another seed)"})
-    print(f"tuned {base} for {steps} steps in {secs:.0f}s: {tuning.report}", flush=True)
-    return tuned, None if base_s is None else base_s + secs
+                    f"(another seed)"}
+    print(f"tuned {base} for {steps} steps in {secs:.0f}s: {fields}", flush=True)
+    return tuned, None if base_s is None else base_s + secs, fields
 
 
 def calib_flag(flag: str) -> tuple[int, int] | None:
@@ -302,17 +301,13 @@ def main() -> None:
             t0 = time.perf_counter()
             calibs[size] = load_calibration(args, dense, ck, *size)
             print(f"calibration: {size[0]} x {size[1]} tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
-        if tuning is not None:
-            tuning.report = {}
-        model, build_s = build_arm(arm, dense, ck, calibs.get(size, []), cache, args.model, tuning, args.gptq_device)
+        model, build_s, fields = build_arm(arm, dense, ck, calibs.get(size, []), cache, args.model, tuning, args.gptq_device)
         row = {"method": arm, **evaluate(model, ref, text, prompts, args.max_tokens, args.ppl_window, args.ppl_stride,
                                          args.eval_device),
                "mean_accepted_length": round(accepted_length(model, ck, prompts, args.max_tokens, NgramDrafter()), 4),
                "mean_accepted_length_model_draft": round(
                    accepted_length(model, ck, prompts, args.max_tokens, draft(dense, args.draft_layers)), 4),
-               "quantize_seconds": None if build_s is None else round(build_s, 1)}
-        if tuning is not None and tuning.report:
-            row.update(tuning.report)
+               "quantize_seconds": None if build_s is None else round(build_s, 1), **fields}
         if arm.startswith("gptq_") and args.gptq_device != "cpu":
             row["gptq_device"] = args.gptq_device
         if size is not None and size != (args.calib_seqs, args.calib_len):
@@ -397,12 +392,9 @@ def load_tuning(args: argparse.Namespace, dense: Transformer, ck: LoadedCheckpoi
         sampler = dense if dev.type == "cpu" else Transformer.from_weights(ck.config, ck.weights, torch.bfloat16, dev)
         specials = set(ck.tokenizer.all_special_ids)
         first = [i for i in range(ck.config.vocab_size) if i not in specials]
-        # on a GPU a batch draws from one device generator (sample_calibration's per_sequence=False): the CPU's
-        # row-by-row draws cost minutes for a few hundred sequences there
-        fast = dict(batch_size=512, per_sequence=False) if dev.type == "cuda" else dict(batch_size=32)
-        data = {"train": sample_calibration(sampler, args.tune_seqs, args.tune_len, first, seed=1, **fast),
-                "held_out": sample_calibration(sampler, args.tune_held_out, args.tune_len, first, seed=2, **fast),
-                "sampled_on": f"{dev}, {fast}"}
+        data = {"train": sample_tuning_set(sampler, args.tune_seqs, args.tune_len, first, seed=1),
+                "held_out": sample_tuning_set(sampler, args.tune_held_out, args.tune_len, first, seed=2),
+                "sampled_on": f"{dev} (target.gptq.sample_tuning_set)"}
         print(f"tuning sequences sampled on {dev} ({time.perf_counter() - t0:.0f}s)", flush=True)
         if cache is not None:
             cache.write_text(json.dumps(data))

@@ -376,6 +376,15 @@ def sample_calibration(model: Transformer, num_seqs: int, seq_len: int, first_to
     return out
 
 
+def sample_tuning_set(model: Transformer, num_seqs: int, seq_len: int, first_tokens: list[int],
+                      seed: int) -> list[list[int]]:
+    """``sample_calibration`` for the thousands of sequences scale tuning wants: on a GPU in batches of 512 drawn on
+    the device (row-by-row host draws took minutes for a few hundred sequences there), per sequence elsewhere."""
+    fast = model.device.type == "cuda"
+    return sample_calibration(model, num_seqs, seq_len, first_tokens, seed, batch_size=512 if fast else 32,
+                              per_sequence=not fast)
+
+
 def _sample_batch(model: Transformer, seqs: list[list[int]], seq_len: int,
                   gens: list[torch.Generator] | torch.Generator) -> list[list[int]]:
     """Extend every sequence to ``seq_len`` tokens by ancestral sampling through the paged cache: row by row
@@ -433,8 +442,7 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
     q = quantize_gptq(model, calib, group_size, act_order, mse, damp)
     if tune_steps:
         log(f"tuning INT4 scales and zeros for {tune_steps} steps on {tune_seqs} more sampled sequences")
-        fast = dict(batch_size=512, per_sequence=False) if model.device.type == "cuda" else {}
-        tune = sample_calibration(model, tune_seqs, seq_len, first, seed=1, **fast)
+        tune = sample_tuning_set(model, tune_seqs, seq_len, first, seed=1)
         q = tune_scales(q, model, tune, replace(TuneConfig(), steps=tune_steps))
     cache_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root, prefix=".gptq-") as tmp:

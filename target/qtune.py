@@ -122,11 +122,11 @@ class _Norms(torch.nn.Module):
 
 
 def sequence_logits(model: Transformer, tokens: torch.Tensor,
-                    weight: Callable[[int, str], torch.Tensor] | None = None) -> torch.Tensor:
+                    weight: Callable[[int, str], torch.Tensor | None] | None = None) -> torch.Tensor:
     """Causal logits ``[B, T, V]`` float32 of whole sequences ``tokens: [B, T]`` through ``model``'s maths.
 
     ``weight(layer, name)`` gives the dense ``[N, K]`` weight of projection ``name`` (one of ``PROJ_NAMES``) in
-    layer ``layer``; by default each projection's own (dequantized for INT4). Computed in float32, whatever the
+    layer ``layer``, or None for the projection's own (dequantized for INT4), as without ``weight``. Computed in float32, whatever the
     model's dtype: this is for calibration, not serving. ``model`` lives on ``tokens``' device (``on_device``).
     """
     c = model.config
@@ -138,7 +138,8 @@ def sequence_logits(model: Transformer, tokens: torch.Tensor,
 
     def proj(i: int, name: str, x: torch.Tensor) -> torch.Tensor:
         lin = getattr(model.layers[i], name)
-        w = weight(i, name) if weight is not None else _dense(lin)
+        w = weight(i, name) if weight is not None else None
+        w = _dense(lin) if w is None else w
         x = x if lin.perm is None else x[..., lin.perm]
         return F.linear(x, w, None if lin.bias is None else lin.bias.float())
 
@@ -159,16 +160,20 @@ def sequence_logits(model: Transformer, tokens: torch.Tensor,
     return F.linear(hn, _dense(model.lm_head))  # [B, T, V]
 
 
-def on_device(model: Transformer, device: torch.device) -> Transformer:
-    """``model`` on ``device`` with its dense tensors in float32, for ``sequence_logits``."""
+def on_device(model: Transformer, device: torch.device, dequantized: bool = True) -> Transformer:
+    """``model`` on ``device`` with its dense tensors in float32, for ``sequence_logits``. ``dequantized``: INT4
+    projections also keep a float32 dequantized copy, so repeated forwards do not dequantize again (off where
+    every INT4 weight is being tuned, which would leave the copies unused)."""
     m = model.to(device)
     # GPTQ's tensors are made under inference mode, which autograd may not save: plain copies of those
     f32 = lambda t: (t.clone() if t.is_inference() else t).float()  # noqa: E731
     def lin(x: Linear) -> Linear:
         perm = None if x.perm is None else x.perm.clone()
         bias = None if x.bias is None else f32(x.bias)
-        return replace(x, perm=perm, bias=bias) if isinstance(x.weight, Int4Weight) else \
-            replace(x, weight=f32(x.weight), perm=perm, bias=bias)
+        if not isinstance(x.weight, Int4Weight):
+            return replace(x, weight=f32(x.weight), perm=perm, bias=bias)
+        deq = _dense(x) if dequantized else None
+        return replace(x, perm=perm, bias=bias, dequantized=deq)
 
     layers = [replace(l, input_norm=f32(l.input_norm), post_norm=f32(l.post_norm), qkv=lin(l.qkv), o=lin(l.o),
                       gate_up=lin(l.gate_up), down=lin(l.down)) for l in m.layers]
@@ -176,9 +181,11 @@ def on_device(model: Transformer, device: torch.device) -> Transformer:
 
 
 def _dense(lin: Linear) -> torch.Tensor:
-    """A projection's weight [N, K] as float32: dense as stored, INT4 dequantized."""
+    """A projection's weight [N, K] as float32: dense as stored, INT4 dequantized (its kept copy when it has one)."""
     w = lin.weight
-    return dequantize(w).float() if isinstance(w, Int4Weight) else w.float()
+    if not isinstance(w, Int4Weight):
+        return w.float()
+    return (lin.dequantized if lin.dequantized is not None else dequantize(w)).float()
 
 
 def kl_to_teacher(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -217,7 +224,7 @@ def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]],
     dev = torch.device(device) if device is not None else qmodel.device
     tuned = {(i, n): _Tuned(getattr(layer, n), dev) for i, layer in enumerate(qmodel.layers) for n in PROJ_NAMES
              if isinstance(getattr(layer, n).weight, Int4Weight)}
-    student, teacher = on_device(qmodel, dev), on_device(dense, dev)
+    student, teacher = on_device(qmodel, dev, dequantized=False), on_device(dense, dev)
     if not tuned:
         raise ValueError("the model has no INT4 projections to tune")
     norms = _Norms(student) if cfg.tune_norms else None
@@ -228,17 +235,14 @@ def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]],
     opt = torch.optim.Adam([g for g in params if g["params"]], betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup, 1)) * 0.5 *
                                               (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
-    frozen = {(i, n): _dense(getattr(layer, n)) for i, layer in enumerate(student.layers)
-              for n in PROJ_NAMES if (i, n) not in tuned}
-    teacher_w = {(i, n): _dense(getattr(layer, n)) for i, layer in enumerate(teacher.layers) for n in PROJ_NAMES}
     batches = _batches(calib, cfg.batch_size, cfg.seed, dev)
     for step in tqdm(range(cfg.steps), desc="tune scales", unit="step", disable=not progress):
         tokens, mask = next(batches)
         with torch.no_grad():
-            target = sequence_logits(teacher, tokens, lambda i, n: teacher_w[i, n])
-        weights = {**frozen, **{k: t.weight() for k, t in tuned.items()}}
+            target = sequence_logits(teacher, tokens)
+        weights = {k: t.weight() for k, t in tuned.items()}  # the rest are dense: their own weights
         model = student if norms is None else norms.applied(student)
-        loss = kl_to_teacher(sequence_logits(model, tokens, lambda i, n: weights[i, n]), target, mask)
+        loss = kl_to_teacher(sequence_logits(model, tokens, lambda i, n: weights.get((i, n))), target, mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

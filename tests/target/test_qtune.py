@@ -26,6 +26,12 @@ def serving_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
     return model.forward(build_batch([Segment(cache.new_table(), 0, ids, logits="all")], cache, model.device), cache)
 
 
+def assert_serves_as_trained(model: Transformer, ids: list[int]) -> None:
+    """The paged serving forward computes what ``sequence_logits`` (the forward tuning trains through) does."""
+    torch.testing.assert_close(serving_logits(model, ids), sequence_logits(model, torch.tensor([ids]))[0],
+                               atol=2e-4, rtol=2e-4)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("int4", [False, True])
 def test_sequence_logits_match_the_serving_forward(family: str, int4: bool) -> None:
@@ -48,15 +54,13 @@ def test_input_orders_survive_tuning(pair: tuple[Transformer, Transformer]) -> N
     start = quantize_gptq(dense, calib, group_size=32, act_order="perm", progress=False)
     assert start.layers[0].qkv.perm is not None and start.layers[0].gate_up.perm is not None
     ids = calib[0][:19]
-    torch.testing.assert_close(sequence_logits(start, torch.tensor([ids]))[0], serving_logits(start, ids),
-                               atol=2e-4, rtol=2e-4)
+    assert_serves_as_trained(start, ids)
     tuned = tune_scales(start, dense, calib, TuneConfig(steps=2, batch_size=4, warmup=0), progress=False)
     for a, b in zip(start.layers, tuned.layers):
         for name in ("qkv", "o", "gate_up", "down"):
             pa, pb = getattr(a, name).perm, getattr(b, name).perm
             assert (pa is None and pb is None) or torch.equal(pa, pb)
-    torch.testing.assert_close(sequence_logits(tuned, torch.tensor([ids]))[0], serving_logits(tuned, ids),
-                               atol=2e-4, rtol=2e-4)
+    assert_serves_as_trained(tuned, ids)
 
 
 def test_kl_to_teacher_masks_and_is_zero_on_itself() -> None:
@@ -98,8 +102,7 @@ def test_tuning_lowers_held_out_kl_and_keeps_the_codes(pair: tuple[Transformer, 
             torch.testing.assert_close(getattr(new, name).dequantized, dequantize(b))
     # the serving forward runs the tuned model as sequence_logits does
     ids = held[0]
-    torch.testing.assert_close(serving_logits(tuned, ids), sequence_logits(tuned, torch.tensor([ids]))[0],
-                               atol=2e-4, rtol=2e-4)
+    assert_serves_as_trained(tuned, ids)
 
 
 def test_scales_only_and_symmetric_weights(pair: tuple[Transformer, Transformer]) -> None:
@@ -128,8 +131,7 @@ def test_norms_tune_with_the_scales(pair: tuple[Transformer, Transformer]) -> No
     for a, b in zip(rtn.layers, normed.layers):
         assert not torch.equal(a.input_norm, b.input_norm) and not torch.equal(a.post_norm, b.post_norm)
     ids = train[0]
-    torch.testing.assert_close(serving_logits(normed, ids), sequence_logits(normed, torch.tensor([ids]))[0],
-                               atol=2e-4, rtol=2e-4)
+    assert_serves_as_trained(normed, ids)
 
 
 def test_tuning_starts_from_gptq_and_is_deterministic(pair: tuple[Transformer, Transformer]) -> None:
