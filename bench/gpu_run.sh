@@ -12,7 +12,7 @@
 #   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch off and on, 2 runs each
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in parts) and convert it once
 #   bash bench/gpu_run.sh quant      bench/quant.py after `model`: dense bf16, RTN, GPTQ (on CUDA) and GPTQ with tuned
-#                                    scales (target/qtune.py, on CUDA) in one run, perplexity and KL scored on CUDA,
+#                                    scales, norms and codes (target/qtune.py, on CUDA) in one run, perplexity and KL scored on CUDA,
 #                                    into $OUT/quant_pydoc.json (QUANT_ARMS, QUANT_ARGS to change it; carry
 #                                    .cache/quant/calib.json, GPTQ's calibration set, to skip its sampling). The
 #                                    quant_tuned.json run (evaluation on the CPU) took 22 minutes: run it under setsid
@@ -79,7 +79,7 @@ for stage in "$@"; do
     quant)
       mkdir -p .cache/quant
       timeout "${QUANT_TIMEOUT:-540}" python bench/quant.py --arms \
-        "${QUANT_ARMS:-dense_bf16,rtn_g128,gptq_g128_act_mse,gptq_g128_act_mse_tune512,gptq_g128_act_mse_tunenorm512}" --gptq-device cuda \
+        "${QUANT_ARMS:-dense_bf16,gptq_g128_act_mse,gptq_g128_act_mse_tunecodenorm600,gptq_g128_act_mse_tunecode600,gptq_g128_act_mse_tune600,gptq_g128_act_mse_tunenorm600,rtn_g128}" --gptq-device cuda \
         --tune-device cuda --eval-device cuda --calib-cache .cache/quant/calib.json --tune-cache .cache/quant/tune.json \
         --arm-cache .cache/quant/arms --prompts-file .cache/mt_bench.jsonl --out "$OUT/quant_pydoc.json" ${QUANT_ARGS:-} 2>&1 \
         | grep -v "it/s\]$\|s/it\]$\|Warning\|warn(" | tail -30 ;;

@@ -106,10 +106,12 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
 
     ``_tune{N}`` last (any arm before it, RTN too): that arm, then ``N`` steps of ``target.qtune.tune_scales`` on
     ``tuning``'s sequences; its row gets the held-out KL before and after and the loss curve's ends.
-    ``_tunenorm{N}``: the same, the norm weights tuned too (``TuneConfig.tune_norms``).
+    ``_tunenorm{N}``: the same, the norm weights tuned too (``TuneConfig.tune_norms``); ``_tunecode{N}`` and
+    ``_tunecodenorm{N}``: the codes too, each within one level of the arm's (``TuneConfig.tune_codes``).
     """
-    if (m := re.fullmatch(r"(.+)_tune(norm)?(\d+)", name)) is not None:
-        return tuned_arm(m[1], int(m[3]), bool(m[2]), dense, ck, calib, cache, model, tuning, gptq_device)
+    if (m := re.fullmatch(r"(.+)_tune(code)?(norm)?(\d+)", name)) is not None:
+        return tuned_arm(m[1], int(m[4]), bool(m[3]), bool(m[2]), dense, ck, calib, cache, model, tuning,
+                         gptq_device)
     if name == "dense_fp32":
         return dense, 0.0, {}
     if name == "dense_bf16":
@@ -141,17 +143,17 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     return model, secs, {}
 
 
-def tuned_arm(base: str, steps: int, norms: bool, dense: Transformer, ck: LoadedCheckpoint,
+def tuned_arm(base: str, steps: int, norms: bool, codes: bool, dense: Transformer, ck: LoadedCheckpoint,
               calib: list[list[int]], cache: Path | None, model: str | None, tuning: Tuning | None,
               gptq_device: str = "cpu") -> tuple[Transformer, float | None, dict]:
-    """``base``'s model (built or taken from ``cache``), its scales and zeros (and ``norms``) then tuned for
-    ``steps`` steps."""
+    """``base``'s model (built or taken from ``cache``), its scales and zeros (and ``norms``, ``codes``) then
+    tuned for ``steps`` steps."""
     if tuning is None:
         raise ValueError("a _tune arm needs the tuning sequences (main samples them)")
     start, base_s, fields = build_arm(base, dense, ck, calib, cache, model, gptq_device=gptq_device)
     t0 = time.perf_counter()
     losses: list[float] = []
-    cfg = replace(tuning.cfg, steps=steps, tune_norms=norms)
+    cfg = replace(tuning.cfg, steps=steps, tune_norms=norms, tune_codes=codes)
     tuned = tune_scales(start, dense, tuning.train, cfg, tuning.device, log=lambda step, loss: losses.append(loss))
     secs = time.perf_counter() - t0
     window = max(1, min(20, steps // 5))
@@ -262,6 +264,8 @@ def main() -> None:
     ap.add_argument("--tune-batch", type=int, default=TUNE.batch_size)
     ap.add_argument("--tune-lr-scale", type=float, default=TUNE.lr_scale)
     ap.add_argument("--tune-lr-zero", type=float, default=TUNE.lr_zero)
+    ap.add_argument("--tune-lr-norm", type=float, default=TUNE.lr_norm)
+    ap.add_argument("--tune-lr-code", type=float, default=TUNE.lr_code)
     ap.add_argument("--tune-cache", default=None, help="json file to keep the tuning sequences in")
     ap.add_argument("--plot-only", default=None, metavar="JSON", help="redraw the PNG beside a results file and exit")
     ap.add_argument("--out", default=None,
@@ -398,7 +402,8 @@ def load_tuning(args: argparse.Namespace, dense: Transformer, ck: LoadedCheckpoi
         print(f"tuning sequences sampled on {dev} ({time.perf_counter() - t0:.0f}s)", flush=True)
         if cache is not None:
             cache.write_text(json.dumps(data))
-    cfg = TuneConfig(batch_size=args.tune_batch, lr_scale=args.tune_lr_scale, lr_zero=args.tune_lr_zero)
+    cfg = TuneConfig(batch_size=args.tune_batch, lr_scale=args.tune_lr_scale, lr_zero=args.tune_lr_zero,
+                     lr_norm=args.tune_lr_norm, lr_code=args.tune_lr_code)
     return Tuning(cfg, args.tune_device, data["train"], data["held_out"])
 
 

@@ -14,9 +14,17 @@ exact and no straight-through estimator is needed. A scale is trained as a multi
 (``a`` starts at 0), so one learning rate suits groups of any magnitude; a zero point moves in code units.
 Zero points stay fractional, as our format stores them (symmetric weights keep their fixed zero of 8).
 
+``TuneConfig.tune_codes`` lets the codes move too, within one level of GPTQ's: every weight gets a trainable
+offset ``v`` in [-1, 1] added to its code before rounding, ``q' = clamp(round(q + v), 0, 15)``, and the
+gradient passes the rounding straight through (Bengio et al. 2013). This is AutoRound's learned rounding
+("Optimize Weight Rounding via Signed Gradient Descent for the Quantization of LLMs", Cheng et al. 2023),
+trained end to end on the distillation loss rather than block by block, and started from GPTQ's codes rather
+than round-to-nearest: an offset starts at 0, so a code flips only once its gradient has pushed consistently
+for long enough to carry it past half a level.
+
 The forward here is a plain, differentiable restatement of ``Transformer.forward`` over whole sequences
-(no paged cache): the same norms, RoPE and grouped-query attention. Embeddings, norms and the LM head stay
-as they are; only the INT4 projections' scales and zeros change.
+(no paged cache): the same norms, RoPE and grouped-query attention. Embeddings and the LM head stay as they
+are; the INT4 projections' scales and zeros change (and, as configured, the norms and codes).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from tqdm.auto import tqdm
 
 from kernels.fused_norm_rope import apply_rope
 from kernels.fused_norm_rope import rms_norm_ref as rms_norm
-from kernels.int4_matmul import Int4Weight, dequantize, unpack_int4
+from kernels.int4_matmul import Int4Weight, dequantize, pack_int4, unpack_int4
 from target.model import Linear, Transformer, int4_linear
 
 PROJ_NAMES = ("qkv", "o", "gate_up", "down")
@@ -44,7 +52,8 @@ class TuneConfig:
     to zero on a cosine after ``warmup`` steps. ``tune_zeros=False`` trains scales alone (E2E-QP's choice).
     ``tune_norms`` also trains every RMSNorm weight (as a multiplier, ``lr_norm``): a per-channel factor
     that the INT4 projections after it see as an input scaling, the degree of freedom AWQ and OmniQuant's
-    equivalent transforms use; the norms stay dense, as they always are."""
+    equivalent transforms use; the norms stay dense, as they always are. ``tune_codes`` also lets every code
+    move by at most one level (the module docstring), at ``lr_code`` in code units."""
 
     steps: int = 400
     batch_size: int = 8
@@ -54,20 +63,23 @@ class TuneConfig:
     tune_zeros: bool = True
     tune_norms: bool = False
     lr_norm: float = 1e-3
+    tune_codes: bool = False
+    lr_code: float = 5e-3
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1:
             raise ValueError(f"steps and batch_size must be >= 1, got {self.steps} and {self.batch_size}")
-        if min(self.lr_scale, self.lr_zero, self.lr_norm, self.warmup) < 0:
+        if min(self.lr_scale, self.lr_zero, self.lr_norm, self.lr_code, self.warmup) < 0:
             raise ValueError("learning rates and warmup must be >= 0")
 
 
 class _Tuned(torch.nn.Module):
-    """One INT4 projection being tuned: frozen codes ``[N, K/G, G]``, the starting scales and zeros
-    ``[K/G, N]``, and the trainable log-scale multipliers and zero points (same shape)."""
+    """One INT4 projection being tuned: its starting codes ``[N, K/G, G]``, scales and zeros ``[K/G, N]``,
+    the trainable log-scale multipliers and zero points (same shape), and with ``codes`` the trainable code
+    offsets (the codes' shape; else the codes stay frozen)."""
 
-    def __init__(self, lin: Linear, device: torch.device) -> None:
+    def __init__(self, lin: Linear, device: torch.device, codes: bool = False) -> None:
         super().__init__()
         w = lin.weight
         assert isinstance(w, Int4Weight)
@@ -79,14 +91,24 @@ class _Tuned(torch.nn.Module):
         self.log_scale = torch.nn.Parameter(torch.zeros_like(self.scale0))
         zeros = torch.full_like(self.scale0, 8.0) if w.zeros is None else w.zeros.to(device, torch.float32).clone()
         self.zero = torch.nn.Parameter(zeros, requires_grad=w.zeros is not None)
+        self.offset = torch.nn.Parameter(torch.zeros(self.codes.shape, device=device), requires_grad=codes)
 
     def scales(self) -> torch.Tensor:
         return self.scale0 * self.log_scale.exp()  # [K/G, N]
 
+    def current_codes(self) -> torch.Tensor:
+        """The codes [N, K/G, G] as float: the starting ones, or with trainable offsets ``clamp(round(q + v))``
+        whose gradient in ``v`` is the identity (straight through the rounding)."""
+        q = self.codes.float()
+        if not self.offset.requires_grad:
+            return q
+        u = q + self.offset
+        return u + ((u.detach().round().clamp(0, 15)) - u.detach())
+
     def weight(self) -> torch.Tensor:
-        """The dequantized weight [N, K] float32, differentiable in the scales and zeros."""
+        """The dequantized weight [N, K] float32, differentiable in the scales, zeros and code offsets."""
         s, z = self.scales().T[:, :, None], self.zero.T[:, :, None]  # [N, K/G, 1]
-        return ((self.codes.float() - z) * s).flatten(1)
+        return ((self.current_codes() - z) * s).flatten(1)
 
     def tuned(self, dtype: torch.dtype) -> Linear:
         """The projection with its tuned scales and zeros, stored in ``dtype`` on the original device."""
@@ -94,7 +116,10 @@ class _Tuned(torch.nn.Module):
         assert isinstance(w, Int4Weight)
         dev = w.qweight.device
         zeros = None if w.zeros is None else self.zero.detach().to(dev, dtype)
-        return int4_linear(Int4Weight(w.qweight, self.scales().detach().to(dev, dtype), zeros, self.G),
+        qweight = w.qweight
+        if self.offset.requires_grad:
+            qweight = pack_int4(self.current_codes().detach().flatten(1).to(torch.uint8)).to(dev)
+        return int4_linear(Int4Weight(qweight, self.scales().detach().to(dev, dtype), zeros, self.G),
                            self.lin.bias, self.lin.perm)
 
 
@@ -215,14 +240,14 @@ def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]],
     minimise KL(``dense`` || INT4) over ``calib``.
 
     ``qmodel`` and ``dense`` share config, embeddings, norms and head (``qmodel`` is a quantization of
-    ``dense``); codes, dense projections and everything else are kept. ``device``: where to train (default
+    ``dense``); dense projections and everything else are kept, the codes too unless ``cfg.tune_codes``. ``device``: where to train (default
     ``qmodel``'s); the result lives where ``qmodel`` does, in its dtype. ``log(step, loss)`` sees every step.
     Deterministic for fixed inputs on one device.
     """
     if not calib or any(len(s) < 2 for s in calib):
         raise ValueError("tuning needs calibration sequences of at least two tokens")
     dev = torch.device(device) if device is not None else qmodel.device
-    tuned = {(i, n): _Tuned(getattr(layer, n), dev) for i, layer in enumerate(qmodel.layers) for n in PROJ_NAMES
+    tuned = {(i, n): _Tuned(getattr(layer, n), dev, cfg.tune_codes) for i, layer in enumerate(qmodel.layers) for n in PROJ_NAMES
              if isinstance(getattr(layer, n).weight, Int4Weight)}
     student, teacher = on_device(qmodel, dev, dequantized=False), on_device(dense, dev)
     if not tuned:
@@ -231,7 +256,8 @@ def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]],
     params = [{"params": [t.log_scale for t in tuned.values()], "lr": cfg.lr_scale},
               {"params": [t.zero for t in tuned.values() if t.zero.requires_grad and cfg.tune_zeros],
                "lr": cfg.lr_zero},
-              {"params": [] if norms is None else list(norms.parameters()), "lr": cfg.lr_norm}]
+              {"params": [] if norms is None else list(norms.parameters()), "lr": cfg.lr_norm},
+              {"params": [t.offset for t in tuned.values() if cfg.tune_codes], "lr": cfg.lr_code}]
     opt = torch.optim.Adam([g for g in params if g["params"]], betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup, 1)) * 0.5 *
                                               (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
@@ -247,6 +273,10 @@ def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]],
         loss.backward()
         opt.step()
         sched.step()
+        if cfg.tune_codes:
+            with torch.no_grad():
+                for t in tuned.values():
+                    t.offset.clamp_(-1.0, 1.0)  # one level from the starting code at most
         if log is not None:
             log(step, float(loss.detach()))
     layers = [replace(layer, **{n: tuned[i, n].tuned(qmodel.dtype) for n in PROJ_NAMES if (i, n) in tuned})
