@@ -73,6 +73,9 @@ CALIB_SEQS, CALIB_LEN = 128, 256  # what ``cached_gptq`` samples: 5 to 10 minute
 # ``cached_gptq(tune_steps=...)`` tunes scales on this many more sampled sequences (seed 1): on SmolLM2, 512 were
 # overfit within an epoch (bench/results/quant_tuned.json), so there are enough for a few hundred steps of 8
 TUNE_SEQS = 4096
+# what --gptq-tune-steps trains: scales, zeros, norms and codes, 16 sequences a step (the recipe of
+# bench/results/quant_tunecode.json, which took SmolLM2's GPTQ g128 from +6.8% to +3.8% perplexity)
+SERVE_TUNE = TuneConfig(batch_size=16, tune_norms=True, tune_codes=True)
 
 
 # --- one weight -------------------------------------------------------------------------------------
@@ -423,12 +426,12 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
                 log: Callable[[str], None] = print) -> Transformer:
     """GPTQ ``model`` (built from ``ckpt``) once per checkpoint and settings; later calls reload the result
     saved under ``cache_root`` in our format. Calibration: ``num_seqs`` sequences sampled from the model.
-    ``tune_steps``: then tune the scales and zeros (``target.qtune``) on ``tune_seqs`` more sampled sequences,
+    ``tune_steps``: then tune the scales, zeros, norms and codes (``SERVE_TUNE``) on ``tune_seqs`` more sampled sequences,
     on the model's device (minutes on a GPU; far slower on a CPU)."""
     settings = {"method": "gptq", "group_size": group_size, "act_order": act_order, "mse": mse, "damp": damp,
                 "zeros": "fractional", "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype)}
     if tune_steps:
-        settings["tune"] = f"{tune_steps} steps on {tune_seqs}x{seq_len} sampled with seed 1, {TuneConfig()}"
+        settings["tune"] = f"{tune_steps} steps on {tune_seqs}x{seq_len} sampled with seed 1, {SERVE_TUNE}"
     key = json.dumps({"source": _fingerprint(Path(ckpt.source)), **settings}, sort_keys=True)
     out = cache_root / f"{Path(ckpt.source).stem}-gptq-g{group_size}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
@@ -441,9 +444,9 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
     calib = sample_calibration(model, num_seqs, seq_len, first, seed=0)
     q = quantize_gptq(model, calib, group_size, act_order, mse, damp)
     if tune_steps:
-        log(f"tuning INT4 scales and zeros for {tune_steps} steps on {tune_seqs} more sampled sequences")
+        log(f"tuning INT4 scales, zeros, codes and norms for {tune_steps} steps on {tune_seqs} more sampled sequences")
         tune = sample_tuning_set(model, tune_seqs, seq_len, first, seed=1)
-        q = tune_scales(q, model, tune, replace(TuneConfig(), steps=tune_steps))
+        q = tune_scales(q, model, tune, replace(SERVE_TUNE, steps=tune_steps))
     cache_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root, prefix=".gptq-") as tmp:
         save_quantized(q, Path(tmp) / "q", ckpt.tokenizer, ckpt.chat_template, settings)

@@ -250,10 +250,10 @@ def test_cached_gptq_calibrates_once(make_model, make_hf_dir, tmp_path) -> None:
         assert torch.equal(a.o.weight.zeros, b.o.weight.zeros)
     cached_gptq(dense, ck, tmp_path / "q", 64, num_seqs=4, seq_len=16, log=logs.append)  # new settings, new entry
     assert len(list((tmp_path / "q").iterdir())) == 2
-    # tuned scales are another entry: same codes as the untuned GPTQ, other scales, reloaded as tuned
+    # tuned weights are another entry: other scales and norms (two steps flip no code), reloaded as tuned
     tuned = cached_gptq(dense, ck, tmp_path / "q", 32, num_seqs=4, seq_len=16, tune_steps=2, tune_seqs=8,
                         log=logs.append)
-    assert len(list((tmp_path / "q").iterdir())) == 3 and "tuning INT4 scales" in logs[-1]
+    assert len(list((tmp_path / "q").iterdir())) == 3 and "tuning INT4 scales, zeros, codes and norms" in logs[-1]
     again = cached_gptq(dense, ck, tmp_path / "q", 32, num_seqs=4, seq_len=16, tune_steps=2, tune_seqs=8,
                         log=logs.append)
     assert "loading cached" in logs[-1]
@@ -261,6 +261,8 @@ def test_cached_gptq_calibrates_once(make_model, make_hf_dir, tmp_path) -> None:
         assert torch.equal(a.qkv.weight.qweight, b.qkv.weight.qweight)
         assert not torch.equal(a.qkv.weight.scales, b.qkv.weight.scales)
         assert torch.equal(b.qkv.weight.scales, c.qkv.weight.scales) and torch.equal(b.qkv.weight.zeros, c.qkv.weight.zeros)
+        assert not torch.equal(a.post_norm, b.post_norm) and torch.equal(b.post_norm, c.post_norm)
+    assert not torch.equal(first.norm, tuned.norm) and torch.equal(tuned.norm, again.norm)
 
 
 @pytest.mark.parametrize("act_order", ["group", "perm"])
