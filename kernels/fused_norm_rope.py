@@ -25,28 +25,40 @@ import triton
 import triton.language as tl
 
 
-def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, perm: torch.Tensor | None = None) -> torch.Tensor:
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    return y if perm is None else y[..., perm]
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, perm_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr,
+                     PERM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    if PERM:  # column j of the output is column perm[j] of the norm: the row again, gathered (from L1)
+        src = tl.load(perm_ptr + offs, mask=mask, other=0)
+        x = tl.load(x_ptr + row * stride_x + src, mask=mask, other=0.0)
+        xf = x.to(tl.float32)
+        w = tl.load(w_ptr + src, mask=mask, other=0.0)
+    else:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     y = (xf * r).to(x.dtype) * w
     tl.store(o_ptr + row * stride_o + offs, y, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, use_triton: bool | None = None) -> torch.Tensor:
-    """x: [..., hidden]; w: [hidden]. Triton on CUDA (or when forced), the reference elsewhere."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, perm: torch.Tensor | None = None,
+             use_triton: bool | None = None) -> torch.Tensor:
+    """x: [..., hidden]; w: [hidden]. Triton on CUDA (or when forced), the reference elsewhere.
+
+    ``perm`` ([hidden] int64): return the norm's columns in that order, ``out[..., j] = norm(x)[..., perm[j]]``,
+    the input an act-order projection gathers (``Linear.perm``), at no extra launch."""
     if not (x.is_cuda if use_triton is None else use_triton) or x.dtype != w.dtype:
-        return rms_norm_ref(x, w, eps)
+        return rms_norm_ref(x, w, eps, perm)
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     if x2.stride(-1) != 1:
@@ -54,7 +66,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, use_triton: bool |
     out = torch.empty_like(x2)
     if x2.shape[0]:
         block = triton.next_power_of_2(hidden)
-        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, x2.stride(0), out.stride(0), hidden, eps, BLOCK=block,
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, x2 if perm is None else perm, x2.stride(0), out.stride(0),
+                                         hidden, eps, BLOCK=block, PERM=perm is not None,
                                          num_warps=4 if block <= 4096 else 8)
     return out.view(x.shape)
 

@@ -42,9 +42,10 @@ class Linear:
     # with K reordered into contiguous groups and the input is gathered to match: y = x[..., perm] @ W'.T.
     perm: torch.Tensor | None = None
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T + b (+ residual)``; the INT4 kernel fuses the residual add into its epilogue."""
-        if self.perm is not None:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, permuted: bool = False) -> torch.Tensor:
+        """``x @ W.T + b (+ residual)``; the INT4 kernel fuses the residual add into its epilogue.
+        ``permuted``: ``x`` already comes in ``perm``'s order (``rms_norm(..., perm=)`` wrote it so)."""
+        if self.perm is not None and not permuted:
             x = x[..., self.perm]
         if self.dequantized is None and isinstance(self.weight, Int4Weight):
             return int4_matmul(x, self.weight, self.bias, residual=residual)
@@ -54,14 +55,14 @@ class Linear:
         y = F.linear(x, w, self.bias)
         return y if residual is None else y + residual
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, permuted: bool = False) -> torch.Tensor:
         """``silu(gate) * up`` for a gate_up projection (gate rows first), fused for INT4 weights."""
         if self.dequantized is None and isinstance(self.weight, Int4Weight):
-            return int4_matmul_silu_mul(x if self.perm is None else x[..., self.perm], self.weight)
+            return int4_matmul_silu_mul(x if self.perm is None or permuted else x[..., self.perm], self.weight)
         if not DENSE_FUSION:
-            gate, up = self(x).chunk(2, dim=-1)
+            gate, up = self(x, permuted=permuted).chunk(2, dim=-1)
             return F.silu(gate) * up
-        return fused_silu_mul(self(x))
+        return fused_silu_mul(self(x, permuted=permuted))
 
     def quantized(self, group_size: int, use_zero_point: bool) -> "Linear":
         if isinstance(self.weight, Int4Weight):
@@ -245,13 +246,14 @@ class Transformer:
                 raise ValueError("a feature draft's forward needs the target's features")
             h = self.fc(torch.cat((h, features.to(h.dtype)), dim=-1))
         for i, layer in enumerate(self.layers):
-            x = fused_rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            # an act-order projection's input gather rides the norm before it (rms_norm's perm)
+            x = fused_rms_norm(h, layer.input_norm, c.rms_norm_eps, perm=layer.qkv.perm)
             k_layer, v_layer = cache.k[i], cache.v[i]  # [num_blocks, P, Hkv, D]
-            q = rope_and_cache(layer.qkv(x), batch.positions, self.inv_freq, k_layer, v_layer, batch.slot_mapping,
+            q = rope_and_cache(layer.qkv(x, permuted=True), batch.positions, self.inv_freq, k_layer, v_layer, batch.slot_mapping,
                                H, Hkv)  # [T, H, D]; K/V written into the cache
             attn = tree_attention(q, k_layer, v_layer, batch.block_tables, batch.context_lens,
                                   batch.query_start, batch.mask_bits, scale, is_decode=batch.is_decode)  # [T, H, D]
             h = layer.o(attn.reshape(T, H * D), residual=h)
-            x = fused_rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            h = layer.down(layer.gate_up.silu_mul(x), residual=h)
+            x = fused_rms_norm(h, layer.post_norm, c.rms_norm_eps, perm=layer.gate_up.perm)
+            h = layer.down(layer.gate_up.silu_mul(x, permuted=True), residual=h)
         return h  # [T, hidden], before the final norm

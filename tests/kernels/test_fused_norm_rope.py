@@ -27,6 +27,21 @@ def test_rms_norm_matches_reference(rows: int, hidden: int, dtype: torch.dtype) 
     assert out.shape == x.shape and out.dtype == dtype
 
 
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 100)])
+def test_rms_norm_writes_columns_in_a_given_order(rows: int, hidden: int) -> None:
+    """``perm``: the output is the norm gathered by ``perm`` (what an act-order projection reads), the same
+    values as the unpermuted norm's, moved."""
+    g = torch.Generator(device=DEVICE).manual_seed(hidden)
+    x = (torch.randn(rows, hidden, generator=g, device=DEVICE) * 3).to(torch.float16)
+    w = (torch.rand(hidden, generator=g, device=DEVICE) + 0.5).to(torch.float16)
+    perm = torch.randperm(hidden, generator=g, device=DEVICE)
+    out = rms_norm(x, w, 1e-5, perm=perm, use_triton=True)
+    plain = rms_norm(x, w, 1e-5, use_triton=True)
+    assert torch.equal(out, plain[:, perm])
+    torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-5, perm), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(rms_norm_ref(x, w, 1e-5, perm), rms_norm_ref(x, w, 1e-5)[:, perm], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,inter", [(1, 8), (5, 1536), (3, 1100), (2, 2500)])
 def test_silu_mul_matches_reference(rows: int, inter: int, dtype: torch.dtype) -> None:

@@ -13,6 +13,7 @@ from gateway.scheduler import SchedulerConfig
 from draft.model_drafter import ModelDrafter
 from draft.tree import TokenTree
 from target.batch import Segment, build_batch
+from target.gptq import quantize_gptq
 from target.model import Transformer
 from verify.sampling import SamplingParams
 
@@ -46,6 +47,21 @@ def test_int4_cuda_matches_cpu_reference(group: int) -> None:
     cpu = Transformer.from_weights(cfg, w, torch.float32, "cpu").quantize(group)
     gpu = Transformer.from_weights(cfg, w, torch.float32, "cuda").quantize(group)
     ref, out = mixed_forward(cpu), mixed_forward(gpu).cpu()
+    err = (out - ref).abs().max() / ref.abs().max()
+    assert err < 1e-2, f"relative error {err:.4f}"
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+
+
+def test_act_order_model_on_cuda_matches_cpu_reference() -> None:
+    """A true act-order GPTQ model (``Linear.perm`` on qkv and gate_up): on CUDA the norm before each writes
+    its output in the projection's input order (``rms_norm(perm=)``) instead of a gather; logits match the
+    CPU path, which gathers."""
+    cfg = tiny_config(**CFG)
+    dense = Transformer.from_weights(cfg, random_weights(cfg, scale=0.05), torch.float32, "cpu")
+    calib = torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(1)).tolist()
+    cpu = quantize_gptq(dense, calib, 64, act_order="perm", progress=False)
+    assert all(l.qkv.perm is not None and l.gate_up.perm is not None for l in cpu.layers)
+    ref, out = mixed_forward(cpu), mixed_forward(cpu.to("cuda")).cpu()
     err = (out - ref).abs().max() / ref.abs().max()
     assert err < 1e-2, f"relative error {err:.4f}"
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
