@@ -37,6 +37,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gptq-tune-steps", type=int, default=0,
                    help="with --quantize gptq: then tune the INT4 scales, zeros, codes and norms by distillation for N steps "
                         "(minutes on a GPU, once; cached with the GPTQ weights)")
+    p.add_argument("--gptq-tune", choices=["all", "scales"], default="all",
+                   help="what --gptq-tune-steps trains: all (scales, zeros, norms and codes; 16 bytes of training "
+                        "state per weight) or scales (scales and zeros alone, for targets too large for that)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--cache-dir", default=None, help="where the embedded model is converted and kept")
@@ -66,6 +69,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def load(args: argparse.Namespace) -> LLM:
     cfg = LoadConfig(model=args.model, draft=args.draft, self_draft_layers=args.self_draft_layers,
                      quantize=args.quantize, group_size=args.group_size, gptq_tune_steps=args.gptq_tune_steps,
+                     gptq_tune=args.gptq_tune,
                      dtype=args.dtype, device=args.device,
                      cache_dir=args.cache_dir, tensor_parallel=args.tensor_parallel)
     penalty = args.plain_penalty if args.plain_penalty >= 0 else None

@@ -25,7 +25,7 @@ from draft.shipped import embedded_draft
 from gateway.engine import Engine, EngineConfig, RequestOutput
 from gateway.sequence import SpecStats
 from target.embedded import default_cache_dir
-from target.gptq import cached_gptq
+from target.gptq import TUNE_RECIPES, cached_gptq
 from target.loader import LoadedCheckpoint, attach_shared_embeddings, load_checkpoint
 from target.model import Transformer
 from target.tp_worker import TPConfig, start_tensor_parallel
@@ -48,6 +48,7 @@ class LoadConfig:
     quantize: str = "int4"  # "int4" (RTN), "gptq" (calibrated once, then cached) or "none"; INT4 checkpoints load as is
     group_size: int = 128
     gptq_tune_steps: int = 0  # with quantize="gptq": then tune the INT4 scales, zeros, codes and norms (target/qtune.py)
+    gptq_tune: str = "all"  # "all" (target.gptq.SERVE_TUNE) or "scales" (scales and zeros alone: far less memory)
     dtype: str | None = None  # None = bfloat16 on CUDA, float32 on CPU
     device: str | None = None  # None = cuda when available
     cache_dir: str | None = None  # where the embedded model is converted and kept
@@ -63,6 +64,8 @@ class LoadConfig:
         if self.gptq_tune_steps < 0 or (self.gptq_tune_steps and self.quantize != "gptq"):
             raise ValueError(f"gptq_tune_steps must be >= 0 and needs quantize='gptq', got {self.gptq_tune_steps} "
                              f"with quantize={self.quantize!r}")
+        if self.gptq_tune not in TUNE_RECIPES:
+            raise ValueError(f"gptq_tune must be one of {sorted(TUNE_RECIPES)}, got {self.gptq_tune!r}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size must be 32, 64 or 128, got {self.group_size}")
 
@@ -196,7 +199,8 @@ def load_target(cfg: LoadConfig, ckpt: LoadedCheckpoint, dtype: torch.dtype, dev
         log(f"quantized to INT4 W4A16, group {cfg.group_size} ({time.perf_counter() - t0:.1f}s)")
     elif cfg.quantize == "gptq":
         cache = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-        target = cached_gptq(target, ckpt, cache / "quantized", cfg.group_size, tune_steps=cfg.gptq_tune_steps, log=log)
+        target = cached_gptq(target, ckpt, cache / "quantized", cfg.group_size, tune_steps=cfg.gptq_tune_steps,
+                             tune=TUNE_RECIPES[cfg.gptq_tune], log=log)
         log(f"GPTQ INT4 W4A16, group {cfg.group_size} ({time.perf_counter() - t0:.1f}s)")
     return target
 

@@ -76,6 +76,9 @@ TUNE_SEQS = 4096
 # what --gptq-tune-steps trains: scales, zeros, norms and codes, 16 sequences a step (the recipe of
 # bench/results/quant_tunecode.json, which took SmolLM2's GPTQ g128 from +6.8% to +3.8% perplexity)
 SERVE_TUNE = TuneConfig(batch_size=16, tune_norms=True, tune_codes=True)
+# by name, for LoadConfig.gptq_tune: "scales" trains scales and zeros alone. The code offsets and their Adam
+# moments hold 16 bytes per weight in training (about 112 GB for an 8B model), the scales' a few percent of that
+TUNE_RECIPES = {"all": SERVE_TUNE, "scales": replace(SERVE_TUNE, tune_norms=False, tune_codes=False)}
 
 
 # --- one weight -------------------------------------------------------------------------------------
@@ -423,15 +426,15 @@ def text_windows(ids: list[int], num_seqs: int, seq_len: int, seed: int = 0) -> 
 def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, group_size: int = 128,
                 act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, damp: float = 0.01,
                 num_seqs: int = CALIB_SEQS, seq_len: int = CALIB_LEN, tune_steps: int = 0, tune_seqs: int = TUNE_SEQS,
-                log: Callable[[str], None] = print) -> Transformer:
+                tune: TuneConfig = SERVE_TUNE, log: Callable[[str], None] = print) -> Transformer:
     """GPTQ ``model`` (built from ``ckpt``) once per checkpoint and settings; later calls reload the result
     saved under ``cache_root`` in our format. Calibration: ``num_seqs`` sequences sampled from the model.
-    ``tune_steps``: then tune the scales, zeros, norms and codes (``SERVE_TUNE``) on ``tune_seqs`` more sampled sequences,
-    on the model's device (minutes on a GPU; far slower on a CPU)."""
+    ``tune_steps``: then tune as ``tune`` says (by default the scales, zeros, norms and codes) on ``tune_seqs``
+    more sampled sequences, on the model's device (minutes on a GPU; far slower on a CPU)."""
     settings = {"method": "gptq", "group_size": group_size, "act_order": act_order, "mse": mse, "damp": damp,
                 "zeros": "fractional", "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype)}
     if tune_steps:
-        settings["tune"] = f"{tune_steps} steps on {tune_seqs}x{seq_len} sampled with seed 1, {SERVE_TUNE}"
+        settings["tune"] = f"{tune_steps} steps on {tune_seqs}x{seq_len} sampled with seed 1, {tune}"
     key = json.dumps({"source": _fingerprint(Path(ckpt.source)), **settings}, sort_keys=True)
     out = cache_root / f"{Path(ckpt.source).stem}-gptq-g{group_size}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (out / "config.json").is_file():
@@ -444,9 +447,11 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
     calib = sample_calibration(model, num_seqs, seq_len, first, seed=0)
     q = quantize_gptq(model, calib, group_size, act_order, mse, damp)
     if tune_steps:
-        log(f"tuning INT4 scales, zeros, codes and norms for {tune_steps} steps on {tune_seqs} more sampled sequences")
-        tune = sample_tuning_set(model, tune_seqs, seq_len, first, seed=1)
-        q = tune_scales(q, model, tune, replace(SERVE_TUNE, steps=tune_steps))
+        parts = ["scales", "zeros"] + ["codes"] * tune.tune_codes + ["norms"] * tune.tune_norms
+        log(f"tuning INT4 {', '.join(parts[:-1])} and {parts[-1]} for {tune_steps} steps on {tune_seqs} more "
+            f"sampled sequences")
+        seqs = sample_tuning_set(model, tune_seqs, seq_len, first, seed=1)
+        q = tune_scales(q, model, seqs, replace(tune, steps=tune_steps))
     cache_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root, prefix=".gptq-") as tmp:
         save_quantized(q, Path(tmp) / "q", ckpt.tokenizer, ckpt.chat_template, settings)

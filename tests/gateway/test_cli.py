@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--prompt", "hi", "--tree", "2,0"], "widths"),
     (["--prompt", "hi", "--gptq-tune-steps", "5"], "needs quantize='gptq'"),
     (["--prompt", "hi", "--quantize", "gptq", "--gptq-tune-steps", "-1"], "gptq_tune_steps must be >= 0"),
+    (["--prompt", "hi", "--quantize", "gptq", "--gptq-tune", "codes"], "invalid choice: 'codes'"),
 ])
 def test_bad_input_names_the_problem(argv, message, capsys) -> None:
     try:

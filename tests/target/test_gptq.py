@@ -9,8 +9,9 @@ import torch
 
 from kernels.int4_matmul import Int4Weight, dequantize, quantize_rtn
 from target.batch import Segment, build_batch
-from target.gptq import (ACT_ORDERS, _fold_input_order, _quantize_layer, cached_gptq, gptq_quantize, group_params,
-                         mse_group_params, quantize_gptq, sample_calibration, text_windows, visiting_order)
+from target.gptq import (ACT_ORDERS, TUNE_RECIPES, _fold_input_order, _quantize_layer, cached_gptq, gptq_quantize,
+                         group_params, mse_group_params, quantize_gptq, sample_calibration, text_windows,
+                         visiting_order)
 from target.config import ModelConfig
 from target.loader import expected_weights, load_checkpoint
 from kernels.fused_norm_rope import rms_norm_ref as rms_norm
@@ -263,6 +264,12 @@ def test_cached_gptq_calibrates_once(make_model, make_hf_dir, tmp_path) -> None:
         assert torch.equal(b.qkv.weight.scales, c.qkv.weight.scales) and torch.equal(b.qkv.weight.zeros, c.qkv.weight.zeros)
         assert not torch.equal(a.post_norm, b.post_norm) and torch.equal(b.post_norm, c.post_norm)
     assert not torch.equal(first.norm, tuned.norm) and torch.equal(tuned.norm, again.norm)
+    # scales alone: another entry, the norms as they were
+    scales = cached_gptq(dense, ck, tmp_path / "q", 32, num_seqs=4, seq_len=16, tune_steps=2, tune_seqs=8,
+                         tune=TUNE_RECIPES["scales"], log=logs.append)
+    assert len(list((tmp_path / "q").iterdir())) == 4 and "tuning INT4 scales and zeros for" in logs[-1]
+    assert torch.equal(first.norm, scales.norm) and not torch.equal(first.layers[0].o.weight.scales,
+                                                                     scales.layers[0].o.weight.scales)
 
 
 @pytest.mark.parametrize("act_order", ["group", "perm"])
