@@ -110,17 +110,22 @@ def step_ms(model: Transformer, nodes: list[int], context: int = 512, reps: int 
     Sizes are timed round-robin, so drift over the run (clocks, a neighbour) hits every size alike and
     the ratios between them hold (verify-16 against M=1 moved by up to 8% between back-to-back runs
     when each size was timed in one stretch)."""
-    runs = {n: tree_step(model, n, context) for n in nodes}
-    times: dict[int, list[float]] = {n: [] for n in nodes}
+    return replay_ms({n: tree_step(model, n, context) for n in nodes}, reps)
+
+
+def replay_ms(runs: dict, reps: int = 40) -> dict:
+    """Median wall time in ms of each replayable ``runs[key]()``, synchronised before and after, timed
+    round-robin after three warm-up rounds."""
+    times: dict = {key: [] for key in runs}
     for i in range(reps + 3):
-        for n, run in runs.items():
+        for key, run in runs.items():
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             run()
             torch.cuda.synchronize()
             if i >= 3:
-                times[n].append(time.perf_counter() - t0)
-    return {n: sorted(t)[reps // 2] * 1e3 for n, t in times.items()}
+                times[key].append(time.perf_counter() - t0)
+    return {key: sorted(t)[reps // 2] * 1e3 for key, t in times.items()}
 
 
 def kernel_profile(model: Transformer, nodes: int, reps: int = 10, top: int = 12) -> dict:

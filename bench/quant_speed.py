@@ -10,7 +10,7 @@ for a 16-node tree, INT4 g128 with random weights, in three layouts that share o
     python bench/quant_speed.py [--out bench/results/quant_speed_8b.json]
 
 Steps are CUDA-graph replays through ``target/graphs.py``, timed round-robin across the layouts
-(``bench/engine.py``'s ``step_ms``), so every ratio is within one run.
+(``bench/engine.py``'s ``replay_ms``), so every ratio is within one run.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import provenance  # noqa: E402  (bench/, this script's own folder)
-from bench.engine import LLAMA3_8B, model_config, random_model, tree_step  # noqa: E402
+from bench.engine import LLAMA3_8B, model_config, random_model, replay_ms, tree_step  # noqa: E402
 from bench.kernels.bench_int4_matmul import copy_tbps  # noqa: E402
 from kernels.int4_matmul import Int4Weight  # noqa: E402
 from target.model import Linear, Transformer, int4_linear  # noqa: E402
@@ -73,17 +72,7 @@ def main() -> None:
     base, nbytes = random_model(model_config(LLAMA3_8B), int4=True)
     arms = {"symmetric": base, "zeros": with_layout(base, True, False), "zeros_perm": with_layout(base, True, True)}
     res["max_abs_diff_vs_symmetric"] = {k: check(base, m) for k, m in arms.items()}
-    runs = {(k, n): tree_step(m, n) for k, m in arms.items() for n in NODES}
-    times: dict = {key: [] for key in runs}
-    for i in range(args.reps + 3):
-        for key, run in runs.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            run()
-            torch.cuda.synchronize()
-            if i >= 3:
-                times[key].append(time.perf_counter() - t0)
-    ms = {key: sorted(t)[len(t) // 2] * 1e3 for key, t in times.items()}
+    ms = replay_ms({(k, n): tree_step(m, n) for k, m in arms.items() for n in NODES}, args.reps)
     res["rows"] = [{"layout": k, "nodes": n, "step_ms": round(ms[k, n], 4),
                     "ratio_to_symmetric": round(ms[k, n] / ms["symmetric", n], 4)} for k in arms for n in NODES]
     res["floor_ms"] = round(nbytes / (res["copy_tbps"] * 1e12) * 1e3, 3)
