@@ -43,9 +43,10 @@ from draft.ngram import NgramDrafter
 from draft.params import SpeculationParams
 from gateway.engine import Engine, EngineConfig
 from gateway.llm import LLM, Loaded, LoadConfig, resolve_model_path, target_checkpoint
+from kernels.int4_matmul import Int4Weight, unpack_int4
 from quality import greedy, logits_over, perplexity_ids, windowed_log_probs, windows
 from target.gptq import quantize_gptq, sample_calibration, sample_tuning_set
-from target.qtune import TuneConfig, mean_kl, on_device, sequence_logits, tune_scales
+from target.qtune import PROJ_NAMES, TuneConfig, mean_kl, on_device, sequence_logits, tune_scales
 from target.loader import LoadedCheckpoint, load_checkpoint
 from target.quant_formats import save_quantized
 from target.model import Transformer
@@ -157,6 +158,8 @@ def tuned_arm(base: str, steps: int, norms: bool, codes: bool, dense: Transforme
     tuned = tune_scales(start, dense, tuning.train, cfg, tuning.device, log=lambda step, loss: losses.append(loss))
     secs = time.perf_counter() - t0
     window = max(1, min(20, steps // 5))
+    if codes:
+        fields["codes_changed"] = round(codes_changed(start, tuned), 6)
     fields = {
         **fields, "tune_steps": steps, "tune_config": asdict(cfg), "tune_device": tuning.device,
         "tune_train": f"{len(tuning.train)} x {len(tuning.train[0])} tokens sampled from the dense model",
@@ -168,6 +171,18 @@ def tuned_arm(base: str, steps: int, norms: bool, codes: bool, dense: Transforme
                     f"(another seed)"}
     print(f"tuned {base} for {steps} steps in {secs:.0f}s: {fields}", flush=True)
     return tuned, None if base_s is None else base_s + secs, fields
+
+
+def codes_changed(a: Transformer, b: Transformer) -> float:
+    """The share of INT4 codes that differ between two models of one shape (a ``_tunecode`` arm's flips)."""
+    changed = total = 0
+    for la, lb in zip(a.layers, b.layers):
+        for name in PROJ_NAMES:
+            wa, wb = getattr(la, name).weight, getattr(lb, name).weight
+            if isinstance(wa, Int4Weight) and isinstance(wb, Int4Weight):
+                changed += int((unpack_int4(wa.qweight) != unpack_int4(wb.qweight)).sum())
+                total += wa.in_features * wa.out_features
+    return changed / max(total, 1)
 
 
 def calib_flag(flag: str) -> tuple[int, int] | None:
