@@ -37,16 +37,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, perm_ptr, stride_x, stride_o, n_cols, 
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    # column j of the output is column perm[j] of the norm: the row is read gathered, once (a sum of squares
+    # does not depend on the order it is taken in)
+    src = tl.load(perm_ptr + offs, mask=mask, other=0) if PERM else offs
+    x = tl.load(x_ptr + row * stride_x + src, mask=mask, other=0.0)
+    w = tl.load(w_ptr + src, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
-    if PERM:  # column j of the output is column perm[j] of the norm: the row again, gathered (from L1)
-        src = tl.load(perm_ptr + offs, mask=mask, other=0)
-        x = tl.load(x_ptr + row * stride_x + src, mask=mask, other=0.0)
-        xf = x.to(tl.float32)
-        w = tl.load(w_ptr + src, mask=mask, other=0.0)
-    else:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
     y = (xf * r).to(x.dtype) * w
     tl.store(o_ptr + row * stride_o + offs, y, mask=mask)
 

@@ -29,15 +29,15 @@ def test_rms_norm_matches_reference(rows: int, hidden: int, dtype: torch.dtype) 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 100)])
 def test_rms_norm_writes_columns_in_a_given_order(rows: int, hidden: int) -> None:
-    """``perm``: the output is the norm gathered by ``perm`` (what an act-order projection reads), the same
-    values as the unpermuted norm's, moved."""
+    """``perm``: the output is the norm gathered by ``perm`` (what an act-order projection reads): the
+    unpermuted norm's values, moved (up to the order its sum of squares is taken in)."""
     g = torch.Generator(device=DEVICE).manual_seed(hidden)
     x = (torch.randn(rows, hidden, generator=g, device=DEVICE) * 3).to(torch.float16)
     w = (torch.rand(hidden, generator=g, device=DEVICE) + 0.5).to(torch.float16)
     perm = torch.randperm(hidden, generator=g, device=DEVICE)
     out = rms_norm(x, w, 1e-5, perm=perm, use_triton=True)
     plain = rms_norm(x, w, 1e-5, use_triton=True)
-    assert torch.equal(out, plain[:, perm])
+    torch.testing.assert_close(out, plain[:, perm], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-5, perm), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(rms_norm_ref(x, w, 1e-5, perm), rms_norm_ref(x, w, 1e-5)[:, perm], rtol=0, atol=0)
 
