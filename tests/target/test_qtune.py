@@ -46,16 +46,22 @@ def test_sequence_logits_match_the_serving_forward(family: str, int4: bool) -> N
         torch.testing.assert_close(got[b], serving_logits(model, ids), atol=2e-4, rtol=2e-4)
 
 
-def test_input_orders_survive_tuning(pair: tuple[Transformer, Transformer]) -> None:
+@pytest.mark.parametrize("everything", [False, True])
+def test_input_orders_survive_tuning(pair: tuple[Transformer, Transformer], everything: bool) -> None:
     """A true act-order GPTQ model gathers its inputs (``Linear.perm``): ``sequence_logits`` must gather alike,
-    and the tuned model keeps every permutation."""
+    and the tuned model keeps every permutation; ``everything``: codes and norms tuned too."""
     dense, _ = pair
     calib = random_seqs(8, 32, dense.config.vocab_size, seed=12)
     start = quantize_gptq(dense, calib, group_size=32, act_order="perm", progress=False)
     assert start.layers[0].qkv.perm is not None and start.layers[0].gate_up.perm is not None
     ids = calib[0][:19]
     assert_serves_as_trained(start, ids)
-    tuned = tune_scales(start, dense, calib, TuneConfig(steps=2, batch_size=4, warmup=0), progress=False)
+    cfg = TuneConfig(steps=2, batch_size=4, warmup=0, tune_codes=everything, tune_norms=everything,
+                     lr_code=0.5 if everything else 5e-3)  # steps of half a level: some codes flip
+    tuned = tune_scales(start, dense, calib, cfg, progress=False)
+    if everything:
+        assert any(not torch.equal(a.qkv.weight.qweight, b.qkv.weight.qweight)
+                   for a, b in zip(start.layers, tuned.layers))
     for a, b in zip(start.layers, tuned.layers):
         for name in ("qkv", "o", "gate_up", "down"):
             pa, pb = getattr(a, name).perm, getattr(b, name).perm
