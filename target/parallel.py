@@ -154,15 +154,15 @@ class ShardedTransformer(Transformer):
         first = self.rank == 0  # adds the residual (and bias) of row-parallel outputs, once
         h = self.embed[batch.tokens]  # [T, hidden], replicated
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps, perm=layer.qkv.perm)  # act-order: gathered here
             k_layer, v_layer = cache.k[i], cache.v[i]  # [num_blocks, P, Hkv/N, D]
-            q = rope_and_cache(layer.qkv(x), batch.positions, self.inv_freq, k_layer, v_layer, batch.slot_mapping,
+            q = rope_and_cache(layer.qkv(x, permuted=True), batch.positions, self.inv_freq, k_layer, v_layer, batch.slot_mapping,
                                H, Hkv)  # [T, H/N, D]; local K/V written into the cache
             attn = tree_attention(q, k_layer, v_layer, batch.block_tables, batch.context_lens, batch.query_start,
                                   batch.mask_bits, 1.0 / math.sqrt(D), is_decode=batch.is_decode)  # [T, H/N, D]
             h = self._reduce(layer.o(attn.reshape(T, H * D), residual=h if first else None))  # [T, hidden]
-            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            h = self._reduce(layer.down(layer.gate_up.silu_mul(x), residual=h if first else None))
+            x = rms_norm(h, layer.post_norm, c.rms_norm_eps, perm=layer.gate_up.perm)
+            h = self._reduce(layer.down(layer.gate_up.silu_mul(x, permuted=True), residual=h if first else None))
         h = rms_norm(h[batch.logits_indices], self.norm, c.rms_norm_eps)  # [R, hidden]
         return self._gather_vocab(self.lm_head(h).float())  # [R, V]
 

@@ -48,6 +48,22 @@ def tiny_target(group_size: int | None = None, **model_kw) -> Transformer:
     return target.quantize(group_size) if group_size else target
 
 
+def act_order_target() -> Transformer:
+    """tiny_target quantized by GPTQ with true act-order (``Linear.perm`` on qkv and gate_up), group 32.
+    GPTQ's float sums depend on the thread count, so processes that must hold one model load it
+    (``saved_target``) rather than quantize again."""
+    from target.gptq import quantize_gptq
+
+    dense = tiny_target()
+    calib = torch.randint(0, dense.config.vocab_size, (8, 24), generator=torch.Generator().manual_seed(3)).tolist()
+    return quantize_gptq(dense, calib, 32, act_order="perm", progress=False)
+
+
+def saved_target(path: str) -> Transformer:
+    """A model ``torch.save``d whole (module-level: a ``functools.partial`` of it pickles into workers)."""
+    return torch.load(path, weights_only=False)
+
+
 def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0.3, self_layers: int = 2,
                 max_running: int = 8, tree: tuple[int, ...] = (2, 2, 1), group_size: int | None = None,
                 target=None, cost_aware: bool = False, **model_kw) -> Engine:

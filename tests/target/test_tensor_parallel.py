@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU over gloo, 2 processes: sharded logits and greedy tokens match one process
-(dense and INT4), bad shapes fail before any process starts, and a killed worker fails a step quickly."""
+(dense, INT4 and act-order INT4), bad shapes fail before any process starts, and a killed worker fails a step quickly."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from draft.params import SpeculationParams
 from gateway.llm import LLM, LoadConfig, resolve_draft
-from engine_util import run_all, tiny_config, tiny_engine, tiny_target
+from engine_util import act_order_target, run_all, saved_target, tiny_config, tiny_engine, tiny_target
 from target.embedded import MODEL_DIR_NAME, default_cache_dir
 from target.batch import Segment, build_batch
 from target.parallel import ShardedTransformer, check_shardable
@@ -26,6 +26,7 @@ from verify.sampling import SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPTS = [[3, 14, 15, 9, 2, 6], [5, 3, 5, 8, 9, 7, 9, 3, 5, 8, 9, 7], [27, 18, 28]]
 KINDS = {"dense": None, "int4": 32}  # group 32: each rank's half of o (K 64) and down (K 128) holds whole groups
+BUILDERS = {k: partial(tiny_target, g) for k, g in KINDS.items()}
 _live: dict[str, TensorParallelTarget] = {}  # one process group per process: at most one pool is up
 
 
@@ -34,7 +35,7 @@ def pool(kind: str) -> TensorParallelTarget:
     A 32-int64 message buffer makes the first batches grow it (RESIZE)."""
     if kind not in _live:
         close_pools()
-        build = partial(tiny_target, KINDS.get(kind))
+        build = BUILDERS.get(kind, BUILDERS["dense"])  # other kinds ("kill", ...): a dense pool of their own
         _live[kind] = start_tensor_parallel(build, TPConfig(world_size=2, step_timeout_s=20.0, capacity=32))
     return _live[kind]
 
@@ -70,6 +71,18 @@ def test_logits_and_greedy_tokens_match_one_process(kind: str) -> None:
     assert greedy(engine, SpeculationParams(enabled=False)) == want_off
     assert greedy(engine, SpeculationParams(drafter="draft", tree=(2, 2, 1))) == want_off
     assert engine.cache.pool.num_free == engine.config.num_blocks and engine.healthy
+
+
+def test_act_order_model_matches_one_process(tmp_path) -> None:
+    """Act-order INT4 (GPTQ ``perm``): qkv and gate_up keep their input order on every rank (the norm before
+    them writes it), o and down split along K as usual; the logits match one process."""
+    full = act_order_target()
+    assert full.layers[0].qkv.perm is not None and full.layers[0].gate_up.perm is not None
+    torch.save(full, tmp_path / "act_order.pt")
+    BUILDERS["act_order"] = partial(saved_target, str(tmp_path / "act_order.pt"))
+    tp = pool("act_order")
+    torch.testing.assert_close(sharded_logits(tp, tp.new_cache(16, 4)), sharded_logits(full, full.new_cache(16, 4)),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_kv_ops_reach_the_workers() -> None:
