@@ -12,7 +12,8 @@
 #   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch off and on, 2 runs each
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in parts) and convert it once
 #   bash bench/gpu_run.sh quant      bench/quant.py after `model`: dense bf16, RTN, GPTQ (on CUDA) and GPTQ with tuned
-#                                    scales, norms and codes (target/qtune.py, on CUDA) in one run, perplexity and KL scored on CUDA,
+#                                    scales, norms and codes (target/qtune.py, on CUDA) in one run, perplexity
+#                                    and KL scored on CUDA,
 #                                    into $OUT/quant_pydoc.json (QUANT_ARMS, QUANT_ARGS to change it; carry
 #                                    .cache/quant/calib.json, GPTQ's calibration set, to skip its sampling). Dense,
 #                                    GPTQ and one 600-step tuned arm on 4096 sequences took about 10 minutes

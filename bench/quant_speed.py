@@ -77,10 +77,10 @@ def main() -> None:
                     "ratio_to_symmetric": round(ms[k, n] / ms["symmetric", n], 4)} for k in arms for n in NODES]
     res["floor_ms"] = round(nbytes / (res["copy_tbps"] * 1e12) * 1e3, 3)
     res["note"] = ("Llama-3-8B shape, INT4 g128 random codes, bf16; one sequence over 512 cached tokens; median of "
-                   f"{args.reps} CUDA-graph replays per row, synchronised, timed round-robin across rows. zeros: a zero "
-                   "point tensor per group (all 8). zeros_perm: also a random input permutation on qkv and gate_up, "
-                   "gathered before the matmul. max_abs_diff_vs_symmetric: layer 0's qkv on one input, each layout "
-                   "fed the input it expects.")
+                   f"{args.reps} CUDA-graph replays per row, synchronised, timed round-robin across rows. zeros: a "
+                   "zero point tensor per group (all 8). zeros_perm: also a random input permutation on qkv and "
+                   "gate_up, gathered before the matmul. max_abs_diff_vs_symmetric: layer 0's qkv on one input, "
+                   "each layout fed the input it expects.")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     plot(res, Path(args.out).with_suffix(".png"))

@@ -35,7 +35,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="target weights: int4 (W4A16 RTN, default), gptq (calibrated once, cached) or none")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=128)
     p.add_argument("--gptq-tune-steps", type=int, default=0,
-                   help="with --quantize gptq: then tune the INT4 scales, zeros, codes and norms by distillation for N steps "
+                   help="with --quantize gptq: then tune the INT4 weights by distillation for N steps "
                         "(minutes on a GPU, once; cached with the GPTQ weights)")
     p.add_argument("--gptq-tune", choices=["all", "scales"], default="all",
                    help="what --gptq-tune-steps trains: all (scales, zeros, norms and codes; 16 bytes of training "

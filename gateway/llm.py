@@ -47,7 +47,7 @@ class LoadConfig:
     self_draft_layers: int | None = None  # None = four fifths of the target's layers
     quantize: str = "int4"  # "int4" (RTN), "gptq" (calibrated once, then cached) or "none"; INT4 checkpoints load as is
     group_size: int = 128
-    gptq_tune_steps: int = 0  # with quantize="gptq": then tune the INT4 scales, zeros, codes and norms (target/qtune.py)
+    gptq_tune_steps: int = 0  # with quantize="gptq": then tune the INT4 weights by distillation (target/qtune.py)
     gptq_tune: str = "all"  # "all" (target.gptq.SERVE_TUNE) or "scales" (scales and zeros alone: far less memory)
     dtype: str | None = None  # None = bfloat16 on CUDA, float32 on CPU
     device: str | None = None  # None = cuda when available

@@ -268,8 +268,9 @@ def quantize_gptq(model: Transformer, calib: list[list[int]], group_size: int = 
 
     ``calib``: token id sequences (a few hundred of a few hundred tokens). Deterministic for fixed
     inputs and thread count (the Hessians' float sums follow the thread count, and a code near a rounding
-    edge, or act-order's visiting order, with them). ``group_size`` falls back to 64 / 32 where K is not a multiple (as RTN does). Zero points
-    are fractional by default (``round_zero=False``): a finer grid that our format holds at no cost.
+    edge, or act-order's visiting order, with them). ``group_size`` falls back to 64 / 32 where K is not a
+    multiple (as RTN does). Zero points are fractional by default (``round_zero=False``): a finer grid that
+    our format holds at no cost.
     ``act_order`` and ``mse``: see the module docstring.
     """
     if not calib or any(not s for s in calib):

@@ -249,8 +249,8 @@ class Transformer:
             # an act-order projection's input gather rides the norm before it (rms_norm's perm)
             x = fused_rms_norm(h, layer.input_norm, c.rms_norm_eps, perm=layer.qkv.perm)
             k_layer, v_layer = cache.k[i], cache.v[i]  # [num_blocks, P, Hkv, D]
-            q = rope_and_cache(layer.qkv(x, permuted=True), batch.positions, self.inv_freq, k_layer, v_layer, batch.slot_mapping,
-                               H, Hkv)  # [T, H, D]; K/V written into the cache
+            q = rope_and_cache(layer.qkv(x, permuted=True), batch.positions, self.inv_freq, k_layer, v_layer,
+                               batch.slot_mapping, H, Hkv)  # [T, H, D]; K/V written into the cache
             attn = tree_attention(q, k_layer, v_layer, batch.block_tables, batch.context_lens,
                                   batch.query_start, batch.mask_bits, scale, is_decode=batch.is_decode)  # [T, H, D]
             h = layer.o(attn.reshape(T, H * D), residual=h)

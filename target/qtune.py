@@ -91,7 +91,8 @@ class _Tuned(torch.nn.Module):
         self.log_scale = torch.nn.Parameter(torch.zeros_like(self.scale0))
         zeros = torch.full_like(self.scale0, 8.0) if w.zeros is None else w.zeros.to(device, torch.float32).clone()
         self.zero = torch.nn.Parameter(zeros, requires_grad=w.zeros is not None)
-        self.offset = torch.nn.Parameter(torch.zeros(self.codes.shape, device=device), requires_grad=codes)
+        # only when the codes train: 4 bytes a weight, and Adam's moments twice that
+        self.offset = torch.nn.Parameter(torch.zeros(self.codes.shape, device=device)) if codes else None
 
     def scales(self) -> torch.Tensor:
         return self.scale0 * self.log_scale.exp()  # [K/G, N]
@@ -100,7 +101,7 @@ class _Tuned(torch.nn.Module):
         """The codes [N, K/G, G] as float: the starting ones, or with trainable offsets ``clamp(round(q + v))``
         whose gradient in ``v`` is the identity (straight through the rounding)."""
         q = self.codes.float()
-        if not self.offset.requires_grad:
+        if self.offset is None:
             return q
         u = q + self.offset
         return u + ((u.detach().round().clamp(0, 15)) - u.detach())
@@ -111,13 +112,13 @@ class _Tuned(torch.nn.Module):
         return ((self.current_codes() - z) * s).flatten(1)
 
     def tuned(self, dtype: torch.dtype) -> Linear:
-        """The projection with its tuned scales and zeros, stored in ``dtype`` on the original device."""
+        """The projection with its tuned scales, zeros (and codes), stored in ``dtype`` on the original device."""
         w = self.lin.weight
         assert isinstance(w, Int4Weight)
         dev = w.qweight.device
         zeros = None if w.zeros is None else self.zero.detach().to(dev, dtype)
         qweight = w.qweight
-        if self.offset.requires_grad:
+        if self.offset is not None:
             qweight = pack_int4(self.current_codes().detach().flatten(1).to(torch.uint8)).to(dev)
         return int4_linear(Int4Weight(qweight, self.scales().detach().to(dev, dtype), zeros, self.G),
                            self.lin.bias, self.lin.perm)
@@ -240,15 +241,16 @@ def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]],
     minimise KL(``dense`` || INT4) over ``calib``.
 
     ``qmodel`` and ``dense`` share config, embeddings, norms and head (``qmodel`` is a quantization of
-    ``dense``); dense projections and everything else are kept, the codes too unless ``cfg.tune_codes``. ``device``: where to train (default
-    ``qmodel``'s); the result lives where ``qmodel`` does, in its dtype. ``log(step, loss)`` sees every step.
+    ``dense``); dense projections and everything else are kept, the codes too unless ``cfg.tune_codes``.
+    ``device``: where to train (default ``qmodel``'s); the result lives where ``qmodel`` does, in its dtype.
+    ``log(step, loss)`` sees every step.
     Deterministic for fixed inputs on one device.
     """
     if not calib or any(len(s) < 2 for s in calib):
         raise ValueError("tuning needs calibration sequences of at least two tokens")
     dev = torch.device(device) if device is not None else qmodel.device
-    tuned = {(i, n): _Tuned(getattr(layer, n), dev, cfg.tune_codes) for i, layer in enumerate(qmodel.layers) for n in PROJ_NAMES
-             if isinstance(getattr(layer, n).weight, Int4Weight)}
+    tuned = {(i, n): _Tuned(getattr(layer, n), dev, cfg.tune_codes) for i, layer in enumerate(qmodel.layers)
+             for n in PROJ_NAMES if isinstance(getattr(layer, n).weight, Int4Weight)}
     student, teacher = on_device(qmodel, dev, dequantized=False), on_device(dense, dev)
     if not tuned:
         raise ValueError("the model has no INT4 projections to tune")
@@ -257,7 +259,7 @@ def tune_scales(qmodel: Transformer, dense: Transformer, calib: list[list[int]],
               {"params": [t.zero for t in tuned.values() if t.zero.requires_grad and cfg.tune_zeros],
                "lr": cfg.lr_zero},
               {"params": [] if norms is None else list(norms.parameters()), "lr": cfg.lr_norm},
-              {"params": [t.offset for t in tuned.values() if cfg.tune_codes], "lr": cfg.lr_code}]
+              {"params": [t.offset for t in tuned.values() if t.offset is not None], "lr": cfg.lr_code}]
     opt = torch.optim.Adam([g for g in params if g["params"]], betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup, 1)) * 0.5 *
                                               (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))

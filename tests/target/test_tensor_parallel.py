@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU over gloo, 2 processes: sharded logits and greedy tokens match one process
-(dense, INT4 and act-order INT4), bad shapes fail before any process starts, and a killed worker fails a step quickly."""
+(dense, INT4 and act-order INT4), bad shapes fail before any process starts, and a killed worker fails a
+step quickly."""
 
 from __future__ import annotations
 
