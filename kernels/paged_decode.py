@@ -57,6 +57,49 @@ def paged_decode_attention_ref(
     return out
 
 
+# The CPU path gathers a whole decode batch at once (``paged_decode_attention_batched``) up to this many
+# padded K elements per chunk (256 MB of float32 K and as much V); False: one sequence at a time (the spec).
+BATCHED_CPU_DECODE = True
+CPU_CHUNK_ELEMS = 1 << 26
+
+
+def paged_decode_attention_batched(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, P, Hkv, D] one layer
+    v_cache: torch.Tensor,  # [num_blocks, P, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, includes the current token (already in the cache)
+    scale: float,
+    chunk_elems: int = CPU_CHUNK_ELEMS,
+) -> torch.Tensor:  # [B, H, D]
+    """``paged_decode_attention_ref``'s maths for many sequences per step, the CPU's decode path: each chunk
+    of the batch gathers its K/V padded to its longest sequence, ``[b, S, Hkv, D]``, and attends with the
+    query heads grouped by KV head (no repeat of K/V per query head); padding is masked out. A chunk grows
+    while its padded K stays within ``chunk_elems`` elements."""
+    B, H, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = H // Hkv
+    out = torch.empty_like(q)
+    kf, vf = k_cache.reshape(-1, Hkv, D), v_cache.reshape(-1, Hkv, D)
+    lens = seq_lens.tolist()
+    lo = 0
+    while lo < B:
+        hi, S = lo + 1, lens[lo]
+        while hi < B and (hi + 1 - lo) * max(S, lens[hi]) * Hkv * D <= chunk_elems:
+            S, hi = max(S, lens[hi]), hi + 1
+        pos = torch.arange(S, device=q.device)
+        valid = pos[None, :] < seq_lens[lo:hi, None]  # [b, S]
+        slots = block_tables[lo:hi, pos // P].long() * P + pos % P  # [b, S]; past a sequence's end: masked
+        slots = torch.where(valid, slots, 0)
+        k, v = kf[slots].float(), vf[slots].float()  # [b, S, Hkv, D]
+        qg = q[lo:hi].float().view(hi - lo, Hkv, G, D)
+        scores = torch.einsum("bkgd,bskd->bkgs", qg, k) * scale  # [b, Hkv, G, S]
+        probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
+        out[lo:hi] = torch.einsum("bkgs,bskd->bkgd", probs, v).reshape(hi - lo, H, D).to(q.dtype)
+        lo = hi
+    return out
+
+
 @triton.jit
 def _softmax_step(acc, l_i, m_i, s, v):
     """One online-softmax update (FlashAttention): fold log2-domain scores s [G, N] and values v [N, D]
@@ -254,12 +297,14 @@ def paged_decode_attention(
     len_offset: int = 0,
     prefetch: bool | None = None,
 ) -> torch.Tensor:  # [B, H, D]
-    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere. Sequence ``b``
+    """Dispatch: the Triton kernel on CUDA (or when forced), elsewhere the batched torch path (or with
+    ``BATCHED_CPU_DECODE`` off the one-sequence-at-a-time reference). Sequence ``b``
     attends to ``seq_lens[b] + len_offset`` tokens: the model passes its context lengths and 1, which
     saves a launch per layer for the addition. ``prefetch`` picks the hand-pipelined loop
     (``_prefetched_tiles``, ``num_stages`` ignored) or Triton's pipeliner; None takes ``DECODE_PREFETCH``."""
     if not use_triton_for(q, use_triton):
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
+        cpu = paged_decode_attention_batched if BATCHED_CPU_DECODE else paged_decode_attention_ref
+        return cpu(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
     B, H, D = q.shape
     _, P, Hkv, _ = k_cache.shape
     if (H % Hkv or D & (D - 1) or D < 16 or q.stride(-1) != 1 or k_cache.stride() != v_cache.stride()

@@ -208,7 +208,8 @@ def tree_attention(
     num_stages: int | None = None,
     prefetch: bool | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere. ``prefetch`` runs the
+    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere (for decode batches, the
+    batched CPU path of ``paged_decode_attention``). ``prefetch`` runs the
     prefix's whole tiles through the hand-pipelined loop of the decode kernel (then ``num_stages`` applies
     to nothing: 1); None takes ``TREE_PREFETCH``.
 
@@ -216,6 +217,9 @@ def tree_attention(
     routes to the split-KV decode kernel; the promise is not checked (that would sync).
     """
     if not use_triton_for(q, use_triton):
+        if is_decode:  # one token a sequence: the whole batch at once (paged_decode.BATCHED_CPU_DECODE)
+            return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton=False,
+                                          len_offset=1)
         return tree_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits, scale)
     if is_decode:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton=True,

@@ -135,3 +135,29 @@ def test_short_contexts_split_finer():
     assert pick_num_splits(1, 256, cpu, 4, short_splits=16) == 8
     assert pick_num_splits(1, 4096, cpu, 4, short_splits=16) == 32  # long: the 128-token rule wins
     assert pick_num_splits(16, 640, cpu, 4, short_splits=16) == 2  # one wave caps it
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("chunk_elems", [1, 4096, 1 << 26])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_cpu_path_matches_ref(page: int, chunk_elems: int, dtype: torch.dtype) -> None:
+    """The CPU's batched decode path: ragged lengths (one token, a partial last block, several blocks), GQA
+    groups of 3, chunks of one sequence up to the whole batch, and block-table entries past a sequence's end
+    set to -1 (they must be masked, never read as neighbours' tokens)."""
+    from kernels.paged_decode import paged_decode_attention_batched
+
+    gen = torch.Generator().manual_seed(page + chunk_elems % 97)
+    seq_lens = [1, 37, 150, 64, 5]
+    k_cache, v_cache, block_tables = make_paged(seq_lens, page, 2, 32, dtype, gen, torch.device("cpu"))
+    for b, n in enumerate(seq_lens):
+        block_tables[b, -(-n // page):] = -1
+    q = torch.randn(len(seq_lens), 6, 32, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, 0.2)
+    out = paged_decode_attention_batched(q, k_cache, v_cache, block_tables, lens, 0.2, chunk_elems=chunk_elems)
+    assert out.dtype == dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                               atol=1e-5 if dtype == torch.float32 else 1e-2)
+    # the dispatcher's CPU path is this one, with the model's len_offset
+    via = paged_decode_attention(q, k_cache, v_cache, block_tables, lens - 1, 0.2, use_triton=False, len_offset=1)
+    torch.testing.assert_close(via, paged_decode_attention_batched(q, k_cache, v_cache, block_tables, lens, 0.2))

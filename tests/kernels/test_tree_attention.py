@@ -124,6 +124,11 @@ def test_is_decode_route():
     ref = tree_attention_ref(*args)
     out = tree_attention(*args, use_triton=True, is_decode=True)
     assert rel_err(out, ref) < 5e-3
+    # off Triton, a decode batch takes the batched torch path: the same attention
+    cpu = {k: v.cpu() for k, v in batch.items()}
+    args_cpu = [t.float() if name in ("q", "k_cache", "v_cache") else t for name, t in cpu.items()] + [0.125]
+    torch.testing.assert_close(tree_attention(*args_cpu, use_triton=False, is_decode=True),
+                               tree_attention_ref(*args_cpu), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
