@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -58,7 +59,7 @@ def paged_decode_attention_ref(
 
 
 # The CPU path gathers a whole decode batch at once (``paged_decode_attention_batched``) up to this many
-# padded K elements per chunk (256 MB of float32 K and as much V); False: one sequence at a time (the spec).
+# padded K elements a chunk (256 MB of float32 K and as much V); False: one sequence at a time (the spec).
 BATCHED_CPU_DECODE = True
 CPU_CHUNK_ELEMS = 1 << 26
 
@@ -72,30 +73,30 @@ def paged_decode_attention_batched(
     scale: float,
     chunk_elems: int = CPU_CHUNK_ELEMS,
 ) -> torch.Tensor:  # [B, H, D]
-    """``paged_decode_attention_ref``'s maths for many sequences per step, the CPU's decode path: each chunk
-    of the batch gathers its K/V padded to its longest sequence, ``[b, S, Hkv, D]``, and attends with the
-    query heads grouped by KV head (no repeat of K/V per query head); padding is masked out. A chunk grows
-    while its padded K stays within ``chunk_elems`` elements."""
+    """``paged_decode_attention_ref``'s maths for many sequences per step, the CPU's decode path. Each chunk
+    of the batch gathers whole pages (not token by token) up to its longest sequence, ``[b, Hkv, S, D]`` as a
+    view, and runs torch's fused attention with each KV head's query heads as its query rows; positions past
+    a sequence's end are masked out. A chunk grows while its gathered K stays within ``chunk_elems``
+    elements. float32 throughout, as the reference."""
     B, H, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
     out = torch.empty_like(q)
-    kf, vf = k_cache.reshape(-1, Hkv, D), v_cache.reshape(-1, Hkv, D)
     lens = seq_lens.tolist()
     lo = 0
     while lo < B:
         hi, S = lo + 1, lens[lo]
-        while hi < B and (hi + 1 - lo) * max(S, lens[hi]) * Hkv * D <= chunk_elems:
+        while hi < B and (hi + 1 - lo) * -(-max(S, lens[hi]) // P) * P * Hkv * D <= chunk_elems:
             S, hi = max(S, lens[hi]), hi + 1
-        pos = torch.arange(S, device=q.device)
-        valid = pos[None, :] < seq_lens[lo:hi, None]  # [b, S]
-        slots = block_tables[lo:hi, pos // P].long() * P + pos % P  # [b, S]; past a sequence's end: masked
-        slots = torch.where(valid, slots, 0)
-        k, v = kf[slots].float(), vf[slots].float()  # [b, S, Hkv, D]
-        qg = q[lo:hi].float().view(hi - lo, Hkv, G, D)
-        scores = torch.einsum("bkgd,bskd->bkgs", qg, k) * scale  # [b, Hkv, G, S]
-        probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
-        out[lo:hi] = torch.einsum("bkgs,bskd->bkgd", probs, v).reshape(hi - lo, H, D).to(q.dtype)
+        b, nb = hi - lo, -(-S // P)
+        # entries past a sequence's last page may be anything (-1, stale ids): any page will do, it is masked
+        pages = block_tables[lo:hi, :nb].long().clamp(0, k_cache.shape[0] - 1)  # [b, nb]
+        k = k_cache[pages].float().view(b, nb * P, Hkv, D).transpose(1, 2)  # [b, Hkv, nb * P, D]
+        v = v_cache[pages].float().view(b, nb * P, Hkv, D).transpose(1, 2)
+        valid = torch.arange(nb * P, device=q.device)[None, :] < seq_lens[lo:hi, None]  # [b, nb * P]
+        o = F.scaled_dot_product_attention(q[lo:hi].float().view(b, Hkv, G, D), k, v,
+                                           attn_mask=valid[:, None, None, :], scale=scale)  # [b, Hkv, G, D]
+        out[lo:hi] = o.reshape(b, H, D).to(q.dtype)
         lo = hi
     return out
 
