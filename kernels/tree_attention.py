@@ -16,11 +16,12 @@ and may be longer than 64 tokens. ``mask_bits=None`` makes every sequence causal
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.paged_decode import (LOG2E, _prefetched_tiles, _softmax_step, merge_splits, paged_decode_attention,
-                                  pick_num_splits, use_triton_for)
+from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _prefetched_tiles, _softmax_step, merge_splits,
+                                  paged_decode_attention, pick_num_splits, use_triton_for)
 
 # Programs of the default configs resident per SM at D=128: 180 to 213 registers and 74 to 99 KB of
 # shared memory each (ptxas -v, sm_90a); 128-row tiles (8 warps) fit only one, which measured the same.
@@ -71,6 +72,87 @@ def tree_attention_ref(
         scores = scores.masked_fill(~mask, float("-inf"))
         out[s:e] = torch.einsum("hts,shd->thd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+# The CPU path batches sequences of at most this many new tokens (trees, decode tokens, short chunks); longer
+# prefill chunks go one at a time. False: every sequence one at a time (the reference).
+BATCHED_CPU_TREES = True
+CPU_TREE_MAX_NEW = 64
+
+
+def tree_attention_batched(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, P, Hkv, D] one layer
+    v_cache: torch.Tensor,  # [num_blocks, P, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    query_start: torch.Tensor,  # [B + 1] int32
+    mask_bits: torch.Tensor | None,  # [T] int64
+    scale: float,
+    chunk_elems: int = CPU_CHUNK_ELEMS,
+) -> torch.Tensor:  # [T, H, D]
+    """``tree_attention_ref``'s maths with many sequences per call, the CPU's path. Sequences of at most
+    ``CPU_TREE_MAX_NEW`` new tokens go in chunks: whole pages gathered up to the chunk's longest sequence,
+    new tokens padded to its widest, and torch's fused attention under a mask built from the context
+    lengths and ancestor bits (each KV head's query heads times new tokens are its query rows). Longer
+    chunks (prefill) go through the reference one at a time. A chunk grows while its gathered K stays within
+    ``chunk_elems`` elements."""
+    H, D = q.shape[1:]
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    starts, ctxs = query_start.tolist(), context_lens.tolist()
+    ns = [e - s for s, e in zip(starts, starts[1:])]
+    rest = [b for b, n in enumerate(ns) if n > CPU_TREE_MAX_NEW]
+    for b in rest:
+        s, e = starts[b], starts[b + 1]
+        out[s:e] = tree_attention_ref(q[s:e], k_cache, v_cache, block_tables[b:b + 1], context_lens[b:b + 1],
+                                      query_start.new_tensor([0, e - s]), None if mask_bits is None else
+                                      mask_bits[s:e], scale)
+    small = [b for b, n in enumerate(ns) if 0 < n <= CPU_TREE_MAX_NEW]
+    lo = 0
+    while lo < len(small):
+        hi, S = lo + 1, ctxs[small[lo]] + ns[small[lo]]
+        while hi < len(small):
+            b = small[hi]
+            S2 = max(S, ctxs[b] + ns[b])
+            if (hi + 1 - lo) * -(-S2 // P) * P * Hkv * D > chunk_elems:
+                break
+            S, hi = S2, hi + 1
+        seqs = torch.tensor(small[lo:hi], device=q.device)
+        out_rows, o = _tree_chunk(q, k_cache, v_cache, block_tables, seqs, [starts[b] for b in small[lo:hi]],
+                                  [ctxs[b] for b in small[lo:hi]], [ns[b] for b in small[lo:hi]], mask_bits, scale, S)
+        out[out_rows] = o.to(q.dtype)
+        lo = hi
+    return out
+
+
+def _tree_chunk(q, k_cache, v_cache, block_tables, seqs, starts, ctxs, ns, mask_bits, scale, S):
+    """One chunk of ``tree_attention_batched``: the rows of ``q`` it computes and their outputs [R, H, D]."""
+    dev = q.device
+    (_, H, D), (_, P, Hkv, _) = q.shape, k_cache.shape
+    G, b, n_max, nb = H // Hkv, len(ns), max(ns), -(-S // P)
+    pages = block_tables[seqs, :nb].long().clamp(0, k_cache.shape[0] - 1)  # [b, nb]; past the end: masked
+    k = k_cache[pages].float().view(b, nb * P, Hkv, D).transpose(1, 2)  # [b, Hkv, nb * P, D]
+    v = v_cache[pages].float().view(b, nb * P, Hkv, D).transpose(1, 2)
+    i = torch.arange(n_max, device=dev)
+    n_t, ctx_t = torch.tensor(ns, device=dev), torch.tensor(ctxs, device=dev)
+    real = i[None, :] < n_t[:, None]  # [b, n_max]: rows that are new tokens (the rest is padding)
+    rows = torch.tensor(starts, device=dev)[:, None] + torch.where(real, i[None, :], 0)  # [b, n_max]
+    qb = q[rows].float().view(b, n_max, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(b, Hkv, G * n_max, D)
+    j = torch.arange(nb * P, device=dev)[None, None, :] - ctx_t[:, None, None]  # [b, 1, S']: index among new
+    causal = j <= i[None, :, None]  # [b, n_max, S']
+    if mask_bits is None:
+        sees_new = causal
+    else:
+        bits = torch.where(real, mask_bits[rows], 0)[:, :, None]  # [b, n_max, 1]
+        from_bits = ((bits >> j.clamp(0, 63)) & 1).bool()
+        sees_new = torch.where(bits == 0, causal, from_bits)
+    mask = (j < 0) | ((j < n_t[:, None, None]) & sees_new)  # prefix, or a visible new token
+    mask = mask | ~real[:, :, None] & (j == -ctx_t[:, None, None])  # padding rows see position 0 (no NaN)
+    mask = mask[:, None, None].expand(b, 1, G, n_max, nb * P).reshape(b, 1, G * n_max, nb * P)
+    o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)  # [b, Hkv, G * n_max, D]
+    o = o.view(b, Hkv, G, n_max, D).permute(0, 3, 1, 2, 4).reshape(b, n_max, H, D)
+    return rows[real], o[real]
 
 
 @triton.jit
@@ -220,7 +302,8 @@ def tree_attention(
         if is_decode:  # one token a sequence: the whole batch at once (paged_decode.BATCHED_CPU_DECODE)
             return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton=False,
                                           len_offset=1)
-        return tree_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits, scale)
+        cpu = tree_attention_batched if BATCHED_CPU_TREES else tree_attention_ref
+        return cpu(q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits, scale)
     if is_decode:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton=True,
                                       len_offset=1)

@@ -159,3 +159,24 @@ def test_gpu_bf16(page, prefetch):
     tree16 = [-1] + [i // 2 for i in range(15)]
     seqs = [(4000, tree16), (517, 300), (2048, 1), (0, tree16), (100, list(range(-1, 63)))]
     check(seqs, page, 32, 8, 128, dtype=torch.bfloat16, device=torch.device("cuda"), tol=1e-2, prefetch=prefetch)
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("chunk_elems", [1, 1 << 26])
+@pytest.mark.parametrize("use_bits", [True, False])
+def test_batched_cpu_path_matches_ref(page: int, chunk_elems: int, use_bits: bool) -> None:
+    """The CPU's batched path on a ragged batch: a one-node tree over no context, a deep chain, a wide tree,
+    a decode token, a short causal chunk and a prefill chunk past 64 tokens (that one goes through the
+    reference), GQA groups of 3, a partial last page, chunks of one sequence up to the whole batch."""
+    from kernels.tree_attention import tree_attention_batched
+
+    seqs = [(0, [-1]), (37, CHAIN), (70, BRANCHING), (5, 1), (20, 9), (3, 80), (130, [-1, 0, 0, 0, 0])]
+    batch = make_batch(seqs, page, 6, 2, 32, torch.float32, seed=page + use_bits, device=torch.device("cpu"))
+    if not use_bits:
+        batch["mask_bits"] = None
+    args = list(batch.values()) + [0.2]
+    ref = tree_attention_ref(*args)
+    out = tree_attention_batched(*args, chunk_elems=chunk_elems)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # and the dispatcher's CPU path for a batch that is not all decode tokens is this one
+    torch.testing.assert_close(tree_attention(*args, use_triton=False), out)
