@@ -64,6 +64,15 @@ BATCHED_CPU_DECODE = True
 CPU_CHUNK_ELEMS = 1 << 26
 
 
+def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, nb: int) -> torch.Tensor:
+    """The first ``nb`` pages of each row of ``block_tables`` ([b, max_blocks]) from ``cache`` ([num_blocks, P,
+    Hkv, D]), as float32 ``[b, Hkv, nb * P, D]`` (a view of one gather). Entries past a sequence's last page
+    may hold anything (-1, stale ids): any page will do there, since the caller masks those positions."""
+    b, (_, P, Hkv, D) = block_tables.shape[0], cache.shape
+    pages = block_tables[:, :nb].long().clamp(0, cache.shape[0] - 1)  # [b, nb]
+    return cache[pages].float().view(b, nb * P, Hkv, D).transpose(1, 2)
+
+
 def paged_decode_attention_batched(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [num_blocks, P, Hkv, D] one layer
@@ -89,10 +98,7 @@ def paged_decode_attention_batched(
         while hi < B and (hi + 1 - lo) * -(-max(S, lens[hi]) // P) * P * Hkv * D <= chunk_elems:
             S, hi = max(S, lens[hi]), hi + 1
         b, nb = hi - lo, -(-S // P)
-        # entries past a sequence's last page may be anything (-1, stale ids): any page will do, it is masked
-        pages = block_tables[lo:hi, :nb].long().clamp(0, k_cache.shape[0] - 1)  # [b, nb]
-        k = k_cache[pages].float().view(b, nb * P, Hkv, D).transpose(1, 2)  # [b, Hkv, nb * P, D]
-        v = v_cache[pages].float().view(b, nb * P, Hkv, D).transpose(1, 2)
+        k, v = gather_pages(k_cache, block_tables[lo:hi], nb), gather_pages(v_cache, block_tables[lo:hi], nb)
         valid = torch.arange(nb * P, device=q.device)[None, :] < seq_lens[lo:hi, None]  # [b, nb * P]
         o = F.scaled_dot_product_attention(q[lo:hi].float().view(b, Hkv, G, D), k, v,
                                            attn_mask=valid[:, None, None, :], scale=scale)  # [b, Hkv, G, D]

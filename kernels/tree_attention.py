@@ -20,8 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _prefetched_tiles, _softmax_step, merge_splits,
-                                  paged_decode_attention, pick_num_splits, use_triton_for)
+from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _prefetched_tiles, _softmax_step, gather_pages,
+                                  merge_splits, paged_decode_attention, pick_num_splits, use_triton_for)
 
 # Programs of the default configs resident per SM at D=128: 180 to 213 registers and 74 to 99 KB of
 # shared memory each (ptxas -v, sm_90a); 128-row tiles (8 warps) fit only one, which measured the same.
@@ -131,9 +131,8 @@ def _tree_chunk(q, k_cache, v_cache, block_tables, seqs, starts, ctxs, ns, mask_
     dev = q.device
     (_, H, D), (_, P, Hkv, _) = q.shape, k_cache.shape
     G, b, n_max, nb = H // Hkv, len(ns), max(ns), -(-S // P)
-    pages = block_tables[seqs, :nb].long().clamp(0, k_cache.shape[0] - 1)  # [b, nb]; past the end: masked
-    k = k_cache[pages].float().view(b, nb * P, Hkv, D).transpose(1, 2)  # [b, Hkv, nb * P, D]
-    v = v_cache[pages].float().view(b, nb * P, Hkv, D).transpose(1, 2)
+    rows_bt = block_tables[seqs]
+    k, v = gather_pages(k_cache, rows_bt, nb), gather_pages(v_cache, rows_bt, nb)  # [b, Hkv, nb * P, D]
     i = torch.arange(n_max, device=dev)
     n_t, ctx_t = torch.tensor(ns, device=dev), torch.tensor(ctxs, device=dev)
     real = i[None, :] < n_t[:, None]  # [b, n_max]: rows that are new tokens (the rest is padding)
