@@ -7,8 +7,8 @@ Plain decoding by default; ``--spec`` drafts with the shipped draft, tree 2,2,2,
 verify trees (``tree_attention_batched``) and the draft's run its own decode and tree steps.
 
 The embedded SmolLM2 target (its own Q4_1 weights, float32 activations) generates greedily, speculation off,
-MT-bench first turns, at each batch size; the two attention paths (``kernels.paged_decode.BATCHED_CPU_DECODE``
-and ``kernels.tree_attention.BATCHED_CPU_TREES`` together) alternate within each repeat, and each is reported at its best repeat, so every ratio is within one run.
+MT-bench first turns, at each batch size; the two attention paths (``kernels.paged_decode.BATCHED_CPU``)
+alternate within each repeat, and each is reported at its best repeat, so every ratio is within one run.
 ``token_agreement``: the share of generated tokens the two paths agree on (float sums in another order can
 flip a near tie, after which a sequence's continuations differ).
 """
@@ -33,7 +33,7 @@ from draft.params import SpeculationParams  # noqa: E402
 from gateway.engine import EngineConfig  # noqa: E402
 from gateway.llm import LLM, LoadConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
-from kernels import paged_decode, tree_attention  # noqa: E402
+from kernels import paged_decode  # noqa: E402
 from verify.sampling import SamplingParams  # noqa: E402
 
 MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
@@ -43,7 +43,7 @@ ARMS = {"batched": True, "reference": False}
 def run(llm: LLM, prompts: list[str], max_tokens: int, batched: bool,
         spec: SpeculationParams) -> tuple[float, list[list[int]], float]:
     """Output tokens per second of one ``generate`` over ``prompts``, the tokens, and the mean accepted length."""
-    paged_decode.BATCHED_CPU_DECODE = tree_attention.BATCHED_CPU_TREES = batched
+    paged_decode.BATCHED_CPU = batched
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     gens = llm.generate(prompts, greedy, spec)
@@ -90,7 +90,7 @@ def main() -> None:
                "runs_tok_s": {a: [round(t, 2) for t in r] for a, r in runs.items()}}
         rows.append(row)
         print(row, flush=True)
-    paged_decode.BATCHED_CPU_DECODE = tree_attention.BATCHED_CPU_TREES = True
+    paged_decode.BATCHED_CPU = True
     res = {"device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
            "date": datetime.date.today().isoformat(), "commit": provenance.commit(), "torch": torch.__version__,
            "model": "smollm2-135m-instruct (embedded, its own Q4_1 weights), float32 activations",

@@ -58,10 +58,24 @@ def paged_decode_attention_ref(
     return out
 
 
-# The CPU path gathers a whole decode batch at once (``paged_decode_attention_batched``) up to this many
-# padded K elements a chunk (256 MB of float32 K and as much V); False: one sequence at a time (the spec).
-BATCHED_CPU_DECODE = True
+# The CPU batches its attention (``paged_decode_attention_batched``, ``tree_attention_batched``) in chunks
+# of up to this many padded K elements (256 MB of float32 K and as much V). BATCHED_CPU = False: one sequence
+# at a time, through the references (the spec).
+BATCHED_CPU = True
 CPU_CHUNK_ELEMS = 1 << 26
+
+
+def cpu_chunks(lengths: list[int], page: int, token_elems: int, budget: int):
+    """``(lo, hi, S)`` spans of consecutive sequences, ``S`` the longest of ``lengths[lo:hi]``: a span grows
+    while its sequences padded to whole pages of ``S`` hold at most ``budget`` elements (``token_elems`` a
+    token); one sequence alone may exceed it."""
+    lo = 0
+    while lo < len(lengths):
+        hi, S = lo + 1, lengths[lo]
+        while hi < len(lengths) and (hi + 1 - lo) * -(-max(S, lengths[hi]) // page) * page * token_elems <= budget:
+            S, hi = max(S, lengths[hi]), hi + 1
+        yield lo, hi, S
+        lo = hi
 
 
 def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, nb: int) -> torch.Tensor:
@@ -91,19 +105,13 @@ def paged_decode_attention_batched(
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
     out = torch.empty_like(q)
-    lens = seq_lens.tolist()
-    lo = 0
-    while lo < B:
-        hi, S = lo + 1, lens[lo]
-        while hi < B and (hi + 1 - lo) * -(-max(S, lens[hi]) // P) * P * Hkv * D <= chunk_elems:
-            S, hi = max(S, lens[hi]), hi + 1
+    for lo, hi, S in cpu_chunks(seq_lens.tolist(), P, Hkv * D, chunk_elems):
         b, nb = hi - lo, -(-S // P)
         k, v = gather_pages(k_cache, block_tables[lo:hi], nb), gather_pages(v_cache, block_tables[lo:hi], nb)
         valid = torch.arange(nb * P, device=q.device)[None, :] < seq_lens[lo:hi, None]  # [b, nb * P]
         o = F.scaled_dot_product_attention(q[lo:hi].float().view(b, Hkv, G, D), k, v,
                                            attn_mask=valid[:, None, None, :], scale=scale)  # [b, Hkv, G, D]
         out[lo:hi] = o.reshape(b, H, D).to(q.dtype)
-        lo = hi
     return out
 
 
@@ -305,12 +313,12 @@ def paged_decode_attention(
     prefetch: bool | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     """Dispatch: the Triton kernel on CUDA (or when forced), elsewhere the batched torch path (or with
-    ``BATCHED_CPU_DECODE`` off the one-sequence-at-a-time reference). Sequence ``b``
+    ``BATCHED_CPU`` off the one-sequence-at-a-time reference). Sequence ``b``
     attends to ``seq_lens[b] + len_offset`` tokens: the model passes its context lengths and 1, which
     saves a launch per layer for the addition. ``prefetch`` picks the hand-pipelined loop
     (``_prefetched_tiles``, ``num_stages`` ignored) or Triton's pipeliner; None takes ``DECODE_PREFETCH``."""
     if not use_triton_for(q, use_triton):
-        cpu = paged_decode_attention_batched if BATCHED_CPU_DECODE else paged_decode_attention_ref
+        cpu = paged_decode_attention_batched if BATCHED_CPU else paged_decode_attention_ref
         return cpu(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
     B, H, D = q.shape
     _, P, Hkv, _ = k_cache.shape

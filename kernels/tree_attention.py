@@ -20,8 +20,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _prefetched_tiles, _softmax_step, gather_pages,
-                                  merge_splits, paged_decode_attention, pick_num_splits, use_triton_for)
+from kernels import paged_decode
+from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _prefetched_tiles, _softmax_step, cpu_chunks,
+                                  gather_pages, merge_splits, paged_decode_attention, pick_num_splits,
+                                  use_triton_for)
 
 # Programs of the default configs resident per SM at D=128: 180 to 213 registers and 74 to 99 KB of
 # shared memory each (ptxas -v, sm_90a); 128-row tiles (8 warps) fit only one, which measured the same.
@@ -75,8 +77,7 @@ def tree_attention_ref(
 
 
 # The CPU path batches sequences of at most this many new tokens (trees, decode tokens, short chunks); longer
-# prefill chunks go one at a time. False: every sequence one at a time (the reference).
-BATCHED_CPU_TREES = True
+# prefill chunks go one at a time (paged_decode.BATCHED_CPU = False: every sequence, through the reference).
 CPU_TREE_MAX_NEW = 64
 
 
@@ -109,20 +110,12 @@ def tree_attention_batched(
                                       query_start.new_tensor([0, e - s]), None if mask_bits is None else
                                       mask_bits[s:e], scale)
     small = [b for b, n in enumerate(ns) if 0 < n <= CPU_TREE_MAX_NEW]
-    lo = 0
-    while lo < len(small):
-        hi, S = lo + 1, ctxs[small[lo]] + ns[small[lo]]
-        while hi < len(small):
-            b = small[hi]
-            S2 = max(S, ctxs[b] + ns[b])
-            if (hi + 1 - lo) * -(-S2 // P) * P * Hkv * D > chunk_elems:
-                break
-            S, hi = S2, hi + 1
-        seqs = torch.tensor(small[lo:hi], device=q.device)
-        out_rows, o = _tree_chunk(q, k_cache, v_cache, block_tables, seqs, [starts[b] for b in small[lo:hi]],
-                                  [ctxs[b] for b in small[lo:hi]], [ns[b] for b in small[lo:hi]], mask_bits, scale, S)
+    for lo, hi, S in cpu_chunks([ctxs[b] + ns[b] for b in small], P, Hkv * D, chunk_elems):
+        part = small[lo:hi]
+        out_rows, o = _tree_chunk(q, k_cache, v_cache, block_tables, torch.tensor(part, device=q.device),
+                                  [starts[b] for b in part], [ctxs[b] for b in part], [ns[b] for b in part],
+                                  mask_bits, scale, S)
         out[out_rows] = o.to(q.dtype)
-        lo = hi
     return out
 
 
@@ -298,10 +291,10 @@ def tree_attention(
     routes to the split-KV decode kernel; the promise is not checked (that would sync).
     """
     if not use_triton_for(q, use_triton):
-        if is_decode:  # one token a sequence: the whole batch at once (paged_decode.BATCHED_CPU_DECODE)
+        if is_decode:  # one token a sequence: the whole batch at once
             return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton=False,
                                           len_offset=1)
-        cpu = tree_attention_batched if BATCHED_CPU_TREES else tree_attention_ref
+        cpu = tree_attention_batched if paged_decode.BATCHED_CPU else tree_attention_ref
         return cpu(q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits, scale)
     if is_decode:
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton=True,

@@ -436,6 +436,7 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
     settings = {"method": "gptq", "group_size": group_size, "act_order": act_order, "mse": mse, "damp": damp,
                 "zeros": "fractional", "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype)}
     if tune_steps:
+        tune = replace(tune, steps=tune_steps)  # the config in force, as the key records it
         settings["tune"] = f"{tune_steps} steps on {tune_seqs}x{seq_len} sampled with seed 1, {tune}"
     key = json.dumps({"source": _fingerprint(Path(ckpt.source)), **settings}, sort_keys=True)
     out = cache_root / f"{Path(ckpt.source).stem}-gptq-g{group_size}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
@@ -453,7 +454,7 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
         log(f"tuning INT4 {', '.join(parts[:-1])} and {parts[-1]} for {tune_steps} steps on {tune_seqs} more "
             f"sampled sequences")
         seqs = sample_tuning_set(model, tune_seqs, seq_len, first, seed=1)
-        q = tune_scales(q, model, seqs, replace(tune, steps=tune_steps))
+        q = tune_scales(q, model, seqs, tune)
     cache_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root, prefix=".gptq-") as tmp:
         save_quantized(q, Path(tmp) / "q", ckpt.tokenizer, ckpt.chat_template, settings)

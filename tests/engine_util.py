@@ -10,6 +10,7 @@ from gateway.scheduler import SchedulerConfig
 from draft.model_drafter import ModelDrafter
 from draft.ngram import NgramDrafter
 from target.config import ModelConfig
+from target.gptq import quantize_gptq
 from target.loader import expected_weights
 from target.model import Transformer
 
@@ -52,8 +53,6 @@ def act_order_target() -> Transformer:
     """tiny_target quantized by GPTQ with true act-order (``Linear.perm`` on qkv and gate_up), group 32.
     GPTQ's float sums depend on the thread count, so processes that must hold one model load it
     (``saved_target``) rather than quantize again."""
-    from target.gptq import quantize_gptq
-
     dense = tiny_target()
     calib = torch.randint(0, dense.config.vocab_size, (8, 24), generator=torch.Generator().manual_seed(3)).tolist()
     return quantize_gptq(dense, calib, 32, act_order="perm", progress=False)
