@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from draft.dense_lm import draft_from_checkpoint, student_from_teacher, teacher_from_checkpoint
+from draft.vocab import continuation_counts, save_counts
 from draft.distill_train import Tokens, evaluate, feature_loss, save_draft, teacher_targets, train
 from draft.params import SpeculationParams
 from gateway.engine import EngineConfig
@@ -242,6 +243,8 @@ def main(argv: list[str] | None = None) -> Path:
             "kl_last_10": round(sum(losses[-10:]) / len(losses[-10:]), 4), "torch": torch.__version__,
             "kind": "feature" if args.feature else "lm"}  # feature: kl_* hold feature_loss (both steps, + reg)
     out = save_draft(student, ckpt.tokenizer, ckpt.chat_template, Path(args.out), meta)
+    # the cut head's ranking (draft/vocab.py): the tokens of the target's own continuations it was trained on
+    save_counts(out, continuation_counts(seqs, corpus.prompt_lens), f"{meta['command']} (its corpus)")
     print(json.dumps(meta), file=sys.stderr)
     return out
 

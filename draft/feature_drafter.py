@@ -35,10 +35,10 @@ class FeatureDrafter(ModelDrafter):
     wants_features = True  # the engine's target forward returns features and calls ``observe``
 
     def __init__(self, name: str, model: Transformer, num_blocks: int, page_size: int, graphs: bool = True,
-                 max_model_len: int = 8192) -> None:
+                 max_model_len: int = 8192, head_vocab: torch.Tensor | None = None) -> None:
         if model.fc is None:
             raise ValueError(f"drafter {name!r}: the model has no feature input (fc.weight): load it as a plain draft")
-        super().__init__(name, model, num_blocks, page_size, graphs, max_model_len)
+        super().__init__(name, model, num_blocks, page_size, graphs, max_model_len, head_vocab)
         if self.graphs is not None:
             self.graphs.hidden = True  # catch-up steps also return the roots' features
         self._feats: dict[str, list[tuple[int, torch.Tensor]]] = {}  # seq -> (first position, [n, hidden]) chunks
@@ -111,7 +111,7 @@ class FeatureDrafter(ModelDrafter):
                 b, lo = builders[i], batch.logits_start[k]
                 n_fed = len(b.tokens) - 1
                 node_h[i] = [node_h[i][0]] + list(hidden[lo : lo + n_fed])  # rows of nodes 1.. in order
-                rows[i] = logits[[lo + n - 1 for n in b.frontier(depth + 1)]]
+                rows[i] = self._full(logits[[lo + n - 1 for n in b.frontier(depth + 1)]])
         return [b.build() for b in builders]
 
     def commit(self, seq_id: str, tree: TokenTree, accepted_nodes: list[int]) -> None:

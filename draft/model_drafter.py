@@ -26,9 +26,14 @@ CATCH_UP_NODES = 16  # the longest per-sequence segment a drafter's forward repl
 
 class ModelDrafter:
     def __init__(self, name: str, model: Transformer, num_blocks: int, page_size: int, graphs: bool = True,
-                 max_model_len: int = 8192) -> None:
+                 max_model_len: int = 8192, head_vocab: torch.Tensor | None = None) -> None:
         self.name = name
-        self.model = model
+        # ``head_vocab`` [K]: the token ids a cut head drafts over (FR-Spec, draft/vocab.py); None = all of them.
+        # The model's logits are then [R, K]; token ids are mapped back as the tree grows, and sampled trees
+        # draw from logits scattered back to the vocabulary (-inf elsewhere: q is zero off the cut).
+        self.vocab_ids = None if head_vocab is None else head_vocab.to(model.device, torch.int64)
+        self.model = model if head_vocab is None else model.cut_head(self.vocab_ids)
+        model = self.model
         self.cache: KVCache = model.new_cache(num_blocks, page_size)
         max_blocks = -(-(min(max_model_len, model.config.max_position_embeddings) + MAX_TREE_NODES) // page_size)
         # On CUDA the catch-up and frontier steps (a few tokens per sequence) replay CUDA graphs, all of them
@@ -39,7 +44,7 @@ class ModelDrafter:
             self.graphs = CudaGraphRunner(model, self.cache, max_blocks, max_nodes=CATCH_UP_NODES)
         # Greedy trees grow on the device (draft/tree_loop.py); False keeps them on the host builder (tests).
         self.device_loop = True
-        self.loop = GreedyTreeLoop(model, self.cache, max_blocks, graphs)
+        self.loop = GreedyTreeLoop(model, self.cache, max_blocks, graphs, vocab_ids=self.vocab_ids)
         self._tables: dict[str, BlockTable] = {}
         self._cached: dict[str, int] = {}
         self._fed: dict[str, list[int]] = {}  # a cut tree's node -> the loop's node (whose slot holds its K/V)
@@ -100,7 +105,7 @@ class ModelDrafter:
                 trees[i] = TokenTree.from_lists(tokens, parents)
         rest = [i for i, t in enumerate(trees) if t is None]
         if rest:
-            built = self._grow_on_host([reqs[i] for i in rest], [logits[i : i + 1] for i in rest],
+            built = self._grow_on_host([reqs[i] for i in rest], [self._full(logits[i : i + 1]) for i in rest],
                                        None if roots is None else [roots[i] for i in rest])
             for i, tree in zip(rest, built):
                 trees[i] = tree
@@ -164,7 +169,14 @@ class ModelDrafter:
         for k, (seg_i, b) in enumerate(zip(index, builders)):
             lo = batch.logits_start[k]
             front = b.frontier(depth)
-            rows[seg_i] = logits[[lo + n - 1 for n in front]]
+            rows[seg_i] = self._full(logits[[lo + n - 1 for n in front]])
+
+    def _full(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits ``[R, V]`` over the vocabulary from a cut head's ``[R, K]``: -inf off the cut."""
+        if self.vocab_ids is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.model.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.vocab_ids, logits)
 
     def _forward(self, batch) -> torch.Tensor:
         return (self.graphs.forward if self.graphs is not None else self.model.forward)(batch, self.cache)

@@ -59,8 +59,9 @@ class _Inputs:
 
 class GreedyTreeLoop:
     def __init__(self, model: Transformer, cache: KVCache, max_blocks: int, graphs: bool,
-                 buckets: tuple[int, ...] = BATCH_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = BATCH_BUCKETS, vocab_ids: torch.Tensor | None = None) -> None:
         self.model, self.cache, self.max_blocks = model, cache, max_blocks
+        self.vocab_ids = vocab_ids  # [K] a cut head's token ids (logits column j is token vocab_ids[j]); None: all
         self.device = cache.k.device
         self.graphs = graphs and self.device.type == "cuda"
         self.buckets = tuple(sorted(buckets))
@@ -77,7 +78,7 @@ class GreedyTreeLoop:
              ) -> list[tuple[list[int], list[int], list[float]]]:
         """Tokens, parents and cumulative log-probabilities of each sequence's tree (node 0's token is left
         0: the caller knows its root).
-        ``root_logits`` [G, V] are the draft's logits at each root, ``ctxs[g]`` the root's position;
+        ``root_logits`` [G, V] are the draft's logits at each root (V: the model's ``logits_width``), ``ctxs[g]`` the root's position;
         ``widths`` is not empty. ``root_hidden`` [G, hidden]: a feature draft's features at the roots.
         The tables get slots for every node."""
         if self.features and root_hidden is None:
@@ -180,6 +181,8 @@ class GreedyTreeLoop:
             lo, hi = plan.levels[d]
             new_lo, new_hi = plan.levels[d + 1]
             top_lp, top_tok = top_logprobs(front, w)  # [B, F, w]
+            if self.vocab_ids is not None:
+                top_tok = self.vocab_ids[top_tok]
             cand = (cum[:, lo:hi, None] + top_lp).flatten(1)  # [B, F * w]
             val, idx = cand.topk(w, dim=-1)
             idx, order = idx.sort(dim=-1)  # (parent, rank) order, as the host builder adds them
@@ -209,7 +212,7 @@ class GreedyTreeLoop:
         if key in self._graphs:
             return self._graphs[key]
         plan = self._plan(B, widths)
-        N, V = plan.levels[-1][1], self.model.config.vocab_size
+        N, V = plan.levels[-1][1], self.model.logits_width
         scratch = self.cache.scratch_block
         static = _Inputs(
             root_logits=torch.zeros(B, V, dtype=torch.float32, device=self.device),

@@ -31,6 +31,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="default drafter: auto (the shipped draft for the embedded model, else self), self, ngram, none, "
                         "or a draft model dir/.gguf")
     p.add_argument("--self-draft-layers", type=int, default=None, help="layers of the layer-skip self-draft")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="cut a draft model's LM head to its target's K most frequent tokens (FR-Spec; the draft's "
+                        "token_counts.json ranks them); 0 keeps the whole head (default: the draft's own choice)")
     p.add_argument("--quantize", choices=["int4", "gptq", "none"], default="int4",
                    help="target weights: int4 (W4A16 RTN, default), gptq (calibrated once, cached) or none")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=128)
@@ -68,6 +71,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def load(args: argparse.Namespace) -> LLM:
     cfg = LoadConfig(model=args.model, draft=args.draft, self_draft_layers=args.self_draft_layers,
+                     draft_vocab=args.draft_vocab,
                      quantize=args.quantize, group_size=args.group_size, gptq_tune_steps=args.gptq_tune_steps,
                      gptq_tune=args.gptq_tune,
                      dtype=args.dtype, device=args.device,

@@ -22,6 +22,8 @@ from draft.model_drafter import ModelDrafter
 from draft.ngram import NgramDrafter
 from draft.params import SpeculationParams
 from draft.shipped import embedded_draft
+from draft.tree import MAX_TREE_NODES
+from draft.vocab import COUNTS_FILE, DEFAULT_HEAD_VOCAB, head_vocab, load_counts
 from gateway.engine import Engine, EngineConfig, RequestOutput
 from gateway.sequence import SpecStats
 from target.embedded import default_cache_dir
@@ -45,6 +47,9 @@ class LoadConfig:
     # the embedded pair under "auto", where measurement made it "ngram" (see build_engine).
     draft: str = "auto"
     self_draft_layers: int | None = None  # None = four fifths of the target's layers
+    # A draft model's head cut to its target's most frequent tokens (FR-Spec, draft/vocab.py): K tokens, 0 for
+    # the whole vocabulary, None for DEFAULT_HEAD_VOCAB when the draft ships token counts (else the whole head).
+    draft_vocab: int | None = None
     quantize: str = "int4"  # "int4" (RTN), "gptq" (calibrated once, then cached) or "none"; INT4 checkpoints load as is
     group_size: int = 128
     gptq_tune_steps: int = 0  # with quantize="gptq": then tune the INT4 weights by distillation (target/qtune.py)
@@ -66,6 +71,9 @@ class LoadConfig:
                              f"with quantize={self.quantize!r}")
         if self.gptq_tune not in TUNE_RECIPES:
             raise ValueError(f"gptq_tune must be one of {sorted(TUNE_RECIPES)}, got {self.gptq_tune!r}")
+        if self.draft_vocab is not None and 0 < self.draft_vocab < MAX_TREE_NODES or (self.draft_vocab or 0) < 0:
+            raise ValueError(f"draft_vocab must be 0 (the whole head) or at least {MAX_TREE_NODES} (a tree's "
+                             f"widest level), got {self.draft_vocab}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size must be 32, 64 or 128, got {self.group_size}")
 
@@ -148,10 +156,12 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
                                         engine_cfg.cuda_graphs, engine_cfg.scheduler.max_model_len)
     default = draft
     if draft not in ("self", "ngram", "none"):
-        drafters["draft"] = _load_draft_model(draft, ckpt, dtype, device, engine_cfg)
+        drafters["draft"] = _load_draft_model(draft, ckpt, dtype, device, engine_cfg, cfg.draft_vocab)
         drafters["hybrid"] = HybridDrafter("hybrid", drafters["draft"])  # the same model and KV cache
         drafters["lookup-first"] = HybridDrafter("lookup-first", drafters["draft"], lookup_first=True)
-        log(f"draft model {Path(draft).name}: {drafters['draft'].model.num_layers} layers")
+        head = drafters["draft"].model.logits_width
+        log(f"draft model {Path(draft).name}: {drafters['draft'].model.num_layers} layers, head of {head} tokens"
+            + ("" if head == ckpt.config.vocab_size else f" (the {head} most frequent of {ckpt.config.vocab_size})"))
         # The draft's tree plus a prompt-lookup branch for greedy requests: on SmolLM2 it keeps 2.02 tokens per
         # step to the model's 1.72 (bench/results/drafts_hybrid_cpu.json); sampled requests get the model's tree.
         default = "hybrid"
@@ -212,7 +222,7 @@ def tp_worker_target(cfg: LoadConfig, dtype: torch.dtype) -> Transformer:
 
 
 def _load_draft_model(path: str, target_ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device,
-                      engine_cfg: EngineConfig) -> ModelDrafter:
+                      engine_cfg: EngineConfig, vocab: int | None = None) -> ModelDrafter:
     ck = load_checkpoint(path, dtype)
     if ck.config.vocab_size != target_ckpt.config.vocab_size or ck.tokenizer.get_vocab() != target_ckpt.tokenizer.get_vocab():
         raise ValueError(f"draft model {path} does not share the target's tokenizer")
@@ -220,7 +230,20 @@ def _load_draft_model(path: str, target_ckpt: LoadedCheckpoint, dtype: torch.dty
     model = Transformer.from_weights(ck.config, ck.weights, dtype, device, ck.quantized)
     kind = FeatureDrafter if model.fc is not None else ModelDrafter  # a feature draft reads the target's features
     return kind("draft", model, engine_cfg.num_blocks, engine_cfg.page_size, engine_cfg.cuda_graphs,
-                engine_cfg.scheduler.max_model_len)
+                engine_cfg.scheduler.max_model_len, draft_head_vocab(path, ck.config, target_ckpt, vocab))
+
+
+def draft_head_vocab(path: str, config, target_ckpt: LoadedCheckpoint, vocab: int | None) -> torch.Tensor | None:
+    """The token ids a draft's cut head keeps (``LoadConfig.draft_vocab``), or None for its whole head."""
+    V = config.vocab_size
+    counts = load_counts(Path(path).expanduser()) if Path(path).expanduser().is_dir() else None
+    k = (DEFAULT_HEAD_VOCAB if counts is not None else 0) if vocab is None else vocab
+    if k == 0 or k >= V:
+        return None
+    if counts is None:
+        raise ValueError(f"draft_vocab={k}: the draft {path} has no {COUNTS_FILE} to rank its tokens by "
+                         f"(python -m draft.vocab writes one)")
+    return head_vocab(counts, V, k, keep=target_ckpt.config.eos_token_ids)
 
 
 @dataclass(slots=True)

@@ -215,6 +215,22 @@ class Transformer:
         return Transformer(self.config, self.embed, self.layers[:num_layers], self.norm, self.lm_head, self.dtype,
                            self.fc)
 
+    def cut_head(self, ids: torch.Tensor) -> "Transformer":
+        """A copy whose LM head scores only the tokens ``ids`` ``[K]``: its logits are ``[R, K]``, column ``j``
+        token ``ids[j]`` (a drafter's FR-Spec head, draft/vocab.py). The K rows are copied out once."""
+        w = self.lm_head.weight
+        if isinstance(w, Int4Weight):
+            raise ValueError("an INT4 LM head cannot be cut")
+        head = Linear(w.index_select(0, ids.to(w.device)).contiguous(),
+                      None if self.lm_head.bias is None else self.lm_head.bias[ids.to(w.device)])
+        return Transformer(self.config, self.embed, self.layers, self.norm, head, self.dtype, self.fc)
+
+    @property
+    def logits_width(self) -> int:
+        """Columns of ``forward``'s logits: the vocabulary, or a cut head's tokens."""
+        w = self.lm_head.weight
+        return w.out_features if isinstance(w, Int4Weight) else w.shape[0]
+
     def new_cache(self, num_blocks: int, page_size: int) -> KVCache:
         c = self.config
         return KVCache(self.num_layers, num_blocks, page_size, c.num_kv_heads, c.head_dim, self.dtype, self.device)

@@ -65,11 +65,12 @@ def saved_target(path: str) -> Transformer:
 
 def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0.3, self_layers: int = 2,
                 max_running: int = 8, tree: tuple[int, ...] = (2, 2, 1), group_size: int | None = None,
-                target=None, cost_aware: bool = False, **model_kw) -> Engine:
+                target=None, cost_aware: bool = False, cut_vocab: list[int] | None = None, **model_kw) -> Engine:
     """Target + drafters 'self' (first layers), 'ngram', 'exact' (the target itself: always accepted) and
     'draft' (a noisy copy: sometimes accepted). ``target`` replaces the target (a tensor-parallel one);
     the drafters are still built from the full weights. ``cost_aware`` is off by default: tests see tree
-    shapes that depend on acceptance alone, not on this machine's timing."""
+    shapes that depend on acceptance alone, not on this machine's timing. ``cut_vocab`` adds drafter 'cut':
+    'draft' with its head cut to those token ids (FR-Spec, draft/vocab.py)."""
     cfg = tiny_config(**model_kw)
     w = random_weights(cfg)
     full = tiny_target(group_size, **model_kw)
@@ -79,6 +80,9 @@ def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0
         "exact": ModelDrafter("exact", Transformer.from_weights(cfg, w), num_blocks, page_size),
         "draft": ModelDrafter("draft", Transformer.from_weights(cfg, noisy(w, draft_noise)), num_blocks, page_size),
     }
+    if cut_vocab is not None:
+        drafters["cut"] = ModelDrafter("cut", Transformer.from_weights(cfg, noisy(w, draft_noise)), num_blocks,
+                                       page_size, head_vocab=torch.tensor(cut_vocab))
     ecfg = EngineConfig(num_blocks=num_blocks, page_size=page_size,
                         scheduler=SchedulerConfig(max_running=max_running, max_step_tokens=256, max_model_len=512,
                                                   budget=BudgetConfig(max_verify_tokens=1024, cost_aware=cost_aware)),

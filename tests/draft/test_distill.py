@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -16,6 +17,7 @@ from draft.distill import Corpus, draft_config, main, write_prompts
 from draft.distill_train import Tokens, evaluate, feature_loss, teacher_targets, train
 from draft.feature_drafter import FeatureDrafter
 from draft.params import SpeculationParams
+from draft.vocab import COUNTS_FILE, load_counts
 from engine_util import random_weights, tiny_config
 from gateway.llm import LLM, LoadConfig
 from target.batch import Segment, build_batch
@@ -144,6 +146,19 @@ def test_distill_command_writes_a_loadable_lossless_draft(tmp_path: Path) -> Non
     on = llm.generate(asks, greedy, SpeculationParams(drafter="draft", tree=(2, 2, 1)))
     assert [g.token_ids for g in on] == [g.token_ids for g in off]
     assert sum(g.stats.drafted_tokens for g in on) > 0
+    # the corpus's continuation tokens rank a cut head (FR-Spec, draft/vocab.py); EOS always makes the cut
+    assert sum(load_counts(out).values()) > 0
+    cut = LLM.load(LoadConfig(model=str(target), draft=str(out), quantize="none", draft_vocab=64), log=lambda m: None)
+    drafter = cut.engine.drafters["draft"]
+    assert drafter.model.logits_width == 64 < len(tiny_tokenizer()) and 2 in drafter.vocab_ids.tolist()
+    on = cut.generate(asks, greedy, SpeculationParams(drafter="draft", tree=(2, 2, 1)))
+    assert [g.token_ids for g in on] == [g.token_ids for g in off]
+    assert sum(g.stats.drafted_tokens for g in on) > 0
+    (out / COUNTS_FILE).unlink()
+    with pytest.raises(ValueError, match=COUNTS_FILE):
+        LLM.load(LoadConfig(model=str(target), draft=str(out), quantize="none", draft_vocab=64), log=lambda m: None)
+    with pytest.raises(ValueError, match="draft_vocab"):
+        LoadConfig(draft_vocab=10)
 
 
 def test_dense_feature_student_matches_the_serving_forward() -> None:

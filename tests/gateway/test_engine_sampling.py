@@ -65,10 +65,12 @@ def _fields(p: SamplingParams) -> dict:
     SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
     SamplingParams(temperature=0.7, top_p=0.8, top_k=5, max_tokens=2, ignore_eos=True),
 ], ids=["t1", "topp-topk"])
-@pytest.mark.parametrize("drafter,tree", [("draft", (2, 1)), ("ngram", (2, 1)), ("self", (3,))])
+@pytest.mark.parametrize("drafter,tree", [("draft", (2, 1)), ("ngram", (2, 1)), ("self", (3,)), ("cut", (2, 1))])
 def test_speculative_sampling_matches_target_joint(params, drafter, tree) -> None:
+    """'cut' drafts over tokens 0, 2, 3, 5, 6 only (a cut head): its q is zero on the rest, which the
+    verifier's residual must still give their full probability."""
     torch.set_num_threads(1)
-    engine = tiny_engine(vocab=V, num_blocks=256, max_running=64, draft_noise=0.5)
+    engine = tiny_engine(vocab=V, num_blocks=256, max_running=64, draft_noise=0.5, cut_vocab=[0, 2, 3, 5, 6])
     n = 3000
     counts = sample_pairs(engine, params, SpeculationParams(drafter=drafter, tree=tree), n)
     joint = exact_joint(engine, params)
