@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0,0.7")
     ap.add_argument("--trees", default="1,1,1,1/2,2,2,1")
     ap.add_argument("--draft", default="auto", help="draft model directory for arm 'draft' (auto = the shipped one)")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="the draft's head cut to K tokens (LoadConfig.draft_vocab; 0: whole; default: the draft's own)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--whole-trees", action=argparse.BooleanOptionalAction, default=True,
                     help="--sweep: lift the global verify cap so every tree is verified whole")
@@ -152,7 +154,7 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
     fixed = EngineConfig(scheduler=SchedulerConfig(max_step_tokens=max(1024, most), budget=BudgetConfig(
         min_gain=0.0, max_verify_tokens=max(64, most) if args.whole_trees else 64)))
     llm = LLM.load(LoadConfig(model=args.model, quantize=args.quantize, draft=args.draft, device=args.device,
-                              dtype=args.dtype), fixed, log=lambda m: None)
+                              dtype=args.dtype, draft_vocab=args.draft_vocab), fixed, log=lambda m: None)
     cuda = llm.engine.target.device.type == "cuda"
     llm.engine.capture_graphs()  # on CUDA: no capture or kernel tuning inside the measured generations
     target_s = forward_seconds(llm.engine.target)
@@ -204,6 +206,7 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
         "target_forward_ms_graphs": None if target_g is None else round(target_g * 1e3, 3),
         "target_forward_ms_pipelined": None if target_p is None else round(target_p * 1e3, 3),
         "self_draft_layers": llm.engine.drafters["self"].model.num_layers,
+        "draft_head_tokens": getattr(llm.engine.drafters.get("draft"), "model", llm.engine.target).logits_width,
         "notes": "draft_cost_ratio: median decode forward (1 token, 128 cached) of the drafter / of the target, "
                  "both eager, each forward synchronised alone; _graphs: both replayed from CUDA graphs; _pipelined: "
                  "graphs, 50 forwards back to back per sync (device time per forward); null for ngram (no model "

@@ -27,6 +27,7 @@
 #                                    .cache/draft_mix (run it under setsid and poll: it can outlast one call);
 #                                    SELF_INSTRUCT=N adds N prompts the target writes itself
 #   bash bench/gpu_run.sh drafts_ab  drafts.json: the .cache/draft_mix draft, the shipped draft and n-grams
+#   bash bench/gpu_run.sh draft_head bench/draft_head.py: the shipped draft with its head cut to K tokens (FR-Spec)
 #   bash bench/gpu_run.sh feature    train a feature draft (EAGLE-style) for the embedded model into .cache/feature_draft
 #   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
@@ -107,6 +108,12 @@ for stage in "$@"; do
         --baseline draft/weights/smollm2-135m-instruct > .cache/distill_mix.log 2>&1
       tr '\r' '\n' < .cache/distill_mix.log | grep -v "it/s\]$" | tail -12 ;;
     drafts_ab) sweep_beside_shipped .cache/draft_mix ;;
+    draft_head)  # the shipped draft's head cut to K tokens (FR-Spec): cost, acceptance, tokens/s at batch 1 and 8
+      for b in 1 8; do
+        timeout 280 python bench/draft_head.py --device cuda --dtype bfloat16 --ks "${KS:-0,16384,8192,4096}" \
+          --batch $b --prompts 16 --max-tokens 128 --prompts-file .cache/mt_bench.jsonl \
+          --out "$OUT/draft_head_gpu_b$b.json" 2>&1 | grep -v "^{'drafter" | tail -6
+      done ;;
     drafts)
       timeout "${DRAFTS_TIMEOUT:-200}" python bench/drafters.py --sweep --arms "${ARMS:-draft,ngram,self}" --prompts 16 --batch 8 --max-tokens 128 \
         --trees "${DRAFT_TREES:-1,1,1,1/2,2,2,1/3,3,3,2,2,1}" --temperatures 0,0.7 --device cuda --dtype bfloat16 \

@@ -10,6 +10,7 @@ import pytest
 
 from draft.params import SpeculationParams
 from draft.shipped import EMBEDDED_DRAFT, embedded_draft
+from draft.vocab import COUNTS_FILE, DEFAULT_HEAD_VOCAB
 from gateway.llm import LLM, LoadConfig, resolve_draft
 from target.embedded import default_model_dir
 from target.loader import load_checkpoint
@@ -27,6 +28,8 @@ def test_shipped_draft_is_small_and_recorded() -> None:
     assert meta["command"].startswith("python -m draft.distill --target embedded") and "seed" in meta
     ck = load_checkpoint(EMBEDDED_DRAFT)
     assert ck.shared_embeddings and "model.embed_tokens.weight" not in ck.weights
+    counts = json.loads((EMBEDDED_DRAFT / COUNTS_FILE).read_text())  # its cut head's ranking, and how it was made
+    assert counts["source"].startswith("python -m draft.vocab --target embedded") and counts["tokens"] > 10**5
 
 
 def test_auto_picks_the_shipped_draft_only_for_the_embedded_model() -> None:
@@ -47,6 +50,7 @@ def test_greedy_speculation_with_the_shipped_draft_matches_the_target(embedded_m
     llm = LLM.load(LoadConfig(), log=lambda m: None)
     # the shipped draft is loaded; the default is the n-gram drafter, which measured faster on this pair
     assert llm.engine.config.default_drafter == "ngram" and {"draft", "hybrid"} <= set(llm.engine.drafters)
+    assert llm.engine.drafters["draft"].model.logits_width == DEFAULT_HEAD_VOCAB  # the cut head (FR-Spec)
     prompts = ["What is the capital of France?", "Write a short poem about rivers.", "List three prime numbers."]
     greedy = SamplingParams(temperature=0, max_tokens=24)
     off = llm.generate(prompts, greedy, SpeculationParams(enabled=False))
