@@ -17,8 +17,10 @@ ALLOWED = {
     "draft": {"draft", "target", "verify.sampling", "kernels"},
     "gateway": {"gateway", "draft", "target", "verify", "kernels"},
 }
-# Command modules that drive the whole engine: the distillation command samples through the gateway's LLM API.
-COMMAND_IMPORTS = {"draft/distill.py": {"gateway.llm", "gateway.engine", "gateway.scheduler"}}
+# Command modules that drive the whole engine: the distillation and token-count commands sample through the
+# gateway's LLM API.
+COMMAND_IMPORTS = {"draft/distill.py": {"gateway.llm", "gateway.engine", "gateway.scheduler"},
+                   "draft/vocab.py": {"gateway.llm"}}
 STARLETTE_FILES = {"gateway/app.py", "gateway/sse.py", "gateway/protocol.py"}
 
 
