@@ -1,14 +1,17 @@
-"""Decoding on the CPU with the batched attention paths against the one-sequence-at-a-time reference.
+"""Decoding on the CPU with one of its execution paths switched on and off: by default the batched attention
+paths against the one-sequence-at-a-time reference, with ``--switch linear`` the projections' ``cpu_linear``
+against ``F.linear``.
 
-    python bench/cpu_decode.py [--batches 1,8,32] [--max-tokens 64] [--repeats 2] [--spec]
-                               [--out bench/results/cpu_decode.json]
+    python bench/cpu_decode.py [--switch attention|linear] [--batches 1,8,32] [--max-tokens 64] [--repeats 2]
+                               [--spec [--drafter draft]] [--out bench/results/cpu_decode.json]
 
-Plain decoding by default; ``--spec`` drafts with the shipped draft, tree 2,2,2,1, so the target's steps
-verify trees (``tree_attention_batched``) and the draft's run its own decode and tree steps.
+Plain decoding by default; ``--spec`` drafts with ``--drafter`` (the shipped draft), tree 2,2,2,1, so the
+target's steps verify trees (``tree_attention_batched``) and the draft's run its own decode and tree steps.
 
 The embedded SmolLM2 target (its own Q4_1 weights, float32 activations) generates greedily, speculation off,
-MT-bench first turns, at each batch size; the two attention paths (``kernels.paged_decode.BATCHED_CPU``)
-alternate within each repeat, and each is reported at its best repeat, so every ratio is within one run.
+MT-bench first turns, at each batch size; the two arms (``kernels.paged_decode.BATCHED_CPU`` or
+``target.model.CPU_LINEAR``) alternate within each repeat, and each is reported at its best repeat, so every
+ratio is within one run.
 ``token_agreement``: the share of generated tokens the two paths agree on (float sums in another order can
 flip a near tie, after which a sequence's continuations differ).
 """
@@ -34,16 +37,17 @@ from gateway.engine import EngineConfig  # noqa: E402
 from gateway.llm import LLM, LoadConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
 from kernels import paged_decode  # noqa: E402
+from target import model as target_model  # noqa: E402
 from verify.sampling import SamplingParams  # noqa: E402
 
 MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
-ARMS = {"batched": True, "reference": False}
+# --switch: (the arms' names, on first, and what switches them)
+SWITCHES = {"attention": (("batched", "reference"), lambda on: setattr(paged_decode, "BATCHED_CPU", on)),
+            "linear": (("cpu_linear", "f_linear"), lambda on: setattr(target_model, "CPU_LINEAR", on))}
 
 
-def run(llm: LLM, prompts: list[str], max_tokens: int, batched: bool,
-        spec: SpeculationParams) -> tuple[float, list[list[int]], float]:
+def run(llm: LLM, prompts: list[str], max_tokens: int, spec: SpeculationParams) -> tuple[float, list[list[int]], float]:
     """Output tokens per second of one ``generate`` over ``prompts``, the tokens, and the mean accepted length."""
-    paged_decode.BATCHED_CPU = batched
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     gens = llm.generate(prompts, greedy, spec)
@@ -59,14 +63,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts-file", default=str(MT_BENCH))
-    ap.add_argument("--spec", action="store_true", help="draft with the shipped draft, tree 2,2,2,1")
+    ap.add_argument("--spec", action="store_true", help="draft with --drafter, tree 2,2,2,1")
+    ap.add_argument("--drafter", default="draft", help="with --spec: draft (the shipped draft), hybrid, ngram")
+    ap.add_argument("--switch", choices=sorted(SWITCHES), default="attention")
     ap.add_argument("--out", default=None, help="default bench/results/cpu_decode.json, cpu_spec.json with --spec")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     prompts = [json.loads(line)["turns"][0] for line in open(args.prompts_file)]
     ecfg = EngineConfig(num_blocks=2048, page_size=16, scheduler=SchedulerConfig(max_running=max(batches)))
     out = Path(args.out or HERE / "results" / ("cpu_spec.json" if args.spec else "cpu_decode.json"))
-    spec = SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)) if args.spec else SpeculationParams(enabled=False)
+    spec = SpeculationParams(drafter=args.drafter, tree=(2, 2, 2, 1)) if args.spec else SpeculationParams(enabled=False)
+    (on, off), switch = SWITCHES[args.switch]
     llm = LLM.load(LoadConfig(device="cpu", draft="auto" if args.spec else "none"), ecfg,
                    log=lambda msg: print(msg, file=sys.stderr))
     rows = []
@@ -74,28 +81,28 @@ def main() -> None:
         ps = [prompts[i % len(prompts)] for i in range(b)]
         llm.generate(ps, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
                      SpeculationParams(enabled=False))  # their prefill, untimed: both arms find it cached
-        runs: dict[str, list[float]] = {a: [] for a in ARMS}
+        runs: dict[str, list[float]] = {on: [], off: []}
         tokens: dict[str, list[list[int]]] = {}
         accepted: dict[str, float] = {}
         for _ in range(args.repeats):
-            for arm, batched in ARMS.items():
-                tok_s, tokens[arm], accepted[arm] = run(llm, ps, args.max_tokens, batched, spec)
+            for arm in (on, off):
+                switch(arm == on)
+                tok_s, tokens[arm], accepted[arm] = run(llm, ps, args.max_tokens, spec)
                 runs[arm].append(tok_s)
-        same = sum(x == y for a, b2 in zip(tokens["batched"], tokens["reference"]) for x, y in zip(a, b2))
-        row = {"batch": b, "batched_tok_s": round(max(runs["batched"]), 2),
-               "reference_tok_s": round(max(runs["reference"]), 2),
-               "speedup": round(max(runs["batched"]) / max(runs["reference"]), 3),
-               "token_agreement": round(same / sum(map(len, tokens["batched"])), 4),
+        switch(True)
+        same = sum(x == y for a, b2 in zip(tokens[on], tokens[off]) for x, y in zip(a, b2))
+        row = {"batch": b, f"{on}_tok_s": round(max(runs[on]), 2), f"{off}_tok_s": round(max(runs[off]), 2),
+               "speedup": round(max(runs[on]) / max(runs[off]), 3),
+               "token_agreement": round(same / sum(map(len, tokens[on])), 4),
                "mean_accepted_length": {a: round(m, 3) for a, m in accepted.items()},
                "runs_tok_s": {a: [round(t, 2) for t in r] for a, r in runs.items()}}
         rows.append(row)
         print(row, flush=True)
-    paged_decode.BATCHED_CPU = True
-    res = {"device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+    res = {"switch": args.switch, "arms": [on, off],"device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
            "date": datetime.date.today().isoformat(), "commit": provenance.commit(), "torch": torch.__version__,
            "model": "smollm2-135m-instruct (embedded, its own Q4_1 weights), float32 activations",
            "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
-           "speculation": "shipped draft, tree 2,2,2,1" if args.spec else "off",
+           "speculation": f"{args.drafter} (shipped draft), tree 2,2,2,1" if args.spec else "off",
            "note": ("Greedy, MT-bench first turns (prompt i of the batch is turn 1 of question "
                     "i). The arms alternate within each repeat; tok/s is the best repeat's output tokens over its "
                     "wall time, prefill excluded (each batch's prompts are prefilled once before timing).")}
@@ -110,16 +117,18 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = res["rows"]
+    on, off = res.get("arms", ["batched", "reference"])
+    labels = {"reference": "one sequence at a time", "f_linear": "F.linear"}
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.bar([x - 0.2 for x in xs], [r["reference_tok_s"] for r in rows], width=0.4, label="one sequence at a time")
-    ax.bar([x + 0.2 for x in xs], [r["batched_tok_s"] for r in rows], width=0.4, label="batched")
+    ax.bar([x - 0.2 for x in xs], [r[f"{off}_tok_s"] for r in rows], width=0.4, label=labels.get(off, off))
+    ax.bar([x + 0.2 for x in xs], [r[f"{on}_tok_s"] for r in rows], width=0.4, label=on)
     for x, r in zip(xs, rows):
-        ax.text(x + 0.2, r["batched_tok_s"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.text(x + 0.2, r[f"{on}_tok_s"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(xs), [f"batch {r['batch']}" for r in rows])
     ax.set_ylabel("output tokens / s")
     ax.legend(fontsize=8)
-    ax.set_title(f"CPU attention paths, speculation {res.get('speculation', 'off')}, {res['device']}, {res['date']}, "
+    ax.set_title(f"CPU {res.get('switch', 'attention')} paths, speculation {res.get('speculation', 'off')}, {res['device']}, {res['date']}, "
                  f"{res['commit']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

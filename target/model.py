@@ -27,6 +27,8 @@ from target.kv_cache import KVCache
 # Dense (bf16) projections on CUDA: the residual add rides the GEMM (addmm) and silu(gate) * up is one
 # Triton kernel. SPECGATE_DENSE_FUSION=0 restores F.linear + add and F.silu * up (bench/draft_step.py's A/B).
 DENSE_FUSION = os.environ.get("SPECGATE_DENSE_FUSION", "1") != "0"
+# CPU projections through cpu_linear (False: F.linear, for bench/cpu_decode.py --switch linear's A/B).
+CPU_LINEAR = True
 
 
 @dataclass(slots=True)
@@ -42,6 +44,15 @@ class Linear:
     # with K reordered into contiguous groups and the input is gathered to match: y = x[..., perm] @ W'.T.
     perm: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        # MKL's sums depend on the weight's address modulo 64 bytes (cpu_linear's products differ by an ulp
+        # between an aligned and a shifted copy of one weight): every dense CPU weight is kept contiguous and
+        # 64-byte aligned, so a model gives the same logits wherever its tensors happened to load (a file's
+        # memory map places them at any offset).
+        w = self.weight
+        if isinstance(w, torch.Tensor) and w.device.type == "cpu" and (not w.is_contiguous() or w.data_ptr() % 64):
+            self.weight = w.clone(memory_format=torch.contiguous_format)
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, permuted: bool = False) -> torch.Tensor:
         """``x @ W.T + b (+ residual)``; the INT4 kernel fuses the residual add into its epilogue.
         ``permuted``: ``x`` already comes in ``perm``'s order (``rms_norm(..., perm=)`` wrote it so)."""
@@ -52,7 +63,10 @@ class Linear:
         w = self.dequantized.to(x.dtype) if self.dequantized is not None else self.weight
         if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2 and DENSE_FUSION:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
-        y = F.linear(x, w, self.bias)
+        if CPU_LINEAR and x.device.type == "cpu" and x.dim() == 2:
+            y = cpu_linear(x, w, self.bias)
+        else:
+            y = F.linear(x, w, self.bias)
         return y if residual is None else y + residual
 
     def silu_mul(self, x: torch.Tensor, permuted: bool = False) -> torch.Tensor:
@@ -71,6 +85,22 @@ class Linear:
         return int4_linear(q, self.bias)
 
 
+def cpu_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias`` for ``x`` ``[M, K]`` on the CPU, computed as ``(w @ x.T).T``, one row padded to two.
+
+    Decode and tree verification run the CPU's GEMMs at a few rows against weights far larger than its
+    caches. There MKL's ``x @ w.T`` (``F.linear``) reached a third of the memory bandwidth that ``w @ x.T``
+    did: SmolLM2's 30 layers of projections (fp32) took 34 / 54 / 45 / 58 ms at M = 1 / 2 / 4 / 9 rows
+    against 14 / 14 / 22 / 46 ms, and its LM head 9.6 / 21 ms against 2.8 / 3.1 ms at M = 1 / 2 (2-core
+    AVX-512 machine). One row takes a slower path of its own (34 ms either way), so it is padded to two.
+    Results equal ``F.linear``'s up to float rounding (the sums run in another order)."""
+    if x.shape[0] == 1:
+        y = (w @ torch.cat((x, x)).t())[:, :1].t().contiguous()
+    else:
+        y = (w @ x.t()).t().contiguous()
+    return y if bias is None else y + bias
+
+
 def int4_group_size(in_features: int, group_size: int) -> int:
     """``group_size``, or the largest smaller of 64 / 32 that divides K (SmolLM2's hidden size 576 is not a
     multiple of 128): a ragged last group would cost the kernel a branch on every tile."""
@@ -82,7 +112,7 @@ def int4_group_size(in_features: int, group_size: int) -> int:
 
 def int4_linear(w: Int4Weight, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> Linear:
     """An INT4 Linear; on the CPU it keeps the dequantized copy that the reference path multiplies by."""
-    return Linear(w, bias, None if w.qweight.is_cuda else dequantize(w), perm)
+    return Linear(w, bias, None if w.qweight.is_cuda else dequantize(w).contiguous(), perm)  # [N, K]: cpu_linear
 
 
 @dataclass(slots=True)
