@@ -46,11 +46,13 @@ class Linear:
 
     def __post_init__(self) -> None:
         # MKL's sums depend on the weight's address modulo 64 bytes (cpu_linear's products differ by an ulp
-        # between an aligned and a shifted copy of one weight): every dense CPU weight is kept contiguous and
-        # 64-byte aligned, so a model gives the same logits wherever its tensors happened to load (a file's
-        # memory map places them at any offset).
+        # between an aligned and a shifted copy of one weight): every float32 CPU weight -- what the CPU computes
+        # with -- is kept contiguous and 64-byte aligned, so a model gives the same logits wherever its tensors
+        # happened to load (a file's memory map places them at any offset). Other dtypes on the CPU are staging
+        # copies on their way to a GPU or a tensor-parallel shard, and are not copied again.
         w = self.weight
-        if isinstance(w, torch.Tensor) and w.device.type == "cpu" and (not w.is_contiguous() or w.data_ptr() % 64):
+        if (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype == torch.float32
+                and (not w.is_contiguous() or w.data_ptr() % 64)):
             self.weight = w.clone(memory_format=torch.contiguous_format)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, permuted: bool = False) -> torch.Tensor:
