@@ -17,7 +17,7 @@ from draft.distill import Corpus, draft_config, main, write_prompts
 from draft.distill_train import Tokens, evaluate, feature_loss, teacher_targets, train
 from draft.feature_drafter import FeatureDrafter
 from draft.params import SpeculationParams
-from draft.vocab import COUNTS_FILE, load_counts
+from draft.vocab import COUNTS_FILE, load_counts, main as vocab_main
 from engine_util import random_weights, tiny_config
 from gateway.llm import LLM, LoadConfig
 from target.batch import Segment, build_batch
@@ -157,6 +157,13 @@ def test_distill_command_writes_a_loadable_lossless_draft(tmp_path: Path) -> Non
     (out / COUNTS_FILE).unlink()
     with pytest.raises(ValueError, match=COUNTS_FILE):
         LLM.load(LoadConfig(model=str(target), draft=str(out), quantize="none", draft_vocab=64), log=lambda m: None)
+    # python -m draft.vocab samples counts for a draft that has none (and refuses a directory holding no draft)
+    vocab_main(["--target", str(target), "--out", str(out), "--prompts", str(prompts), "--num-prompts", "2",
+                "--samples", "1", "--temperature", "0", "--max-tokens", "5", "--batch", "2"])
+    counts = json.loads((out / COUNTS_FILE).read_text())
+    assert counts["tokens"] == sum(counts["counts"].values()) > 0 and counts["source"].startswith("python -m draft.vocab")
+    with pytest.raises(ValueError, match="no draft"):
+        vocab_main(["--target", str(target), "--out", str(tmp_path), "--prompts", str(prompts)])
     with pytest.raises(ValueError, match="draft_vocab"):
         LoadConfig(draft_vocab=10)
 
