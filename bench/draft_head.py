@@ -31,10 +31,9 @@ from bench.drafters import forward_seconds  # noqa: E402
 from draft.hybrid import HybridDrafter  # noqa: E402
 from draft.model_drafter import ModelDrafter  # noqa: E402
 from draft.params import SpeculationParams  # noqa: E402
-from draft.vocab import head_vocab, load_counts  # noqa: E402
 from gateway.budget import BudgetConfig  # noqa: E402
 from gateway.engine import EngineConfig  # noqa: E402
-from gateway.llm import LLM, LoadConfig, resolve_draft  # noqa: E402
+from gateway.llm import LLM, LoadConfig, draft_head_vocab, resolve_draft  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
 from verify.sampling import SamplingParams  # noqa: E402
 
@@ -67,18 +66,14 @@ def main() -> None:
                    log=lambda m: print(m, file=sys.stderr))
     engine = llm.engine
     base = engine.drafters["draft"]
-    counts = load_counts(Path(resolve_draft(LoadConfig())))
-    if counts is None:
-        raise SystemExit("the shipped draft has no token_counts.json: run python -m draft.vocab first")
     V = base.model.config.vocab_size
-    eos = llm.loaded.checkpoint.config.eos_token_ids
     arms: dict[str, int] = {}
     for k in (int(x) for x in args.ks.split(",")):
         name = "draft" if k in (0, V) else f"draft-k{k}"
-        if name != "draft":
+        if name != "draft":  # the loader's own cut (raises when the shipped draft has no token counts)
+            ids = draft_head_vocab(resolve_draft(LoadConfig()), llm.loaded.checkpoint, k)
             engine.drafters[name] = ModelDrafter(name, base.model, ecfg.num_blocks, ecfg.page_size,
-                                                 ecfg.cuda_graphs, ecfg.scheduler.max_model_len,
-                                                 head_vocab(counts, V, k, keep=eos))
+                                                 ecfg.cuda_graphs, ecfg.scheduler.max_model_len, ids)
         arms[name] = k or V
         if args.hybrid:
             engine.drafters["hybrid" + name[5:]] = HybridDrafter("hybrid" + name[5:], engine.drafters[name])

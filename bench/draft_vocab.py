@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from draft.dense_lm import draft_from_checkpoint, teacher_from_checkpoint  # noqa: E402
 from draft.params import SpeculationParams  # noqa: E402
+from draft.vocab import rank_tokens  # noqa: E402
 from gateway.engine import EngineConfig  # noqa: E402
 from gateway.llm import LLM, LoadConfig, resolve_draft, resolve_model_path  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
@@ -61,8 +62,7 @@ def main() -> None:
     counts = collections.Counter(t for g in llm.generate(freq_prompts, greedy, off) for t in g.token_ids)
     ck = llm.loaded.checkpoint
     vocab = ck.config.vocab_size
-    # most frequent first; tokens never seen follow in id order
-    ranked = [t for t, _ in counts.most_common()] + [t for t in range(vocab) if t not in counts]
+    ranked = rank_tokens(counts, vocab)  # the drafter's own ranking: by count, then by id
     questions = [json.loads(line)["turns"][0] for line in open(args.prompts_file)][: args.prompts]
     held = [(llm.encode(q), g.token_ids) for q, g in zip(questions, llm.generate(questions, greedy, off))]
     # dense float32 weights, as bench/draft_agreement.py loads them (the engine's checkpoint holds the GGUF's

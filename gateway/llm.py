@@ -230,13 +230,14 @@ def _load_draft_model(path: str, target_ckpt: LoadedCheckpoint, dtype: torch.dty
     model = Transformer.from_weights(ck.config, ck.weights, dtype, device, ck.quantized)
     kind = FeatureDrafter if model.fc is not None else ModelDrafter  # a feature draft reads the target's features
     return kind("draft", model, engine_cfg.num_blocks, engine_cfg.page_size, engine_cfg.cuda_graphs,
-                engine_cfg.scheduler.max_model_len, draft_head_vocab(path, ck.config, target_ckpt, vocab))
+                engine_cfg.scheduler.max_model_len, draft_head_vocab(path, target_ckpt, vocab))
 
 
-def draft_head_vocab(path: str, config, target_ckpt: LoadedCheckpoint, vocab: int | None) -> torch.Tensor | None:
-    """The token ids a draft's cut head keeps (``LoadConfig.draft_vocab``), or None for its whole head."""
-    V = config.vocab_size
-    counts = load_counts(Path(path).expanduser()) if Path(path).expanduser().is_dir() else None
+def draft_head_vocab(path: str, target_ckpt: LoadedCheckpoint, vocab: int | None) -> torch.Tensor | None:
+    """The token ids a draft's cut head keeps (``LoadConfig.draft_vocab``), or None for its whole head. The
+    draft shares its target's vocabulary (``_load_draft_model`` checks)."""
+    V = target_ckpt.config.vocab_size
+    counts = load_counts(Path(path).expanduser())
     k = (DEFAULT_HEAD_VOCAB if counts is not None else 0) if vocab is None else vocab
     if k == 0 or k >= V:
         return None
