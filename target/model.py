@@ -27,8 +27,11 @@ from target.kv_cache import KVCache
 # Dense (bf16) projections on CUDA: the residual add rides the GEMM (addmm) and silu(gate) * up is one
 # Triton kernel. SPECGATE_DENSE_FUSION=0 restores F.linear + add and F.silu * up (bench/draft_step.py's A/B).
 DENSE_FUSION = os.environ.get("SPECGATE_DENSE_FUSION", "1") != "0"
-# CPU projections through cpu_linear (False: F.linear, for bench/cpu_decode.py --switch linear's A/B).
+# CPU projections of up to CPU_LINEAR_MAX_ROWS rows through cpu_linear (False: F.linear, for
+# bench/cpu_decode.py --switch linear's A/B). Above it, prefill's widths, F.linear was as fast or faster:
+# 99.6 against 96.2 ms at 64 rows, 307 against 415 ms at 256 (bench/results/cpu_forms.json).
 CPU_LINEAR = True
+CPU_LINEAR_MAX_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -65,7 +68,7 @@ class Linear:
         w = self.dequantized.to(x.dtype) if self.dequantized is not None else self.weight
         if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2 and DENSE_FUSION:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
-        if CPU_LINEAR and x.device.type == "cpu" and x.dim() == 2:
+        if CPU_LINEAR and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_LINEAR_MAX_ROWS:
             y = cpu_linear(x, w, self.bias)
         else:
             y = F.linear(x, w, self.bias)
@@ -92,9 +95,9 @@ def cpu_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
     Decode and tree verification run the CPU's GEMMs at a few rows against weights far larger than its
     caches. There MKL's ``x @ w.T`` (``F.linear``) reached a third of the memory bandwidth that ``w @ x.T``
-    did: SmolLM2's 30 layers of projections (fp32) took 34 / 54 / 45 / 58 ms at M = 1 / 2 / 4 / 9 rows
-    against 14 / 14 / 22 / 46 ms, and its LM head 9.6 / 21 ms against 2.8 / 3.1 ms at M = 1 / 2 (2-core
-    AVX-512 machine). One row takes a slower path of its own (34 ms either way), so it is padded to two.
+    did: SmolLM2's 30 layers of projections (float32) took 33.7 / 54.8 / 45.4 ms at M = 1 / 2 / 4 rows against
+    16.4 / 14.4 / 21.0 ms, and its LM head 9.2 / 21.2 ms against 3.0 / 3.0 ms at M = 1 / 2 (2-core AVX-512
+    machine, bench/results/cpu_forms.json). One row alone takes a slower path, so it is padded to two.
     Results equal ``F.linear``'s up to float rounding (the sums run in another order)."""
     if x.shape[0] == 1:
         y = (w @ torch.cat((x, x)).t())[:, :1].t().contiguous()

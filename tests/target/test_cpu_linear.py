@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from target import model
 from target.model import Linear, cpu_linear
 
 
@@ -35,3 +36,10 @@ def test_linear_keeps_float32_cpu_weights_aligned_and_results_independent_of_pla
     half = torch.empty(w.numel() + 3, dtype=torch.float16)[3:].view_as(w)
     assert half.data_ptr() % 64 != 0
     assert Linear(half).weight is half  # other dtypes are staging copies: left where they are
+
+
+def test_prefill_widths_keep_f_linear() -> None:
+    g = torch.Generator().manual_seed(2)
+    lin = Linear(torch.randn(160, 96, generator=g))
+    x = torch.randn(model.CPU_LINEAR_MAX_ROWS + 1, 96, generator=g)
+    assert torch.equal(lin(x), F.linear(x, lin.weight))
