@@ -45,7 +45,7 @@ from gateway.engine import Engine, EngineConfig
 from gateway.llm import LLM, Loaded, LoadConfig, resolve_model_path, target_checkpoint
 from kernels.int4_matmul import Int4Weight, unpack_int4
 from quality import greedy, logits_over, perplexity_ids, windowed_log_probs, windows
-from target.gptq import quantize_gptq, sample_calibration, sample_tuning_set
+from target.gptq import output_saliency, quantize_gptq, sample_calibration, sample_tuning_set
 from target.qtune import PROJ_NAMES, TuneConfig, mean_kl, on_device, sequence_logits, tune_scales
 from target.loader import LoadedCheckpoint, load_checkpoint
 from target.quant_formats import save_quantized
@@ -65,7 +65,9 @@ ARMS_NOTE = ("The embedded GGUF is itself Q4_1 (group 32, min-max grid): 'dense'
              "dense. g128 falls back to g64 on the K=576 projections (576 is not a multiple of 128), so g128 and g64 "
              "differ only in down_proj. Arm names: _act alone is act-order with static groups, _act_group group-aware "
              "reordering, _act_perm true act-order stored with an input permutation; _mse searched group grids; "
-             "_intzero integer zero points, as GPTQ files store them; _damp0.1 Hessian damping 0.1 (else 0.01). _refit"
+             "_intzero integer zero points, as GPTQ files store them; _damp0.1 Hessian damping 0.1 (else 0.01); "
+             "_guided{R} each projection's rows in R groups with loss-weighted Hessians (GuidedQuant); _asym each "
+             "projection aimed at the dense model's outputs on its own inputs (GPTAQ's objective). _refit"
              " rows were measured at cf9db6d with a least-squares grid refit that did not lower kl_to_dense and was "
              "removed. Accepted lengths follow how repetitive each target's own greedy text is (RTN's is the most "
              "repetitive), not its fidelity. quantize_seconds: one thread on a shared machine, indicative only.")
@@ -76,6 +78,9 @@ PYDOC_NOTE = ("Perplexity and kl_to_dense here are over {scored} tokens of CPyth
               "whose perplexity moved by a few percent between arms of equal kl_to_dense; greedy agreement, accepted "
               "lengths and calibration are measured as in quant.json (a row's own calibration field, where it has "
               "one, replaces the file's). perplexity_ratio_to_dense_bf16 divides by this file's dense_bf16 row. ")
+
+
+SALIENCY: dict[tuple[int, int], dict] = {}  # (id of the calibration set, row groups) -> output_saliency's result
 
 
 @dataclass(slots=True)
@@ -94,15 +99,17 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
               gptq_device: str = "cpu") -> tuple[Transformer, float | None, dict]:
     """``dense_fp32``, ``dense_bf16``, ``gguf_q4`` (the GGUF's own Q4_0 / Q4_1 blocks repacked, what the server
     runs for a GGUF target under --quantize int4; ``model`` is the --model argument), ``rtn_g{G}`` or
-    ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}][_calib{S}x{L}]``, and the seconds quantizing took
-    (None when ``cache`` already held the arm), and the arm's own fields for its row.
+    ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}][_guided{R}][_asym][_calib{S}x{L}]``, and the seconds
+    quantizing took (None when ``cache`` already held the arm), and the arm's own fields for its row.
 
     GPTQ flags: ``act`` alone is act-order with static groups, ``act_group`` group-aware reordering, ``act_perm``
     true act-order stored with an input permutation (``target.gptq``'s ``act_order``); ``mse`` searches each
     group's grid; ``intzero`` gives the integer zero points a GPTQ-format file would hold (our format defaults to
-    fractional ones); ``damp{x}`` sets the Hessian damping (0.01 otherwise); ``calib{S}x{L}`` names the calibration
-    set (S sequences of L tokens) ``main`` passes as ``calib`` instead of --calib-seqs x --calib-len. No flag:
-    natural order, min-max grids.
+    fractional ones); ``damp{x}`` sets the Hessian damping (0.01 otherwise); ``guided{R}`` cuts each projection's
+    rows into R groups, each with its own loss-weighted Hessian (``target.gptq.output_saliency``); ``asym`` aims
+    each projection at the dense model's outputs on its own inputs (``quantize_gptq``'s ``dense_targets``);
+    ``calib{S}x{L}`` names the calibration set (S sequences of L tokens) ``main`` passes as ``calib`` instead of
+    --calib-seqs x --calib-len. No flag: natural order, min-max grids.
     (``_refit`` arms in quant.json were measured with a least-squares grid refit that did not pay and was removed.)
 
     ``_tune{N}`` last (any arm before it, RTN too): that arm, then ``N`` steps of ``target.qtune.tune_scales`` on
@@ -129,15 +136,22 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     method, group, *flags = name.split("_")
     G = int(group.removeprefix("g"))
     damps = [float(f.removeprefix("damp")) for f in flags if f.startswith("damp")]
-    unknown = set(flags) - {"act", "group", "perm", "mse", "intzero"} - {f for f in flags if f.startswith("damp")} \
-        - {f for f in flags if calib_flag(f)}
+    guided = [int(f.removeprefix("guided")) for f in flags if re.fullmatch(r"guided\d+", f)]
+    unknown = set(flags) - {"act", "group", "perm", "mse", "intzero", "asym"} \
+        - {f for f in flags if f.startswith("damp")} \
+        - {f for f in flags if calib_flag(f)} - {f"guided{r}" for r in guided}
     if method not in ("rtn", "gptq") or unknown or (method == "rtn" and flags):
         raise ValueError(f"unknown arm {name!r}")
     order = "off" if "act" not in flags else "perm" if "perm" in flags else "group" if "group" in flags else "static"
     t0 = time.perf_counter()
+    on = dense.to(gptq_device)
+    saliency = None
+    if guided:  # one backward pass over the calibration per group count, shared by the arms of a run
+        key = (id(calib), guided[0])
+        saliency = SALIENCY[key] = SALIENCY.get(key) or output_saliency(on, calib, guided[0])
     model = dense.quantize(G) if method == "rtn" else \
-        quantize_gptq(dense.to(gptq_device), calib, G, act_order=order, mse="mse" in flags,
-                      damp=damps[0] if damps else 0.01, round_zero="intzero" in flags).to("cpu")
+        quantize_gptq(on, calib, G, act_order=order, mse="mse" in flags, damp=damps[0] if damps else 0.01,
+                      round_zero="intzero" in flags, saliency=saliency, dense_targets="asym" in flags).to("cpu")
     secs = time.perf_counter() - t0
     if cache is not None:
         save_quantized(model, cache / name, ck.tokenizer, ck.chat_template, {"method": name})

@@ -60,7 +60,7 @@ from kernels.fused_norm_rope import rms_norm_ref as rms_norm
 from target.batch import Segment, build_batch
 from target.loader import LoadedCheckpoint, load_checkpoint
 from target.model import Layer, Linear, Transformer, int4_group_size, int4_linear
-from target.qtune import TuneConfig, tune_scales
+from target.qtune import PROJ_NAMES, TuneConfig, on_device, sequence_logits, tune_scales
 from target.quant_formats import save_quantized
 
 BLOCK_SIZE = 128  # columns per lazy batch update (GPTQ's default)
@@ -263,7 +263,8 @@ def _stored(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> tupl
 
 def quantize_gptq(model: Transformer, calib: list[list[int]], group_size: int = 128,
                   act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, damp: float = 0.01,
-                  use_zero_point: bool = True, round_zero: bool = False, progress: bool = True) -> Transformer:
+                  use_zero_point: bool = True, round_zero: bool = False, progress: bool = True,
+                  saliency: Saliency | None = None, dense_targets: bool = False) -> Transformer:
     """A copy of ``model`` whose projections are GPTQ INT4; embeddings, norms and lm_head stay dense.
 
     ``calib``: token id sequences (a few hundred of a few hundred tokens). Deterministic for fixed
@@ -272,58 +273,115 @@ def quantize_gptq(model: Transformer, calib: list[list[int]], group_size: int = 
     multiple (as RTN does). Zero points are fractional by default (``round_zero=False``): a finer grid that
     our format holds at no cost.
     ``act_order`` and ``mse``: see the module docstring.
+    ``saliency``: ``output_saliency(model, calib, ...)``, which guides each projection's rows by the end loss
+    (GuidedQuant, see there); not with ``act_order="perm"``, whose one stored input order all rows share.
+    ``dense_targets``: each projection aims at the dense model's outputs on the dense model's own inputs
+    (GPTAQ's asymmetric objective, see ``_gptq_linear``), not at the dense weight on the quantized inputs.
     """
     if not calib or any(not s for s in calib):
         raise ValueError("calibration needs at least one non-empty sequence")
+    if saliency is not None and act_order == "perm":
+        raise ValueError("saliency-guided GPTQ gives each row group its own Hessian, so its own act-order: "
+                         "use act_order 'static', 'group' or 'off', not 'perm'")
     opts = dict(group_size=group_size, act_order=act_order, mse=mse, damp=damp, use_zero_point=use_zero_point,
                 round_zero=round_zero)
     hs = [model.embed[torch.tensor(s, device=model.device)] for s in calib]  # S x [T, hidden]
+    dense_hs = list(hs) if dense_targets else None
     layers = []
     with torch.inference_mode():
-        for layer in tqdm(model.layers, desc="GPTQ", unit="layer", disable=not progress):
-            q_layer, hs = _quantize_layer(model, layer, hs, opts)
+        for i, layer in enumerate(tqdm(model.layers, desc="GPTQ", unit="layer", disable=not progress)):
+            guide = None if saliency is None else {name: saliency[i, name] for name in PROJ_NAMES}
+            q_layer, hs, dense_hs = _quantize_layer(model, layer, hs, opts, guide, dense_hs)
             layers.append(q_layer)
     return Transformer(model.config, model.embed, layers, model.norm, model.lm_head, model.dtype)
 
 
-def _quantize_layer(model: Transformer, layer: Layer, hs: list[torch.Tensor],
-                    opts: dict) -> tuple[Layer, list[torch.Tensor]]:
-    """Quantize one layer's four projections in forward order; return it and its outputs on ``hs``.
+def _quantize_layer(model: Transformer, layer: Layer, hs: list[torch.Tensor], opts: dict,
+                    guide: dict[str, list[torch.Tensor]] | None = None,
+                    dense_hs: list[torch.Tensor] | None = None
+                    ) -> tuple[Layer, list[torch.Tensor], list[torch.Tensor] | None]:
+    """Quantize one layer's four projections in forward order; return it and its outputs on ``hs`` (and with
+    ``dense_hs``, the dense layer's outputs on those: the inputs the dense model itself would see).
 
     Under ``act_order="perm"``, ``o`` is quantized with ``"group"``: its input (the attention output) has no
     producer whose rows could absorb a permutation, and a gathered input could not be split along K under
     tensor parallelism. ``down``'s permutation is folded into ``gate_up``'s rows (``_fold_input_order``).
+    ``guide``: each projection's saliencies (``output_saliency``), by name. ``dense_hs``: GPTQ aims each
+    projection at the dense model's outputs (``_gptq_linear``'s ``targets``).
     """
     eps = model.config.rms_norm_eps
+    g = guide or {}
+    d: dict[str, list[torch.Tensor]] = {}  # the dense layer's inputs to each projection
+    if dense_hs is not None:
+        d["qkv"] = [rms_norm(h, layer.input_norm, eps) for h in dense_hs]
+        d["o"] = [_attention(model, layer.qkv(x)) for x in d["qkv"]]
+        mid = [layer.o(a, residual=h) for a, h in zip(d["o"], dense_hs)]
+        d["gate_up"] = [rms_norm(h, layer.post_norm, eps) for h in mid]
+        d["down"] = [layer.gate_up.silu_mul(x) for x in d["gate_up"]]
+        dense_hs = [layer.down(a, residual=h) for a, h in zip(d["down"], mid)]
     xs = [rms_norm(h, layer.input_norm, eps) for h in hs]
-    qkv = _gptq_linear(layer.qkv, xs, **opts)
+    qkv = _gptq_linear(layer.qkv, xs, saliency=g.get("qkv"), targets=d.get("qkv"), **opts)
     attn = [_attention(model, qkv(x)) for x in xs]  # S x [T, H * D]
     o_opts = {**opts, "act_order": "group"} if opts.get("act_order") == "perm" else opts
-    o = _gptq_linear(layer.o, attn, **o_opts)
+    o = _gptq_linear(layer.o, attn, saliency=g.get("o"), targets=d.get("o"), **o_opts)
     hs = [o(a, residual=h) for a, h in zip(attn, hs)]
     xs = [rms_norm(h, layer.post_norm, eps) for h in hs]
-    gate_up = _gptq_linear(layer.gate_up, xs, **opts)
+    gate_up = _gptq_linear(layer.gate_up, xs, saliency=g.get("gate_up"), targets=d.get("gate_up"), **opts)
     acts = [gate_up.silu_mul(x) for x in xs]  # S x [T, I]
-    down = _gptq_linear(layer.down, acts, **opts)
+    down = _gptq_linear(layer.down, acts, saliency=g.get("down"), targets=d.get("down"), **opts)
     hs = [down(a, residual=h) for a, h in zip(acts, hs)]
     gate_up, down = _fold_input_order(gate_up, down)
-    return replace(layer, qkv=qkv, o=o, gate_up=gate_up, down=down), hs
+    return replace(layer, qkv=qkv, o=o, gate_up=gate_up, down=down), hs, dense_hs
 
 
-def _gptq_linear(lin: Linear, inputs: list[torch.Tensor], group_size: int, **opts) -> Linear:
-    """Accumulate ``H = 2/n sum x^T x`` over every calibration token, then GPTQ the weight."""
+def _gptq_linear(lin: Linear, inputs: list[torch.Tensor], group_size: int,
+                 saliency: list[torch.Tensor] | None = None, targets: list[torch.Tensor] | None = None,
+                 damp: float = 0.01, **opts) -> Linear:
+    """Accumulate ``H = 2/n sum x^T x`` over every calibration token, then GPTQ the weight.
+
+    With ``saliency`` (one ``[T, R]`` per input, ``output_saliency``), the rows are cut into R contiguous groups
+    and group r is quantized against its own ``H_r = 2/n sum_t s_tr x_t^T x_t``.
+
+    ``targets``: the dense model's own inputs to this projection (one per input). GPTQ then aims at the dense
+    model's outputs ``W x_dense`` rather than ``W x`` on the quantized model's inputs ``x`` (the asymmetric
+    objective of GPTAQ, "GPTAQ: Efficient Finetuning-Free Quantization for Asymmetric Calibration", Li et al.
+    2025). ``|Q x - W x_dense|^2`` is ``|(Q - W') x|^2`` plus a constant, where ``W'`` is the least-squares fit
+    of ``W x_dense`` from ``x``; this fits ``W'`` first (ridge towards ``W``, at GPTQ's damping:
+    ``W' = W + W (B - A) (A + damp I)^-1``, ``A = sum x x^T``, ``B = sum x_dense x^T``) and runs plain GPTQ on it.
+    """
     if isinstance(lin.weight, Int4Weight):
         return lin
-    K = lin.weight.shape[1]
-    h = torch.zeros(K, K, device=lin.weight.device)
+    N, K = lin.weight.shape
+    G = int4_group_size(K, group_size)
+    R = 1 if saliency is None else saliency[0].shape[1]
+    h = torch.zeros(R, K, K, device=lin.weight.device)
+    shift = None if targets is None else torch.zeros_like(h)  # sum s (x_dense - x) x^T: B - A
     n = 0
-    for x in inputs:  # x: [T, K]
+    for j, x in enumerate(inputs):  # x: [T, K]
         xf = x.float()
-        h.addmm_(xf.T, xf)
+        # [R, K, T]: each row group's tokens weighed by their saliency
+        xs = xf.T[None] if saliency is None else xf.T[None] * saliency[j].to(xf.device).T[:, None, :]
+        h.baddbmm_(xs, xf.expand(R, -1, -1))
+        if shift is not None:
+            d = (targets[j].float() - xf).T[None]  # [1, K, T]
+            shift.baddbmm_(d if saliency is None else d * saliency[j].to(xf.device).T[:, None, :], xf.expand(R, -1, -1))
         n += xf.shape[0]
     h.mul_(2 / n)
-    q, perm = gptq_quantize(lin.weight, h, int4_group_size(K, group_size), dtype=lin.weight.dtype, **opts)
-    return int4_linear(q, lin.bias, perm)
+    w = lin.weight.float()
+    parts = []
+    for r, rows in enumerate(row_groups(N, R, lin.weight.device)):
+        wr = w[rows]
+        if shift is not None:
+            a = h[r] / (2 / n)
+            a.diagonal().add_(damp * a.diagonal().mean())
+            wr = wr + torch.linalg.solve(a, (wr @ shift[r]).T).T  # A symmetric: (W S) A^-1 = (A^-1 (W S)^T)^T
+        parts.append(gptq_quantize(wr.to(lin.weight.dtype), h[r], G, dtype=lin.weight.dtype, damp=damp, **opts))
+    if R == 1:
+        return int4_linear(parts[0][0], lin.bias, parts[0][1])
+    qs = [p[0] for p in parts]
+    zeros = None if qs[0].zeros is None else torch.cat([q.zeros for q in qs], dim=1)
+    q = Int4Weight(torch.cat([q.qweight for q in qs], dim=1), torch.cat([q.scales for q in qs], dim=1), zeros, G)
+    return int4_linear(q, lin.bias, None)
 
 
 def _fold_input_order(gate_up: Linear, down: Linear) -> tuple[Linear, Linear]:
@@ -358,6 +416,61 @@ def _attention(model: Transformer, qkv: torch.Tensor) -> torch.Tensor:
     v = v.view(T, Hkv, D).transpose(0, 1).repeat_interleave(H // Hkv, 0)  # [H, T, D]
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [H, T, D]
     return out.transpose(0, 1).reshape(T, H * D)
+
+
+# --- end-loss guidance --------------------------------------------------------------------------------
+
+# (layer, projection name) -> one [T, R] float32 tensor per calibration sequence
+Saliency = dict[tuple[int, str], list[torch.Tensor]]
+
+
+def row_groups(N: int, R: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, ...]:
+    """The row indices of R contiguous groups of N output rows (sizes differ by at most one)."""
+    if not 1 <= R <= N:
+        raise ValueError(f"need 1 <= groups <= rows, got {R} groups of {N} rows")
+    return torch.arange(N, device=device).tensor_split(R)
+
+
+def output_saliency(model: Transformer, calib: list[list[int]], groups: int, batch_size: int = 8,
+                    progress: bool = True) -> Saliency:
+    """How much the end loss cares about each projection's output, per calibration token and row group.
+
+    GuidedQuant ("GuidedQuant: Large Language Model Quantization via Exploiting End Loss Guidance", Kim et al.
+    2025): GPTQ's layer objective ``sum_t |dW x_t|^2`` weighs every token and every output row alike, while the
+    model's loss moves by about ``sum_t (g_t . dW x_t)^2``, ``g_t`` the loss's gradient in the layer's output.
+    Keeping the rows' sums of ``g_tj^2`` over R contiguous row groups gives each group a Hessian of its own,
+    ``H_r = sum_t s_tr x_t x_t^T`` (``_gptq_linear``), at R times GPTQ's Hessian memory.
+
+    The loss is ``model``'s own negative log-likelihood of the sequences. Calibration sampled from the model
+    (``sample_calibration``) makes each next token a draw from the model's distribution, so ``E[g g^T]`` is the
+    Fisher information of the outputs: the curvature of ``KL(dense || quantized)``, what quantization should
+    keep small. Gradients are taken on the dense model, in float32, over whole sequences (a token's gradient
+    includes what later tokens' losses owe it through attention).
+    Returns ``[T, R]`` per sequence, per ``(layer, name)`` of ``target.qtune.PROJ_NAMES``.
+    """
+    if not calib or any(len(s) < 2 for s in calib):
+        raise ValueError("saliency needs calibration sequences of at least two tokens")
+    dense = on_device(model, model.device)
+    out: Saliency = {}
+    for lo in tqdm(range(0, len(calib), batch_size), desc="saliency", unit="batch", disable=not progress):
+        seqs = calib[lo:lo + batch_size]
+        T = max(map(len, seqs))
+        tokens = torch.tensor([s + [0] * (T - len(s)) for s in seqs], device=model.device)
+        mask = torch.tensor([[0 < j < len(s) for j in range(T)] for s in seqs], device=model.device)  # [B, T]
+        probes: dict[tuple[int, str], torch.Tensor] = {}
+
+        def tap(i: int, name: str, y: torch.Tensor) -> torch.Tensor:
+            probes[i, name] = torch.zeros_like(y, requires_grad=True)
+            return y + probes[i, name]
+
+        logits = sequence_logits(dense, tokens, tap=tap)  # [B, T, V]
+        nll = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+        (nll * mask[:, 1:].flatten()).sum().backward()
+        for key, p in probes.items():
+            g2 = p.grad.square()  # [B, T, N]
+            s = torch.stack([g2[..., rows].sum(-1) for rows in row_groups(g2.shape[-1], groups, g2.device)], -1)
+            out.setdefault(key, []).extend(s[b, :len(seq)].detach().cpu() for b, seq in enumerate(seqs))
+    return out
 
 
 # --- calibration data -------------------------------------------------------------------------------

@@ -148,12 +148,15 @@ class _Norms(torch.nn.Module):
 
 
 def sequence_logits(model: Transformer, tokens: torch.Tensor,
-                    weight: Callable[[int, str], torch.Tensor | None] | None = None) -> torch.Tensor:
+                    weight: Callable[[int, str], torch.Tensor | None] | None = None,
+                    tap: Callable[[int, str, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Causal logits ``[B, T, V]`` float32 of whole sequences ``tokens: [B, T]`` through ``model``'s maths.
 
     ``weight(layer, name)`` gives the dense ``[N, K]`` weight of projection ``name`` (one of ``PROJ_NAMES``) in
     layer ``layer``, or None for the projection's own (dequantized for INT4), as without ``weight``. Computed in float32, whatever the
     model's dtype: this is for calibration, not serving. ``model`` lives on ``tokens``' device (``on_device``).
+    ``tap(layer, name, y)`` sees each projection's output ``y: [B, T, N]`` and returns what the forward goes on with
+    (``target.gptq.output_saliency`` adds a zero there whose gradient is the loss's gradient in ``y``).
     """
     c = model.config
     B, T = tokens.shape
@@ -167,7 +170,8 @@ def sequence_logits(model: Transformer, tokens: torch.Tensor,
         w = weight(i, name) if weight is not None else None
         w = _dense(lin) if w is None else w
         x = x if lin.perm is None else x[..., lin.perm]
-        return F.linear(x, w, None if lin.bias is None else lin.bias.float())
+        y = F.linear(x, w, None if lin.bias is None else lin.bias.float())
+        return y if tap is None else tap(i, name, y)
 
     h = model.embed.float()[tokens]  # [B, T, hidden]
     for i, layer in enumerate(model.layers):

@@ -9,13 +9,14 @@ import torch
 
 from kernels.int4_matmul import Int4Weight, dequantize, quantize_rtn
 from target.batch import Segment, build_batch
-from target.gptq import (ACT_ORDERS, TUNE_RECIPES, _fold_input_order, _quantize_layer, cached_gptq, gptq_quantize,
-                         group_params, mse_group_params, quantize_gptq, sample_calibration, text_windows,
-                         visiting_order)
+from target.gptq import (ACT_ORDERS, TUNE_RECIPES, _fold_input_order, _gptq_linear, _quantize_layer, cached_gptq,
+                         gptq_quantize, group_params, mse_group_params, output_saliency, quantize_gptq, row_groups,
+                         sample_calibration, text_windows, visiting_order)
 from target.config import ModelConfig
 from target.loader import expected_weights, load_checkpoint
 from kernels.fused_norm_rope import rms_norm_ref as rms_norm
-from target.model import Transformer, int4_linear
+from target.model import Linear, Transformer, int4_linear
+from target.qtune import on_device, sequence_logits
 from target.quant_formats import save_quantized
 
 
@@ -200,7 +201,7 @@ def test_calibration_forward_matches_the_model(tiny_dense: Transformer) -> None:
     ids = [5, 9, 2, 33, 7, 1, 0, 12, 40, 41]
     hs = [q.embed[torch.tensor(ids)]]
     for layer in q.layers:  # projections already INT4: this only runs the forward
-        _, hs = _quantize_layer(q, layer, hs, dict(group_size=32))
+        _, hs, _ = _quantize_layer(q, layer, hs, dict(group_size=32))
     logits = q.lm_head(rms_norm(hs[0], q.norm, q.config.rms_norm_eps))
     torch.testing.assert_close(logits, logits_all(q, ids), rtol=1e-4, atol=1e-4)
 
@@ -286,3 +287,120 @@ def test_saved_gptq_reloads_with_its_input_order(make_model, make_hf_dir, tmp_pa
         assert (a.gate_up.perm is None) == (b.gate_up.perm is None) and b.down.perm is None
     ids = [3, 1, 4, 1, 5, 9, 2, 6]
     assert torch.equal(logits_all(again, ids), logits_all(q, ids))
+
+
+# --- end-loss guidance (GuidedQuant) ---------------------------------------------------------------
+
+def nll_with_nudge(model: Transformer, ids: list[int], at: tuple[int, str, int, int], eps: float) -> float:
+    """The summed next-token NLL of ``ids`` with projection output ``(layer, name)`` at (token, row) moved by eps."""
+    layer, name, t, j = at
+
+    def tap(i: int, n: str, y: torch.Tensor) -> torch.Tensor:
+        if (i, n) != (layer, name):
+            return y
+        bump = torch.zeros_like(y)
+        bump[0, t, j] = eps
+        return y + bump
+
+    logits = sequence_logits(on_device(model, torch.device("cpu")), torch.tensor([ids]), tap=tap)[0].double()
+    return float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum"))
+
+
+def test_saliency_is_the_squared_loss_gradient(tiny_dense: Transformer) -> None:
+    """With one row per group (R = 128 rows of ``o`` and ``down``), a token's saliency is its squared
+    gradient: checked against central differences of the loss; the last token feeds no loss, so it has none."""
+    ids = sample_calibration(tiny_dense, 1, 12, first_tokens=list(range(64)), seed=4)[0]
+    sal = output_saliency(tiny_dense, [ids], groups=128, progress=False)
+    assert set(sal) == {(i, n) for i in range(2) for n in ("qkv", "o", "gate_up", "down")}
+    for at in ((0, "o", 3, 5), (1, "down", 7, 100), (0, "down", 10, 0)):
+        layer, name, t, j = at
+        eps = 1e-2
+        fd = (nll_with_nudge(tiny_dense, ids, at, eps) - nll_with_nudge(tiny_dense, ids, at, -eps)) / (2 * eps)
+        assert sal[layer, name][0].shape == (12, 128)
+        got = float(sal[layer, name][0][t, j]) ** 0.5
+        assert abs(fd) > 5e-3 and abs(got - abs(fd)) < 1e-4 + 1e-2 * abs(fd), (at, fd, got)
+    assert all(float(s[0][-1].abs().max()) == 0 for s in sal.values())
+
+
+def test_saliency_groups_sum_rows_and_ignore_batching(tiny_dense: Transformer) -> None:
+    """Row groups are sums of the rows' saliencies; ragged sequences batched together (padded, masked) get what
+    each gets alone."""
+    calib = [sample_calibration(tiny_dense, 1, n, first_tokens=list(range(64)), seed=n)[0] for n in (9, 14, 5)]
+    alone = output_saliency(tiny_dense, calib, groups=4, batch_size=1, progress=False)
+    together = output_saliency(tiny_dense, calib, groups=4, batch_size=3, progress=False)
+    one = output_saliency(tiny_dense, calib, groups=1, batch_size=3, progress=False)
+    for key in alone:
+        assert [s.shape for s in alone[key]] == [(9, 4), (14, 4), (5, 4)]
+        for a, b, c in zip(alone[key], together[key], one[key]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-9)
+            torch.testing.assert_close(a.sum(-1, keepdim=True), c, rtol=1e-4, atol=1e-9)
+    assert [len(r) for r in row_groups(10, 3)] == [4, 3, 3]
+    with pytest.raises(ValueError, match="groups"):
+        row_groups(4, 5)
+
+
+def test_guided_rows_use_their_own_hessian() -> None:
+    """Each row group is GPTQ against ``2/n sum_t s_tr x_t x_t^T``; a saliency of ones is plain GPTQ."""
+    torch.manual_seed(0)
+    w, x = 0.1 * torch.randn(24, 64), correlated_inputs(200, 64, seed=1)
+    xs = [x[:120], x[120:]]
+    sal = [torch.rand(120, 3), torch.rand(80, 3)]
+    got = dequantize(_gptq_linear(Linear(w), xs, 32, saliency=sal, act_order="static").weight)
+    s = torch.cat(sal)
+    for r, rows in enumerate(row_groups(24, 3)):
+        h = 2 / 200 * (x.T * s[:, r]) @ x
+        torch.testing.assert_close(got[rows], gptq_dense(w[rows], h, 32, act_order="static"), rtol=1e-4, atol=1e-5)
+    ones = _gptq_linear(Linear(w), xs, 32, saliency=[torch.ones(120, 1), torch.ones(80, 1)])
+    plain = _gptq_linear(Linear(w), xs, 32)
+    torch.testing.assert_close(dequantize(ones.weight), dequantize(plain.weight), rtol=1e-4, atol=1e-5)
+
+
+def test_guided_gptq_model(tiny_dense: Transformer) -> None:
+    """Guided GPTQ quantizes every projection, keeps the dense parts, and refuses act_order='perm' (one stored
+    input order for rows with different Hessians)."""
+    calib = sample_calibration(tiny_dense, 8, 24, first_tokens=list(range(64)), seed=0)
+    sal = output_saliency(tiny_dense, calib, groups=4, progress=False)
+    q = quantize_gptq(tiny_dense, calib, group_size=32, saliency=sal, progress=False)
+    assert all(isinstance(getattr(l, n).weight, Int4Weight) and getattr(l, n).perm is None
+               for l in q.layers for n in ("qkv", "o", "gate_up", "down"))
+    assert q.embed is tiny_dense.embed and q.lm_head is tiny_dense.lm_head
+    ids = calib[0]
+    assert torch.isfinite(logits_all(q, ids)).all()
+    with pytest.raises(ValueError, match="perm"):
+        quantize_gptq(tiny_dense, calib, group_size=32, act_order="perm", saliency=sal, progress=False)
+
+
+def test_dense_targets_aim_at_the_dense_outputs() -> None:
+    """With the dense model's inputs as targets, GPTQ fits ``W x_dense`` from the quantized inputs ``x``: when
+    ``x_dense = x P`` its outputs land far closer to the dense ones than plain GPTQ's (which fits ``W x``), and
+    targets equal to the inputs change nothing."""
+    torch.manual_seed(1)
+    w, x = 0.1 * torch.randn(32, 64), correlated_inputs(400, 64, seed=2)
+    p = torch.eye(64) + 0.05 * torch.randn(64, 64)
+    xs, ts = [x[:250], x[250:]], [x[:250] @ p, x[250:] @ p]
+    want = x @ p @ w.T
+    aimed = dequantize(_gptq_linear(Linear(w), xs, 32, targets=ts).weight)
+    plain = dequantize(_gptq_linear(Linear(w), xs, 32).weight)
+    err = {name: float(((x @ q.T - want) ** 2).mean()) for name, q in (("aimed", aimed), ("plain", plain))}
+    assert err["aimed"] < 0.5 * err["plain"], err
+    same = _gptq_linear(Linear(w), xs, 32, targets=xs)
+    assert torch.equal(same.weight.qweight, _gptq_linear(Linear(w), xs, 32).weight.qweight)
+    guided = _gptq_linear(Linear(w), xs, 32, saliency=[torch.ones(250, 2), torch.ones(150, 2)], targets=ts)
+    torch.testing.assert_close(dequantize(guided.weight), aimed, rtol=1e-4, atol=1e-5)
+
+
+def test_dense_targets_follow_the_dense_model(tiny_dense: Transformer) -> None:
+    """The dense stream ``quantize_gptq(dense_targets=True)`` carries beside the quantized one is the dense model's
+    own forward: after every layer it gives dense's logits. The first projection sees equal inputs on both
+    streams, so it is plain GPTQ's."""
+    calib = sample_calibration(tiny_dense, 6, 20, first_tokens=list(range(64)), seed=1)
+    hs = [tiny_dense.embed[torch.tensor(s)] for s in calib]
+    dense_hs = list(hs)
+    for layer in tiny_dense.layers:
+        _, hs, dense_hs = _quantize_layer(tiny_dense, layer, hs, dict(group_size=32), None, dense_hs)
+    logits = tiny_dense.lm_head(rms_norm(dense_hs[2], tiny_dense.norm, tiny_dense.config.rms_norm_eps))
+    torch.testing.assert_close(logits, logits_all(tiny_dense, calib[2]), rtol=1e-4, atol=1e-4)
+    aimed = quantize_gptq(tiny_dense, calib, group_size=32, dense_targets=True, progress=False)
+    plain = quantize_gptq(tiny_dense, calib, group_size=32, progress=False)
+    assert torch.equal(aimed.layers[0].qkv.weight.qweight, plain.layers[0].qkv.weight.qweight)
+    assert not torch.equal(aimed.layers[1].qkv.weight.qweight, plain.layers[1].qkv.weight.qweight)
