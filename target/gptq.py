@@ -69,6 +69,8 @@ ActOrder = Literal["off", "static", "group", "perm"]
 ACT_ORDERS: tuple[str, ...] = get_args(ActOrder)
 DEFAULT_ACT_ORDER: ActOrder = "static"
 DEFAULT_MSE = True
+# end-loss guidance (``output_saliency``) in this many row groups, and dense targets (``quantize_gptq``)
+DEFAULT_GUIDED, DEFAULT_DENSE_TARGETS = 8, False
 CALIB_SEQS, CALIB_LEN = 128, 256  # what ``cached_gptq`` samples: 5 to 10 minutes on two CPU cores for 135M
 # ``cached_gptq(tune_steps=...)`` tunes scales on this many more sampled sequences (seed 1): on SmolLM2, 512 were
 # overfit within an epoch (bench/results/quant_tuned.json), so there are enough for a few hundred steps of 8
@@ -359,12 +361,10 @@ def _gptq_linear(lin: Linear, inputs: list[torch.Tensor], group_size: int,
     n = 0
     for j, x in enumerate(inputs):  # x: [T, K]
         xf = x.float()
-        # [R, K, T]: each row group's tokens weighed by their saliency
-        xs = xf.T[None] if saliency is None else xf.T[None] * saliency[j].to(xf.device).T[:, None, :]
-        h.baddbmm_(xs, xf.expand(R, -1, -1))
+        sal = 1.0 if saliency is None else saliency[j].to(xf.device).T[:, None, :]  # [R, 1, T]: tokens' weights
+        h.baddbmm_(xf.T[None] * sal, xf.expand(R, -1, -1))  # [R, K, T] @ [R, T, K]
         if shift is not None:
-            d = (targets[j].float() - xf).T[None]  # [1, K, T]
-            shift.baddbmm_(d if saliency is None else d * saliency[j].to(xf.device).T[:, None, :], xf.expand(R, -1, -1))
+            shift.baddbmm_((targets[j].float() - xf).T[None] * sal, xf.expand(R, -1, -1))
         n += xf.shape[0]
     h.mul_(2 / n)
     w = lin.weight.float()
@@ -446,7 +446,8 @@ def output_saliency(model: Transformer, calib: list[list[int]], groups: int, bat
     Fisher information of the outputs: the curvature of ``KL(dense || quantized)``, what quantization should
     keep small. Gradients are taken on the dense model, in float32, over whole sequences (a token's gradient
     includes what later tokens' losses owe it through attention).
-    Returns ``[T, R]`` per sequence, per ``(layer, name)`` of ``target.qtune.PROJ_NAMES``.
+    Returns ``[T, R]`` per sequence, per ``(layer, name)`` of ``target.qtune.PROJ_NAMES`` (R = ``groups``, or a
+    projection's row count where that is smaller).
     """
     if not calib or any(len(s) < 2 for s in calib):
         raise ValueError("saliency needs calibration sequences of at least two tokens")
@@ -468,7 +469,8 @@ def output_saliency(model: Transformer, calib: list[list[int]], groups: int, bat
         (nll * mask[:, 1:].flatten()).sum().backward()
         for key, p in probes.items():
             g2 = p.grad.square()  # [B, T, N]
-            s = torch.stack([g2[..., rows].sum(-1) for rows in row_groups(g2.shape[-1], groups, g2.device)], -1)
+            cuts = row_groups(g2.shape[-1], min(groups, g2.shape[-1]), g2.device)  # a narrow projection: one row each
+            s = torch.stack([g2[..., rows].sum(-1) for rows in cuts], -1)
             out.setdefault(key, []).extend(s[b, :len(seq)].detach().cpu() for b, seq in enumerate(seqs))
     return out
 
@@ -540,14 +542,18 @@ def text_windows(ids: list[int], num_seqs: int, seq_len: int, seed: int = 0) -> 
 
 def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, group_size: int = 128,
                 act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, damp: float = 0.01,
+                guided: int = DEFAULT_GUIDED, dense_targets: bool = DEFAULT_DENSE_TARGETS,
                 num_seqs: int = CALIB_SEQS, seq_len: int = CALIB_LEN, tune_steps: int = 0, tune_seqs: int = TUNE_SEQS,
                 tune: TuneConfig = SERVE_TUNE, log: Callable[[str], None] = print) -> Transformer:
     """GPTQ ``model`` (built from ``ckpt``) once per checkpoint and settings; later calls reload the result
     saved under ``cache_root`` in our format. Calibration: ``num_seqs`` sequences sampled from the model.
+    ``guided``: row groups of the end-loss guidance (``output_saliency``; 0 for none); ``dense_targets``: see
+    ``quantize_gptq``.
     ``tune_steps``: then tune as ``tune`` says (by default the scales, zeros, norms and codes) on ``tune_seqs``
     more sampled sequences, on the model's device (minutes on a GPU; far slower on a CPU)."""
     settings = {"method": "gptq", "group_size": group_size, "act_order": act_order, "mse": mse, "damp": damp,
-                "zeros": "fractional", "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype)}
+                "zeros": "fractional", "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype),
+                "guided": guided, "dense_targets": dense_targets}
     if tune_steps:
         tune = replace(tune, steps=tune_steps)  # the config in force, as the key records it
         settings["tune"] = f"{tune_steps} steps on {tune_seqs}x{seq_len} sampled with seed 1, {tune}"
@@ -561,7 +567,11 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
     first = [i for i in range(min(ckpt.config.vocab_size, len(ckpt.tokenizer))) if i not in specials]
     log(f"GPTQ: sampling {num_seqs} calibration sequences of {seq_len} tokens, then quantizing (once)")
     calib = sample_calibration(model, num_seqs, seq_len, first, seed=0)
-    q = quantize_gptq(model, calib, group_size, act_order, mse, damp)
+    saliency = None
+    if guided:
+        log(f"GPTQ: the end loss's gradients over the calibration, in {guided} row groups per projection")
+        saliency = output_saliency(model, calib, guided)
+    q = quantize_gptq(model, calib, group_size, act_order, mse, damp, saliency=saliency, dense_targets=dense_targets)
     if tune_steps:
         parts = ["scales", "zeros"] + ["codes"] * tune.tune_codes + ["norms"] * tune.tune_norms
         log(f"tuning INT4 {', '.join(parts[:-1])} and {parts[-1]} for {tune_steps} steps on {tune_seqs} more "
