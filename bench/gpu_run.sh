@@ -11,12 +11,12 @@
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
 #   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch off and on, 2 runs each
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in parts) and convert it once
-#   bash bench/gpu_run.sh quant      bench/quant.py after `model`: dense bf16, RTN, GPTQ (on CUDA) and GPTQ with tuned
-#                                    scales, norms and codes (target/qtune.py, on CUDA) in one run, perplexity
-#                                    and KL scored on CUDA,
-#                                    into $OUT/quant_pydoc.json (QUANT_ARMS, QUANT_ARGS to change it; carry
-#                                    .cache/quant/calib.json, GPTQ's calibration set, to skip its sampling). Dense,
-#                                    GPTQ and one 600-step tuned arm on 4096 sequences took about 10 minutes
+#   bash bench/gpu_run.sh quant      bench/quant.py after `model`: dense bf16, RTN, guided GPTQ (on CUDA) and guided
+#                                    GPTQ (g128, g64) with tuned scales, norms and codes (target/qtune.py, on CUDA)
+#                                    in one run, perplexity and KL scored on CUDA, into $OUT/quant_pydoc.json
+#                                    (QUANT_ARMS, QUANT_ARGS to change it; carry .cache/quant/calib.json, GPTQ's
+#                                    calibration set, to skip its sampling). Dense, GPTQ and one 600-step tuned arm
+#                                    on 4096 sequences took about 10 minutes
 #                                    (quant_tunecode.json): run it under setsid, poll, and issue each poll at once,
 #                                    since a machine left idle 30 s is released with everything on it
 #   bash bench/gpu_run.sh distill    train the draft for the embedded model (the shipped draft's command)
@@ -82,7 +82,8 @@ for stage in "$@"; do
     quant)  # the log is written as it goes (.cache/quant/quant.log), so a poll can read the run's progress
       mkdir -p .cache/quant
       timeout "${QUANT_TIMEOUT:-540}" python bench/quant.py --arms \
-        "${QUANT_ARMS:-dense_bf16,gptq_g128_act_mse,gptq_g128_act_mse_tunecodenorm600,rtn_g128}" --gptq-device cuda \
+        "${QUANT_ARMS:-dense_bf16,gptq_g128_act_mse_guided8,gptq_g128_act_mse_guided8_tunecodenorm600,gptq_g64_act_mse_guided8_tunecodenorm600,rtn_g128}" \
+        --gptq-device cuda \
         --tune-device cuda --eval-device cuda --calib-cache .cache/quant/calib.json --tune-cache .cache/quant/tune.json \
         --arm-cache .cache/quant/arms --prompts-file .cache/mt_bench.jsonl --out "$OUT/quant_pydoc.json" \
         ${QUANT_ARGS:---tune-seqs 12288 --tune-batch 32} > .cache/quant/quant.log 2>&1

@@ -66,8 +66,9 @@ ARMS_NOTE = ("The embedded GGUF is itself Q4_1 (group 32, min-max grid): 'dense'
              "differ only in down_proj. Arm names: _act alone is act-order with static groups, _act_group group-aware "
              "reordering, _act_perm true act-order stored with an input permutation; _mse searched group grids; "
              "_intzero integer zero points, as GPTQ files store them; _damp0.1 Hessian damping 0.1 (else 0.01); "
-             "_guided{R} each projection's rows in R groups with loss-weighted Hessians (GuidedQuant); _asym each "
-             "projection aimed at the dense model's outputs on its own inputs (GPTAQ's objective). _refit"
+             "_guided{R} each projection's rows in R groups with loss-weighted Hessians (GuidedQuant). _asym rows were "
+             "measured at ecd0b01 and 151ab26 with each projection aimed at the dense model's outputs on its own "
+             "inputs (GPTAQ's asymmetric objective), which did not lower the prose KL and was removed. _refit"
              " rows were measured at cf9db6d with a least-squares grid refit that did not lower kl_to_dense and was "
              "removed. Accepted lengths follow how repetitive each target's own greedy text is (RTN's is the most "
              "repetitive), not its fidelity. quantize_seconds: one thread on a shared machine, indicative only.")
@@ -99,18 +100,18 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
               gptq_device: str = "cpu") -> tuple[Transformer, float | None, dict]:
     """``dense_fp32``, ``dense_bf16``, ``gguf_q4`` (the GGUF's own Q4_0 / Q4_1 blocks repacked, what the server
     runs for a GGUF target under --quantize int4; ``model`` is the --model argument), ``rtn_g{G}`` or
-    ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}][_guided{R}][_asym][_calib{S}x{L}]``, and the seconds
+    ``gptq_g{G}[_act[_group|_perm]][_mse][_intzero][_damp{x}][_guided{R}][_calib{S}x{L}]``, and the seconds
     quantizing took (None when ``cache`` already held the arm), and the arm's own fields for its row.
 
     GPTQ flags: ``act`` alone is act-order with static groups, ``act_group`` group-aware reordering, ``act_perm``
     true act-order stored with an input permutation (``target.gptq``'s ``act_order``); ``mse`` searches each
     group's grid; ``intzero`` gives the integer zero points a GPTQ-format file would hold (our format defaults to
     fractional ones); ``damp{x}`` sets the Hessian damping (0.01 otherwise); ``guided{R}`` cuts each projection's
-    rows into R groups, each with its own loss-weighted Hessian (``target.gptq.output_saliency``); ``asym`` aims
-    each projection at the dense model's outputs on its own inputs (``quantize_gptq``'s ``dense_targets``);
+    rows into R groups, each with its own loss-weighted Hessian (``target.gptq.output_saliency``);
     ``calib{S}x{L}`` names the calibration set (S sequences of L tokens) ``main`` passes as ``calib`` instead of
     --calib-seqs x --calib-len. No flag: natural order, min-max grids.
-    (``_refit`` arms in quant.json were measured with a least-squares grid refit that did not pay and was removed.)
+    (``_refit`` arms in quant.json were measured with a least-squares grid refit that did not pay and was removed;
+    ``_asym`` arms in quant_pydoc.json with GPTAQ's asymmetric objective, likewise.)
 
     ``_tune{N}`` last (any arm before it, RTN too): that arm, then ``N`` steps of ``target.qtune.tune_scales`` on
     ``tuning``'s sequences; its row gets the held-out KL before and after and the loss curve's ends.
@@ -137,8 +138,7 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     G = int(group.removeprefix("g"))
     damps = [float(f.removeprefix("damp")) for f in flags if f.startswith("damp")]
     guided = [int(f.removeprefix("guided")) for f in flags if re.fullmatch(r"guided\d+", f)]
-    unknown = set(flags) - {"act", "group", "perm", "mse", "intzero", "asym"} \
-        - {f for f in flags if f.startswith("damp")} \
+    unknown = set(flags) - {"act", "group", "perm", "mse", "intzero"} - {f for f in flags if f.startswith("damp")} \
         - {f for f in flags if calib_flag(f)} - {f"guided{r}" for r in guided}
     if method not in ("rtn", "gptq") or unknown or (method == "rtn" and flags):
         raise ValueError(f"unknown arm {name!r}")
@@ -151,7 +151,7 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
         saliency = SALIENCY[key] = SALIENCY.get(key) or output_saliency(on, calib, guided[0])
     model = dense.quantize(G) if method == "rtn" else \
         quantize_gptq(on, calib, G, act_order=order, mse="mse" in flags, damp=damps[0] if damps else 0.01,
-                      round_zero="intzero" in flags, saliency=saliency, dense_targets="asym" in flags).to("cpu")
+                      round_zero="intzero" in flags, saliency=saliency).to("cpu")
     secs = time.perf_counter() - t0
     if cache is not None:
         save_quantized(model, cache / name, ck.tokenizer, ck.chat_template, {"method": name})

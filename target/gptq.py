@@ -35,6 +35,14 @@ groups keep whole and ``perm`` groups mix; on other weights ``perm`` may well wi
 grids is the default: the best perplexity of the perm-free orders, no run-time gather, and a K that
 tensor parallelism can split anywhere.
 
+End-loss guidance (``output_saliency``, GuidedQuant) is on by default in 8 row groups: one backward pass of the
+dense model over the calibration weighs each token, per group of output rows, by how much the model's loss
+depends on that output, and each row group gets its own Hessian. GPTAQ's asymmetric objective (aiming each
+projection at the dense model's outputs on the dense model's own inputs, by a ridge fit of the weight before
+GPTQ) was tried and removed: on SmolLM2 it lowered the KL on held-out sampled text but not on held-out prose,
+and together with guidance it raised the prose KL above plain GPTQ's (the ``_asym`` rows of
+bench/results/quant_pydoc.json).
+
 Zero points are fractional by default: GPTQ and AWQ files round them to 4-bit integers because that is
 how they store them, but our layout keeps zeros in the activation dtype, so each group's grid can span
 exactly its [min, max]. ``round_zero=True`` gives the integer grid (``quantize_rtn``'s).
@@ -69,8 +77,7 @@ ActOrder = Literal["off", "static", "group", "perm"]
 ACT_ORDERS: tuple[str, ...] = get_args(ActOrder)
 DEFAULT_ACT_ORDER: ActOrder = "static"
 DEFAULT_MSE = True
-# end-loss guidance (``output_saliency``) in this many row groups, and dense targets (``quantize_gptq``)
-DEFAULT_GUIDED, DEFAULT_DENSE_TARGETS = 8, False
+DEFAULT_GUIDED = 8  # end-loss guidance (``output_saliency``) in this many row groups of each projection
 CALIB_SEQS, CALIB_LEN = 128, 256  # what ``cached_gptq`` samples: 5 to 10 minutes on two CPU cores for 135M
 # ``cached_gptq(tune_steps=...)`` tunes scales on this many more sampled sequences (seed 1): on SmolLM2, 512 were
 # overfit within an epoch (bench/results/quant_tuned.json), so there are enough for a few hundred steps of 8
@@ -266,7 +273,7 @@ def _stored(scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> tupl
 def quantize_gptq(model: Transformer, calib: list[list[int]], group_size: int = 128,
                   act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, damp: float = 0.01,
                   use_zero_point: bool = True, round_zero: bool = False, progress: bool = True,
-                  saliency: Saliency | None = None, dense_targets: bool = False) -> Transformer:
+                  saliency: Saliency | None = None) -> Transformer:
     """A copy of ``model`` whose projections are GPTQ INT4; embeddings, norms and lm_head stay dense.
 
     ``calib``: token id sequences (a few hundred of a few hundred tokens). Deterministic for fixed
@@ -277,8 +284,6 @@ def quantize_gptq(model: Transformer, calib: list[list[int]], group_size: int = 
     ``act_order`` and ``mse``: see the module docstring.
     ``saliency``: ``output_saliency(model, calib, ...)``, which guides each projection's rows by the end loss
     (GuidedQuant, see there); not with ``act_order="perm"``, whose one stored input order all rows share.
-    ``dense_targets``: each projection aims at the dense model's outputs on the dense model's own inputs
-    (GPTAQ's asymmetric objective, see ``_gptq_linear``), not at the dense weight on the quantized inputs.
     """
     if not calib or any(not s for s in calib):
         raise ValueError("calibration needs at least one non-empty sequence")
@@ -288,68 +293,47 @@ def quantize_gptq(model: Transformer, calib: list[list[int]], group_size: int = 
     opts = dict(group_size=group_size, act_order=act_order, mse=mse, damp=damp, use_zero_point=use_zero_point,
                 round_zero=round_zero)
     hs = [model.embed[torch.tensor(s, device=model.device)] for s in calib]  # S x [T, hidden]
-    dense_hs = list(hs) if dense_targets else None
     layers = []
     with torch.inference_mode():
         for i, layer in enumerate(tqdm(model.layers, desc="GPTQ", unit="layer", disable=not progress)):
             guide = None if saliency is None else {name: saliency[i, name] for name in PROJ_NAMES}
-            q_layer, hs, dense_hs = _quantize_layer(model, layer, hs, opts, guide, dense_hs)
+            q_layer, hs = _quantize_layer(model, layer, hs, opts, guide)
             layers.append(q_layer)
     return Transformer(model.config, model.embed, layers, model.norm, model.lm_head, model.dtype)
 
 
 def _quantize_layer(model: Transformer, layer: Layer, hs: list[torch.Tensor], opts: dict,
-                    guide: dict[str, list[torch.Tensor]] | None = None,
-                    dense_hs: list[torch.Tensor] | None = None
-                    ) -> tuple[Layer, list[torch.Tensor], list[torch.Tensor] | None]:
-    """Quantize one layer's four projections in forward order; return it and its outputs on ``hs`` (and with
-    ``dense_hs``, the dense layer's outputs on those: the inputs the dense model itself would see).
+                    guide: dict[str, list[torch.Tensor]] | None = None) -> tuple[Layer, list[torch.Tensor]]:
+    """Quantize one layer's four projections in forward order; return it and its outputs on ``hs``.
 
     Under ``act_order="perm"``, ``o`` is quantized with ``"group"``: its input (the attention output) has no
     producer whose rows could absorb a permutation, and a gathered input could not be split along K under
     tensor parallelism. ``down``'s permutation is folded into ``gate_up``'s rows (``_fold_input_order``).
-    ``guide``: each projection's saliencies (``output_saliency``), by name. ``dense_hs``: GPTQ aims each
-    projection at the dense model's outputs (``_gptq_linear``'s ``targets``).
+    ``guide``: each projection's saliencies (``output_saliency``), by name.
     """
     eps = model.config.rms_norm_eps
     g = guide or {}
-    d: dict[str, list[torch.Tensor]] = {}  # the dense layer's inputs to each projection
-    if dense_hs is not None:
-        d["qkv"] = [rms_norm(h, layer.input_norm, eps) for h in dense_hs]
-        d["o"] = [_attention(model, layer.qkv(x)) for x in d["qkv"]]
-        mid = [layer.o(a, residual=h) for a, h in zip(d["o"], dense_hs)]
-        d["gate_up"] = [rms_norm(h, layer.post_norm, eps) for h in mid]
-        d["down"] = [layer.gate_up.silu_mul(x) for x in d["gate_up"]]
-        dense_hs = [layer.down(a, residual=h) for a, h in zip(d["down"], mid)]
     xs = [rms_norm(h, layer.input_norm, eps) for h in hs]
-    qkv = _gptq_linear(layer.qkv, xs, saliency=g.get("qkv"), targets=d.get("qkv"), **opts)
+    qkv = _gptq_linear(layer.qkv, xs, saliency=g.get("qkv"), **opts)
     attn = [_attention(model, qkv(x)) for x in xs]  # S x [T, H * D]
     o_opts = {**opts, "act_order": "group"} if opts.get("act_order") == "perm" else opts
-    o = _gptq_linear(layer.o, attn, saliency=g.get("o"), targets=d.get("o"), **o_opts)
+    o = _gptq_linear(layer.o, attn, saliency=g.get("o"), **o_opts)
     hs = [o(a, residual=h) for a, h in zip(attn, hs)]
     xs = [rms_norm(h, layer.post_norm, eps) for h in hs]
-    gate_up = _gptq_linear(layer.gate_up, xs, saliency=g.get("gate_up"), targets=d.get("gate_up"), **opts)
+    gate_up = _gptq_linear(layer.gate_up, xs, saliency=g.get("gate_up"), **opts)
     acts = [gate_up.silu_mul(x) for x in xs]  # S x [T, I]
-    down = _gptq_linear(layer.down, acts, saliency=g.get("down"), targets=d.get("down"), **opts)
+    down = _gptq_linear(layer.down, acts, saliency=g.get("down"), **opts)
     hs = [down(a, residual=h) for a, h in zip(acts, hs)]
     gate_up, down = _fold_input_order(gate_up, down)
-    return replace(layer, qkv=qkv, o=o, gate_up=gate_up, down=down), hs, dense_hs
+    return replace(layer, qkv=qkv, o=o, gate_up=gate_up, down=down), hs
 
 
 def _gptq_linear(lin: Linear, inputs: list[torch.Tensor], group_size: int,
-                 saliency: list[torch.Tensor] | None = None, targets: list[torch.Tensor] | None = None,
-                 damp: float = 0.01, **opts) -> Linear:
+                 saliency: list[torch.Tensor] | None = None, **opts) -> Linear:
     """Accumulate ``H = 2/n sum x^T x`` over every calibration token, then GPTQ the weight.
 
     With ``saliency`` (one ``[T, R]`` per input, ``output_saliency``), the rows are cut into R contiguous groups
     and group r is quantized against its own ``H_r = 2/n sum_t s_tr x_t^T x_t``.
-
-    ``targets``: the dense model's own inputs to this projection (one per input). GPTQ then aims at the dense
-    model's outputs ``W x_dense`` rather than ``W x`` on the quantized model's inputs ``x`` (the asymmetric
-    objective of GPTAQ, "GPTAQ: Efficient Finetuning-Free Quantization for Asymmetric Calibration", Li et al.
-    2025). ``|Q x - W x_dense|^2`` is ``|(Q - W') x|^2`` plus a constant, where ``W'`` is the least-squares fit
-    of ``W x_dense`` from ``x``; this fits ``W'`` first (ridge towards ``W``, at GPTQ's damping:
-    ``W' = W + W (B - A) (A + damp I)^-1``, ``A = sum x x^T``, ``B = sum x_dense x^T``) and runs plain GPTQ on it.
     """
     if isinstance(lin.weight, Int4Weight):
         return lin
@@ -357,28 +341,18 @@ def _gptq_linear(lin: Linear, inputs: list[torch.Tensor], group_size: int,
     G = int4_group_size(K, group_size)
     R = 1 if saliency is None else saliency[0].shape[1]
     h = torch.zeros(R, K, K, device=lin.weight.device)
-    shift = None if targets is None else torch.zeros_like(h)  # sum s (x_dense - x) x^T: B - A
     n = 0
     for j, x in enumerate(inputs):  # x: [T, K]
         xf = x.float()
         sal = 1.0 if saliency is None else saliency[j].to(xf.device).T[:, None, :]  # [R, 1, T]: tokens' weights
         h.baddbmm_(xf.T[None] * sal, xf.expand(R, -1, -1))  # [R, K, T] @ [R, T, K]
-        if shift is not None:
-            shift.baddbmm_((targets[j].float() - xf).T[None] * sal, xf.expand(R, -1, -1))
         n += xf.shape[0]
     h.mul_(2 / n)
-    w = lin.weight.float()
-    parts = []
-    for r, rows in enumerate(row_groups(N, R, lin.weight.device)):
-        wr = w[rows]
-        if shift is not None:
-            a = h[r] / (2 / n)
-            a.diagonal().add_(damp * a.diagonal().mean())
-            wr = wr + torch.linalg.solve(a, (wr @ shift[r]).T).T  # A symmetric: (W S) A^-1 = (A^-1 (W S)^T)^T
-        parts.append(gptq_quantize(wr.to(lin.weight.dtype), h[r], G, dtype=lin.weight.dtype, damp=damp, **opts))
     if R == 1:
-        return int4_linear(parts[0][0], lin.bias, parts[0][1])
-    qs = [p[0] for p in parts]
+        q, perm = gptq_quantize(lin.weight, h[0], G, dtype=lin.weight.dtype, **opts)
+        return int4_linear(q, lin.bias, perm)
+    qs = [gptq_quantize(lin.weight[rows], h[r], G, dtype=lin.weight.dtype, **opts)[0]
+          for r, rows in enumerate(row_groups(N, R, lin.weight.device))]
     zeros = None if qs[0].zeros is None else torch.cat([q.zeros for q in qs], dim=1)
     q = Int4Weight(torch.cat([q.qweight for q in qs], dim=1), torch.cat([q.scales for q in qs], dim=1), zeros, G)
     return int4_linear(q, lin.bias, None)
@@ -542,18 +516,17 @@ def text_windows(ids: list[int], num_seqs: int, seq_len: int, seed: int = 0) -> 
 
 def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, group_size: int = 128,
                 act_order: ActOrder = DEFAULT_ACT_ORDER, mse: bool = DEFAULT_MSE, damp: float = 0.01,
-                guided: int = DEFAULT_GUIDED, dense_targets: bool = DEFAULT_DENSE_TARGETS,
+                guided: int = DEFAULT_GUIDED,
                 num_seqs: int = CALIB_SEQS, seq_len: int = CALIB_LEN, tune_steps: int = 0, tune_seqs: int = TUNE_SEQS,
                 tune: TuneConfig = SERVE_TUNE, log: Callable[[str], None] = print) -> Transformer:
     """GPTQ ``model`` (built from ``ckpt``) once per checkpoint and settings; later calls reload the result
     saved under ``cache_root`` in our format. Calibration: ``num_seqs`` sequences sampled from the model.
-    ``guided``: row groups of the end-loss guidance (``output_saliency``; 0 for none); ``dense_targets``: see
-    ``quantize_gptq``.
+    ``guided``: row groups of the end-loss guidance (``output_saliency``; 0 for none).
     ``tune_steps``: then tune as ``tune`` says (by default the scales, zeros, norms and codes) on ``tune_seqs``
     more sampled sequences, on the model's device (minutes on a GPU; far slower on a CPU)."""
     settings = {"method": "gptq", "group_size": group_size, "act_order": act_order, "mse": mse, "damp": damp,
                 "zeros": "fractional", "calibration": f"sampled {num_seqs}x{seq_len} seed 0", "dtype": str(model.dtype),
-                "guided": guided, "dense_targets": dense_targets}
+                "guided": guided}
     if tune_steps:
         tune = replace(tune, steps=tune_steps)  # the config in force, as the key records it
         settings["tune"] = f"{tune_steps} steps on {tune_seqs}x{seq_len} sampled with seed 1, {tune}"
@@ -571,7 +544,7 @@ def cached_gptq(model: Transformer, ckpt: LoadedCheckpoint, cache_root: Path, gr
     if guided:
         log(f"GPTQ: the end loss's gradients over the calibration, in {guided} row groups per projection")
         saliency = output_saliency(model, calib, guided)
-    q = quantize_gptq(model, calib, group_size, act_order, mse, damp, saliency=saliency, dense_targets=dense_targets)
+    q = quantize_gptq(model, calib, group_size, act_order, mse, damp, saliency=saliency)
     if tune_steps:
         parts = ["scales", "zeros"] + ["codes"] * tune.tune_codes + ["norms"] * tune.tune_norms
         log(f"tuning INT4 {', '.join(parts[:-1])} and {parts[-1]} for {tune_steps} steps on {tune_seqs} more "
