@@ -39,9 +39,8 @@ End-loss guidance (``output_saliency``, GuidedQuant) is on by default in 8 row g
 dense model over the calibration weighs each token, per group of output rows, by how much the model's loss
 depends on that output, and each row group gets its own Hessian. GPTAQ's asymmetric objective (aiming each
 projection at the dense model's outputs on the dense model's own inputs, by a ridge fit of the weight before
-GPTQ) was tried and removed: on SmolLM2 it lowered the KL on held-out sampled text but not on held-out prose,
-and together with guidance it raised the prose KL above plain GPTQ's (the ``_asym`` rows of
-bench/results/quant_pydoc.json).
+GPTQ) was tried and removed: on SmolLM2 it did not lower the KL on held-out prose, and together with guidance
+it raised it above plain GPTQ's (the ``_asym`` rows of bench/results/quant_pydoc.json).
 
 Zero points are fractional by default: GPTQ and AWQ files round them to 4-bit integers because that is
 how they store them, but our layout keeps zeros in the activation dtype, so each group's grid can span
