@@ -457,14 +457,20 @@ def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text
            "calibration": f"{args.calib_seqs} x {args.calib_len} tokens sampled from the dense model (seed 0)",
            "note": (PYDOC_NOTE.format(scored=scored) if args.ppl_text == "pydoc" else FILE_NOTE) + ARMS_NOTE,
            "rows": [{**r, "date": date, "commit": commit} for r in rows]}
+    out["rows"] = [{**r, "device": out["device"]} for r in out["rows"]]
     path = Path(args.out)
     old = json.loads(path.read_text()) if path.is_file() else {}
     same = ("model", "perplexity_text", "greedy_agreement", "mean_accepted_length", "calibration")
     if all(old.get(k) == out[k] for k in same):
         new = {r["method"]: r for r in out["rows"]}
-        stamp = {"date": old["date"], "commit": old["commit"]}  # rows written before rows carried their own
+        # rows written before rows carried their own stamp take the file's
+        stamp = {"date": old["date"], "commit": old["commit"], "device": old.get("device")}
         kept = [new.pop(r["method"], {**stamp, **r}) for r in old["rows"]]
         out["rows"] = kept + list(new.values())
+        # the file's note may hold sentences written by hand about the kept rows
+        out["note"] = old.get("note", out["note"])
+        devices = {r["device"] for r in out["rows"]}
+        out["device"] = devices.pop() if len(devices) == 1 else "each row names its own"
     out["rows"] = ratios(out["rows"])
     path.write_text(json.dumps(out, indent=2) + "\n")
 

@@ -1,0 +1,158 @@
+"""Is greedy speculative output token-identical to plain decoding on this device, and where it is not, were the
+flips near-ties? One run per dtype on a random INT4 model of SmolLM2-135M's shape (no download), through the
+engine: plain decoding against the n-gram drafter and the self-draft, each with a fixed tree.
+
+    python bench/greedy_identity.py [--device cuda] [--dtypes float32,bfloat16] [--batches 1,8]
+                                    [--prompts 16] [--max-tokens 96] [--out bench/results/greedy_identity.json]
+
+Speculation keeps the target's argmax at every position, so in exact arithmetic the outputs are equal. A verify
+step scores a tree of M > 1 rows where plain decoding scores one, and the kernels pick other reduction orders for
+other M (split-K, tensor cores, tree attention): the logits differ in their last bits. In float32 that moves an
+argmax only where two logits tie to ~1e-6; in bfloat16 activations, where they tie to ~1e-2. For each first
+divergence the script reports the gap between the two tokens' logits, scored in float32 over the plain arm's
+prefix (``target.qtune.sequence_logits``), beside the median gap between the top two logits over all plain
+positions: flips at gaps far below that median are rounding, a flip at a wide gap would be a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import provenance  # noqa: E402
+from draft.model_drafter import ModelDrafter  # noqa: E402
+from draft.ngram import NgramDrafter  # noqa: E402
+from draft.params import SpeculationParams  # noqa: E402
+from gateway.budget import BudgetConfig  # noqa: E402
+from gateway.engine import Engine, EngineConfig  # noqa: E402
+from gateway.scheduler import SchedulerConfig  # noqa: E402
+from target.config import ModelConfig  # noqa: E402
+from target.loader import expected_weights  # noqa: E402
+from target.model import Transformer  # noqa: E402
+from target.qtune import sequence_logits  # noqa: E402
+from verify.sampling import SamplingParams  # noqa: E402
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+               num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+
+
+def random_target(shape: dict, dtype: torch.dtype, device: str, group: int, seed: int = 0) -> Transformer:
+    """INT4 (RTN, ``group``) with random weights. Embeddings at 0.5 and projections at 1/sqrt(K) give logits
+    with top-two gaps of the order of a trained model's."""
+    cfg = ModelConfig(family="llama", rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=2048,
+                      eos_token_ids=(), **shape)
+    g = torch.Generator().manual_seed(seed)
+    w = {}
+    for name, s in expected_weights(cfg).items():
+        if name.endswith("norm.weight"):
+            w[name] = 1.0 + 0.1 * torch.randn(s, generator=g)
+        else:
+            w[name] = torch.randn(s, generator=g) * (0.5 if "embed" in name or "lm_head" in name else s[-1] ** -0.5)
+    return Transformer.from_weights(cfg, w, dtype, device).quantize(group)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int, spec: SpeculationParams):
+    out, steps = [], 0
+    sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(0, len(prompts), batch):
+        ids = [f"r{j}" for j in range(i, min(i + batch, len(prompts)))]
+        toks: dict[str, list[int]] = {r: [] for r in ids}
+        for r, p in zip(ids, prompts[i : i + batch]):
+            engine.add(r, p, sampling, spec)
+        while engine.has_work():
+            steps += 1
+            for o in engine.step():
+                assert o.error is None, o.error
+                toks[o.request_id] += o.new_token_ids
+        out += [toks[r] for r in ids]
+    return out, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--tree", default="2,2,2,1")
+    ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--small", action="store_true", help="a 4-layer, 64-wide model (a CPU smoke run)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "greedy_identity.json"))
+    args = ap.parse_args()
+    shape = dict(SMOLLM2)
+    if args.small:
+        shape.update(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                     num_kv_heads=2, head_dim=16)
+    tree = tuple(int(x) for x in args.tree.split(","))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, shape["vocab_size"], (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 64, (args.prompts,), generator=g)]
+    rows = []
+    for dname in args.dtypes.split(","):
+        dtype = getattr(torch, dname)
+        target = random_target(shape, dtype, args.device, args.group)
+        most = max(int(b) for b in args.batches.split(",")) * (1 + sum(tree))
+        ecfg = EngineConfig(num_blocks=2048, page_size=16, scheduler=SchedulerConfig(
+            max_model_len=512, max_step_tokens=max(1024, most),
+            budget=BudgetConfig(min_gain=0.0, max_verify_tokens=max(64, most), cost_aware=False)))
+        drafters = {"ngram": NgramDrafter(),
+                    "self": ModelDrafter("self", target.truncated(shape["num_layers"] * 4 // 5), ecfg.num_blocks,
+                                         ecfg.page_size)}
+        engine = Engine(target, drafters, ecfg)
+        engine.capture_graphs()
+        gap_cache: dict[int, torch.Tensor] = {}
+
+        def logits(j: int, plain: list[int]) -> torch.Tensor:  # float32 logits over prompt j + its plain output
+            if j not in gap_cache:
+                ids = torch.tensor([prompts[j] + plain], device=args.device)
+                gap_cache[j] = sequence_logits(target, ids)[0, len(prompts[j]) - 1 :].float().cpu()
+            return gap_cache[j]
+
+        for b in (int(x) for x in args.batches.split(",")):
+            plain, plain_steps = run(engine, prompts, b, args.max_tokens, SpeculationParams(enabled=False))
+            top2 = [float(v[0] - v[1]) for j in range(len(prompts)) for v in logits(j, plain[j]).topk(2).values]
+            for name in drafters:
+                spec, steps = run(engine, prompts, b, args.max_tokens, SpeculationParams(drafter=name, tree=tree))
+                flips = []
+                for j, (p, s) in enumerate(zip(plain, spec)):
+                    i = first_divergence(p, s)
+                    if i is not None:
+                        lg = logits(j, p)[i]
+                        flips.append({"prompt": j, "position": i, "plain": p[i], "spec": s[i],
+                                      "gap": round(float(lg[p[i]] - lg[s[i]]), 5)})
+                rows.append({"dtype": dname, "batch": b, "drafter": name, "tree": list(tree),
+                             "identical": len(prompts) - len(flips), "prompts": len(prompts),
+                             "engine_steps": steps, "plain_engine_steps": plain_steps,
+                             "median_top2_gap": round(statistics.median(top2), 4), "flips": flips})
+                print({k: v for k, v in rows[-1].items() if k != "flips"},
+                      [(f["position"], f["gap"]) for f in flips], flush=True)
+        del engine, target
+    dev = (f"cuda {torch.cuda.get_device_name()}" if args.device == "cuda"
+           else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
+    res = {"date": datetime.date.today().isoformat(), "device": dev, "commit": provenance.commit(),
+           "torch": torch.__version__, "model": f"random INT4 (RTN g{args.group}) of shape {shape}",
+           "max_tokens": args.max_tokens, "rows": rows,
+           "note": ("identical: prompts whose greedy output with that drafter equals plain decoding's, token for token. "
+                    "flips: each other prompt's first differing position and the float32 logit gap there between "
+                    "plain decoding's token and the speculative one (prefix: plain decoding's). median_top2_gap: the "
+                    "median top-1 minus top-2 logit over every plain position, for scale.")}
+    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
