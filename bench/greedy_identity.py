@@ -141,7 +141,6 @@ def main() -> None:
                              "median_top2_gap": round(statistics.median(top2), 4), "flips": flips})
                 print({k: v for k, v in rows[-1].items() if k != "flips"},
                       [(f["position"], f["gap"]) for f in flips], flush=True)
-        del engine, target
     dev = (f"cuda {torch.cuda.get_device_name()}" if args.device == "cuda"
            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
     res = {"date": datetime.date.today().isoformat(), "device": dev, "commit": provenance.commit(),
