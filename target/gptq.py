@@ -78,12 +78,14 @@ DEFAULT_ACT_ORDER: ActOrder = "static"
 DEFAULT_MSE = True
 DEFAULT_GUIDED = 8  # end-loss guidance (``output_saliency``) in this many row groups of each projection
 CALIB_SEQS, CALIB_LEN = 128, 256  # what ``cached_gptq`` samples: 5 to 10 minutes on two CPU cores for 135M
-# ``cached_gptq(tune_steps=...)`` tunes scales on this many more sampled sequences (seed 1): on SmolLM2, 512 were
-# overfit within an epoch (bench/results/quant_tuned.json), so there are enough for a few hundred steps of 8
-TUNE_SEQS = 4096
-# what --gptq-tune-steps trains: scales, zeros, norms and codes, 16 sequences a step (the recipe of
-# bench/results/quant_tunecode.json, which took SmolLM2's GPTQ g128 from +6.8% to +3.8% perplexity)
-SERVE_TUNE = TuneConfig(batch_size=16, tune_norms=True, tune_codes=True)
+# ``cached_gptq(tune_steps=...)`` tunes on this many more sampled sequences (seed 1): on SmolLM2, 512 were
+# overfit within an epoch (bench/results/quant_tuned.json), and 4096 at 16 a step cut the held-out KL by 37%
+# (quant_tunecode.json)
+TUNE_SEQS = 8192
+# what --gptq-tune-steps trains: scales, zeros, norms and codes, 32 sequences a step. The recipe of
+# bench/results/quant_pydoc_gpu.json: 600 steps after guided GPTQ at group 64 took SmolLM2 from +5.1% to +2.9%
+# perplexity over dense bf16 (600 steps after plain GPTQ at g128, 16 a step on 4096: +6.8% to +3.8%)
+SERVE_TUNE = TuneConfig(batch_size=32, tune_norms=True, tune_codes=True)
 # by name, for LoadConfig.gptq_tune: "scales" trains scales and zeros alone. The code offsets and their Adam
 # moments hold 16 bytes per weight in training (about 112 GB for an 8B model), the scales' a few percent of that
 TUNE_RECIPES = {"all": SERVE_TUNE, "scales": replace(SERVE_TUNE, tune_norms=False, tune_codes=False)}
