@@ -113,7 +113,8 @@ def main() -> None:
                      "draft_cost_ratio": cost.get(name) or cost.get("draft" + name[6:]) if name in arms else None,
                      "tokens_per_s": round(best, 2), "runs_tok_s": [round(x, 2) for x in tok_s],
                      "speedup_vs_off": round(best / max(runs[("off", temp)]), 3),
-                     "identical_to_off": temp > 0 or outputs[(name, temp)] == outputs[("off", temp)]})
+                     "identical_to_off": None if temp > 0 else sum(
+                         a == b for a, b in zip(outputs[(name, temp)], outputs[("off", temp)]))})
         print(rows[-1], flush=True)
     dev = ("cuda " + torch.cuda.get_device_name()) if cuda else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
     res = {"date": datetime.date.today().isoformat(), "device": dev, "commit": provenance.commit(),
@@ -124,7 +125,7 @@ def main() -> None:
            "note": ("draft_cost_ratio: median decode forward (batch as given, 1 token each after 128 cached) of the "
                     "draft with that head over the target's" + (", both replayed from CUDA graphs" if cuda else "")
                     + ". tokens_per_s: the best round's output tokens over wall time (prefill included); ratios are "
-                    "within this run. identical_to_off: greedy output equals the plain arm's (T>0: not compared).")}
+                    "within this run. identical_to_off: prompts whose greedy output equals the plain arm's (T>0: not compared).")}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     plot(res, Path(args.out).with_suffix(".png"))
 
