@@ -106,9 +106,10 @@ def main() -> None:
     for dname in args.dtypes.split(","):
         dtype = getattr(torch, dname)
         target = random_target(shape, dtype, args.device, args.group)
-        most = max(int(b) for b in args.batches.split(",")) * (1 + sum(tree))
+        widest = max(int(b) for b in args.batches.split(","))
+        most = widest * (1 + sum(tree))
         ecfg = EngineConfig(num_blocks=2048, page_size=16, scheduler=SchedulerConfig(
-            max_model_len=512, max_step_tokens=max(1024, most),
+            max_running=widest, max_model_len=512, max_step_tokens=max(1024, most),
             budget=BudgetConfig(min_gain=0.0, max_verify_tokens=max(64, most), cost_aware=False)))
         drafters = {"ngram": NgramDrafter(),
                     "self": ModelDrafter("self", target.truncated(shape["num_layers"] * 4 // 5), ecfg.num_blocks,
