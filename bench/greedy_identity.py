@@ -85,7 +85,7 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int, s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -102,7 +102,20 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, shape["vocab_size"], (int(n),), generator=g).tolist()
                for n in torch.randint(16, 64, (args.prompts,), generator=g)]
-    rows = []
+    rows: list[dict] = []
+    dev = (f"cuda {torch.cuda.get_device_name()}" if args.device == "cuda"
+           else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
+
+    def save() -> None:  # after every row: a run stopped at its time limit keeps what it measured
+        res = {"date": datetime.date.today().isoformat(), "device": dev, "commit": provenance.commit(),
+               "torch": torch.__version__, "model": f"random INT4 (RTN g{args.group}) of shape {shape}",
+               "max_tokens": args.max_tokens, "rows": rows,
+               "note": ("identical: prompts whose greedy output with that drafter equals plain decoding's, token for "
+                        "token. flips: each other prompt's first differing position and the float32 logit gap there "
+                        "between plain decoding's token and the speculative one (prefix: plain decoding's). "
+                        "median_top2_gap: the median top-1 minus top-2 logit over every plain position, for scale.")}
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+
     for dname in args.dtypes.split(","):
         dtype = getattr(torch, dname)
         target = random_target(shape, dtype, args.device, args.group)
@@ -142,16 +155,8 @@ def main() -> None:
                              "median_top2_gap": round(statistics.median(top2), 4), "flips": flips})
                 print({k: v for k, v in rows[-1].items() if k != "flips"},
                       [(f["position"], f["gap"]) for f in flips], flush=True)
-    dev = (f"cuda {torch.cuda.get_device_name()}" if args.device == "cuda"
-           else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
-    res = {"date": datetime.date.today().isoformat(), "device": dev, "commit": provenance.commit(),
-           "torch": torch.__version__, "model": f"random INT4 (RTN g{args.group}) of shape {shape}",
-           "max_tokens": args.max_tokens, "rows": rows,
-           "note": ("identical: prompts whose greedy output with that drafter equals plain decoding's, token for token. "
-                    "flips: each other prompt's first differing position and the float32 logit gap there between "
-                    "plain decoding's token and the speculative one (prefix: plain decoding's). median_top2_gap: the "
-                    "median top-1 minus top-2 logit over every plain position, for scale.")}
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+                save()
+    save()
 
 
 if __name__ == "__main__":
