@@ -42,9 +42,10 @@ class ModelDrafter:
         self.graphs: CudaGraphRunner | None = None
         if graphs and model.device.type == "cuda":
             self.graphs = CudaGraphRunner(model, self.cache, max_blocks, max_nodes=CATCH_UP_NODES)
-        # Greedy trees grow on the device (draft/tree_loop.py); False keeps them on the host builder (tests).
+        # Trees grow on the device (draft/tree_loop.py); False keeps them on the host builder (tests).
         self.device_loop = True
         self.loop = GreedyTreeLoop(model, self.cache, max_blocks, graphs, vocab_ids=self.vocab_ids)
+        self.loop.runner = self.graphs
         self._tables: dict[str, BlockTable] = {}
         self._cached: dict[str, int] = {}
         self._fed: dict[str, list[int]] = {}  # a cut tree's node -> the loop's node (whose slot holds its K/V)
@@ -103,6 +104,27 @@ class ModelDrafter:
                     tokens, parents, kept = prune_tree(tokens, parents, cum, W, reqs[i].widths)
                     self._fed[reqs[i].seq_id] = kept
                 trees[i] = TokenTree.from_lists(tokens, parents)
+        sampled: dict[tuple[int, ...], list[int]] = {}  # by widths: a sampled tree cannot be grown wider and cut
+        for i, r in enumerate(reqs):
+            if trees[i] is None and not r.sampling.is_greedy and self.device_loop:
+                sampled.setdefault(r.widths, []).append(i)
+        for widths, idx in sampled.items():
+            grown = self.loop.grow_sampled(logits[idx], [reqs[i].context_len for i in idx],
+                                           [self._tables[reqs[i].seq_id] for i in idx], widths,
+                                           [reqs[i].sampling for i in idx], [reqs[i].generator for i in idx],
+                                           None if roots is None else roots[idx])
+            for i, (tokens, parents, valid, q) in zip(idx, grown):
+                tokens[0] = reqs[i].token_ids[-1]
+                if all(valid):
+                    self._fed.pop(reqs[i].seq_id, None)
+                    trees[i] = TokenTree.from_lists(tokens, parents, draft_probs=q)
+                    continue
+                # draws past q's support, which the host builder never adds: cut them (they have no children)
+                kept = [n for n, v in enumerate(valid) if v]
+                index = {n: k for k, n in enumerate(kept)}
+                self._fed[reqs[i].seq_id] = kept
+                trees[i] = TokenTree.from_lists([tokens[n] for n in kept], [-1] + [index[parents[n]] for n in kept[1:]],
+                                                draft_probs=q[kept])
         rest = [i for i, t in enumerate(trees) if t is None]
         if rest:
             built = self._grow_on_host([reqs[i] for i in rest], [self._full(logits[i : i + 1]) for i in rest],

@@ -16,6 +16,16 @@ On CUDA the whole loop -- every level's top-k, bit gathers and draft forward -- 
 (batch bucket, widths): a step replays it after copying in the root logits, positions, slots and block
 tables, then reads tokens and parents back once. Elsewhere the same code runs eagerly.
 
+Sampled trees (``grow_sampled``) run the same loop with the host builder's sampled rule
+(``draft.base._expand_sampled``): each frontier node's share of the level's width by largest remainder of
+its cumulative probability, then that many draws without replacement from the processed draft
+distribution q by an exponential race. The race's noise comes from each request's own generator, drawn
+level by level before the loop in the order the host builder draws it, so a request's tree does not
+depend on its batch. A draw past q's support (top-k, top-p) is kept in the layout but marked invalid, with
+no share of the next level: the caller cuts it, as the host builder never adds it. The loop runs eagerly,
+its draft forwards through the drafter's graph runner when it has one, and the tree comes back with the
+q rows of its nodes in one host copy.
+
 Measured with this loop (bench/results/step_profile.json, H200, SmolLM2 shapes, batch 1, tree 2,2,2,1):
 drafting costs 1.9 ms a step against a 1.3 ms target forward; the loop replaces per-level batch building,
 top-k host copies and Python tree building.
@@ -28,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from draft.base import top_logprobs
+from verify.sampling import SamplingParams, process_rows, race_scores
 from target.batch import ForwardBatch
 from target.graphs import BATCH_BUCKETS
 from target.kv_cache import BlockTable, KVCache
@@ -43,7 +54,8 @@ class _Plan:
     levels: list[tuple[int, int]]  # [lo, hi) node range of each level, level 0 = the root
     depth: torch.Tensor  # [N - 1] depth of nodes 1..N-1
     own_bit: torch.Tensor  # [N] int64: 1 << (i - 1) for node i >= 1 (the feed's segment order), 0 for the root
-    feeds: list[tuple[int, torch.Tensor, torch.Tensor]]  # per fed level: (n fed, query_start, logits_indices)
+    feeds: list[tuple[int, torch.Tensor, torch.Tensor, tuple[int, ...]]]  # per fed level: (n fed, query_start,
+    # logits_indices, and their host copy)
 
 
 @dataclass(slots=True)
@@ -55,6 +67,17 @@ class _Inputs:
     slots: torch.Tensor  # [B, N - 1] int64 cache slots of nodes 1..N-1
     block_tables: torch.Tensor  # [B, max_blocks] int32
     root_hidden: torch.Tensor | None = None  # [B, hidden]: a feature draft's feature at each root
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """A sampled loop's per-row knobs and race noise."""
+
+    noise: torch.Tensor  # [B, R, V] Exp(1) for the R frontier nodes (every node above the leaves), by node
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1 = off
+    filtered: bool  # some row has top-k or top-p
 
 
 class GreedyTreeLoop:
@@ -72,29 +95,21 @@ class GreedyTreeLoop:
         # A feature draft (Transformer.fc) feeds each node with its parent's feature (the root's comes from
         # the catch-up step); see draft/feature_drafter.py.
         self.features = model.fc is not None
+        # the drafter's graph runner (target/graphs.py), for the sampled loop's draft forwards; the greedy
+        # loop is one graph itself
+        self.runner = None
 
     def grow(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable],
              widths: tuple[int, ...], root_hidden: torch.Tensor | None = None,
              ) -> list[tuple[list[int], list[int], list[float]]]:
         """Tokens, parents and cumulative log-probabilities of each sequence's tree (node 0's token is left
         0: the caller knows its root).
-        ``root_logits`` [G, V] are the draft's logits at each root (V: the model's ``logits_width``), ``ctxs[g]`` the root's position;
+        ``root_logits`` [G, V] are the draft's logits at each root (V: the model's ``logits_width``),
+        ``ctxs[g]`` the root's position;
         ``widths`` is not empty. ``root_hidden`` [G, hidden]: a feature draft's features at the roots.
         The tables get slots for every node."""
-        if self.features and root_hidden is None:
-            raise ValueError("a feature draft's tree loop needs the roots' features")
-        G, N = len(ctxs), 1 + sum(widths)
-        slots = []
-        for table, ctx in zip(tables, ctxs):
-            table.ensure(ctx + N)
-            self.cache.make_writable(table, ctx + 1, ctx + N)
-            slots.append(table.slots(ctx + 1, ctx + N))
-        cols = max(len(t.blocks) for t in tables)
-        scratch_row = [self.cache.scratch_block] * cols
-        bt = torch.tensor([t.blocks + scratch_row[len(t.blocks):] for t in tables], dtype=torch.int32)
-        host = torch.tensor([ctxs, *zip(*slots)], dtype=torch.int64).to(self.device, non_blocking=True)  # [N, G]: row 0 the contexts, rows 1.. the slots
-        ctx, slot_t = host[0], host[1:].T
-        bt = bt.to(self.device, non_blocking=True)
+        G = len(ctxs)
+        ctx, slot_t, bt, cols = self._prepare(ctxs, tables, widths, root_hidden)
         B = next((b for b in self.buckets if b >= G), None)
         if not self.graphs or B is None or cols > self.max_blocks:
             out = self._levels(self._plan(G, widths), _Inputs(root_logits, ctx, slot_t, bt, root_hidden))
@@ -118,6 +133,53 @@ class GreedyTreeLoop:
             out = out_all[:, :G]
         tokens, parents, cum = out.tolist()  # the loop's one host copy
         return [([int(t) for t in tok], [int(p) for p in par], c) for tok, par, c in zip(tokens, parents, cum)]
+
+    def grow_sampled(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable],
+                     widths: tuple[int, ...], sampling: list[SamplingParams], generators: list[torch.Generator],
+                     root_hidden: torch.Tensor | None = None,
+                     ) -> list[tuple[list[int], list[int], list[bool], torch.Tensor]]:
+        """Sampled trees of ``widths`` (see the module's docstring). Per sequence: tokens (node 0's left 0),
+        parents, each node's validity (False: a draw past q's support, to cut) and the q rows ``[N, V]``
+        of its nodes (zero for nodes with no children). ``sampling[g]`` is sequence g's (not greedy),
+        ``generators[g]`` its generator, on this loop's device."""
+        G = len(ctxs)
+        ctx, slot_t, bt, _ = self._prepare(ctxs, tables, widths, root_hidden)
+        plan = self._plan(G, widths)
+        R = plan.levels[-2][1]  # frontier nodes: every node above the leaves
+        noise = torch.empty(G, R, self.model.config.vocab_size, device=self.device)
+        for g, gen in enumerate(generators):  # level by level, as the host builder draws
+            for lo, hi in plan.levels[:-1]:
+                noise[g, lo:hi].exponential_(generator=gen)
+        knobs = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in sampling], dtype=torch.float64)
+        knobs = knobs.to(self.device, non_blocking=True)
+        filtered = any(p.top_k > 0 or p.top_p < 1 for p in sampling)
+        x = _Inputs(root_logits, ctx, slot_t, bt, root_hidden)
+        out, q = self._levels(plan, x, _Sampled(noise, knobs[:, 0].float(), knobs[:, 1].long(),
+                                                knobs[:, 2].float(), filtered))
+        tokens, parents, _, valid = out.tolist()  # the loop's one host copy
+        N = len(tokens[0])
+        q = torch.cat((q, q.new_zeros(G, N - R, q.shape[-1])), dim=1)  # leaves: no children, no q row
+        return [([int(t) for t in tok], [int(p) for p in par], [v > 0 for v in val], q[g])
+                for g, (tok, par, val) in enumerate(zip(tokens, parents, valid))]
+
+    def _prepare(self, ctxs: list[int], tables: list[BlockTable], widths: tuple[int, ...],
+                 root_hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Slots for every node of every tree; the roots' positions [G], node slots [G, N - 1] and block
+        tables [G, cols] on the device, and cols."""
+        if self.features and root_hidden is None:
+            raise ValueError("a feature draft's tree loop needs the roots' features")
+        N = 1 + sum(widths)
+        slots = []
+        for table, ctx in zip(tables, ctxs):
+            table.ensure(ctx + N)
+            self.cache.make_writable(table, ctx + 1, ctx + N)
+            slots.append(table.slots(ctx + 1, ctx + N))
+        cols = max(len(t.blocks) for t in tables)
+        scratch_row = [self.cache.scratch_block] * cols
+        bt = torch.tensor([t.blocks + scratch_row[len(t.blocks):] for t in tables], dtype=torch.int32)
+        # [N, G]: row 0 the contexts, rows 1.. the slots
+        host = torch.tensor([ctxs, *zip(*slots)], dtype=torch.int64).to(self.device, non_blocking=True)
+        return host[0], host[1:].T, bt.to(self.device, non_blocking=True), cols
 
     def cover(self, G: int, widths: tuple[int, ...]) -> tuple[int, ...]:
         """The template to grow ``G`` sequences to: the cheapest captured one for their batch bucket that
@@ -157,15 +219,20 @@ class GreedyTreeLoop:
         for lo_d, hi_d in levels[1:-1]:  # every level but the leaves is fed, with all nodes above it
             n = hi_d - 1
             qs = torch.arange(0, B * n + 1, n, dtype=torch.int32, device=self.device)
-            rows = torch.tensor([g * n + i - 1 for g in range(B) for i in range(lo_d, hi_d)], **i64)
-            feeds.append((n, qs, rows))
+            host = tuple(g * n + i - 1 for g in range(B) for i in range(lo_d, hi_d))
+            feeds.append((n, qs, torch.tensor(host, **i64), host))
         plan = self._plans[key] = _Plan(B, widths, levels, torch.tensor(depth, **i64), own, feeds)
         return plan
 
-    def _levels(self, plan: _Plan, x: _Inputs) -> torch.Tensor:
+    def _levels(self, plan: _Plan, x: _Inputs, smp: _Sampled | None = None):
         """[3, B, N] float64: tokens, parents (exact in float64) and cumulative log-probabilities, so one
-        host copy reads all three. Device ops only: capturable."""
+        host copy reads all three. Device ops only: capturable. Sampled (``smp``): [4, B, N], each node's
+        validity fourth, and the frontier nodes' q rows [B, R, V]."""
         B, N = x.ctx.shape[0], plan.levels[-1][1]
+        V = self.model.config.vocab_size
+        if smp is not None:
+            valid = torch.ones(B, N, dtype=torch.bool, device=self.device)
+            q_rows = torch.zeros(B, plan.levels[-2][1], V, device=self.device)
         tok = torch.zeros(B, N, dtype=torch.int64, device=self.device)
         par = torch.full((B, N), -1, dtype=torch.int64, device=self.device)
         cum = torch.zeros(B, N, dtype=torch.float32, device=self.device)
@@ -180,32 +247,68 @@ class GreedyTreeLoop:
         for d, w in enumerate(plan.widths):
             lo, hi = plan.levels[d]
             new_lo, new_hi = plan.levels[d + 1]
-            top_lp, top_tok = top_logprobs(front, w)  # [B, F, w]
-            if self.vocab_ids is not None:
-                top_tok = self.vocab_ids[top_tok]
-            cand = (cum[:, lo:hi, None] + top_lp).flatten(1)  # [B, F * w]
-            val, idx = cand.topk(w, dim=-1)
-            idx, order = idx.sort(dim=-1)  # (parent, rank) order, as the host builder adds them
-            tok[:, new_lo:new_hi] = top_tok.flatten(1).gather(1, idx)
-            par[:, new_lo:new_hi] = lo + torch.div(idx, w, rounding_mode="floor")
-            cum[:, new_lo:new_hi] = val.gather(1, order)
+            if smp is None:
+                top_lp, top_tok = top_logprobs(front, w)  # [B, F, w]
+                if self.vocab_ids is not None:
+                    top_tok = self.vocab_ids[top_tok]
+                cand = (cum[:, lo:hi, None] + top_lp).flatten(1)  # [B, F * w]
+                val, idx = cand.topk(w, dim=-1)
+                idx, order = idx.sort(dim=-1)  # (parent, rank) order, as the host builder adds them
+                tok[:, new_lo:new_hi] = top_tok.flatten(1).gather(1, idx)
+                par[:, new_lo:new_hi] = lo + torch.div(idx, w, rounding_mode="floor")
+                cum[:, new_lo:new_hi] = val.gather(1, order)
+            else:
+                self._sampled_level(front, smp, lo, hi, new_lo, new_hi, w, tok, par, cum, valid, q_rows)
             bits[:, new_lo:new_hi] = bits.gather(1, par[:, new_lo:new_hi]) | plan.own_bit[new_lo:new_hi]
             if d + 1 == len(plan.widths):
                 break
-            n, query_start, rows = plan.feeds[d]
+            n, query_start, rows, rows_host = plan.feeds[d]
             batch = ForwardBatch(
                 tokens=tok[:, 1 : 1 + n].reshape(-1), positions=positions[:, :n].reshape(-1),
                 slot_mapping=x.slots[:, :n].reshape(-1), block_tables=x.block_tables, context_lens=context_lens,
                 query_start=query_start, mask_bits=bits[:, 1 : 1 + n].reshape(-1), logits_indices=rows,
-                logits_start=[], query_lens=(n,) * B)
+                logits_start=[], query_lens=(n,) * B, logits_rows=rows_host if smp is not None else ())
+            # the greedy loop is captured whole; the sampled one replays the runner's graph for each forward
+            fwd = self.runner if smp is not None and self.runner is not None else self.model
             if node_h is None:
-                front = self.model.forward(batch, self.cache).view(B, new_hi - new_lo, -1)
+                front = fwd.forward(batch, self.cache).view(B, new_hi - new_lo, -1)
                 continue
             feed = node_h.gather(1, par[:, 1 : 1 + n, None].expand(-1, -1, node_h.shape[-1]))  # [B, n, hidden]
-            logits, hidden = self.model.forward_hidden(batch, self.cache, feed.reshape(B * n, -1))
+            logits, hidden = fwd.forward_hidden(batch, self.cache, feed.reshape(B * n, -1))
             front = logits.view(B, new_hi - new_lo, -1)
             node_h[:, new_lo:new_hi] = hidden.view(B, n, -1)[:, new_lo - 1 : new_hi - 1]
+        if smp is not None:
+            return torch.stack((tok.double(), par.double(), cum.double(), valid.double())), q_rows
         return torch.stack((tok.double(), par.double(), cum.double()))
+
+    def _sampled_level(self, front: torch.Tensor, smp: _Sampled, lo: int, hi: int, new_lo: int, new_hi: int,
+                       w: int, tok: torch.Tensor, par: torch.Tensor, cum: torch.Tensor, valid: torch.Tensor,
+                       q_rows: torch.Tensor) -> None:
+        """Level ``new_lo:new_hi`` of sampled trees from the frontier ``lo:hi``'s logits ``front`` [B, F, V'],
+        by ``draft.base._expand_sampled``'s rule (``_allocate`` for the shares)."""
+        B, F = front.shape[0], hi - lo
+        if self.vocab_ids is not None:  # a cut head: q is zero off the cut
+            full = front.new_full((B, F, self.model.config.vocab_size), float("-inf"))
+            front = full.index_copy_(2, self.vocab_ids, front)
+        q = process_rows(front, smp.temperature, smp.top_k, smp.top_p, smp.filtered)  # [B, F, V]
+        ok = valid[:, lo:hi]
+        share = cum[:, lo:hi].masked_fill(~ok, float("-inf")).softmax(-1) * w  # [B, F]
+        counts = share.floor()
+        rest = w - counts.sum(-1, keepdim=True)
+        order = (share - counts).masked_fill(~ok, -1.0).argsort(dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(F, device=self.device).expand(B, F))
+        counts = counts + (rank < rest).to(counts.dtype)  # largest remainders first
+        drawn = race_scores(q, smp.noise[:, lo:hi]).topk(w, dim=-1).indices  # [B, F, w] in draw order
+        logq = q.gather(-1, drawn).log()  # -inf past the support
+        pos = torch.arange(F * w, device=self.device).view(F, w)
+        take = torch.arange(w, device=self.device) < counts[..., None]  # each node's first counts draws
+        idx = torch.where(take, pos, pos + F * w).flatten(1).topk(w, dim=-1, largest=False).indices.sort(-1).values
+        tok[:, new_lo:new_hi] = drawn.flatten(1).gather(1, idx)
+        par[:, new_lo:new_hi] = lo + torch.div(idx, w, rounding_mode="floor")
+        lq = logq.flatten(1).gather(1, idx)
+        cum[:, new_lo:new_hi] = cum.gather(1, par[:, new_lo:new_hi]) + lq
+        valid[:, new_lo:new_hi] = lq > float("-inf")
+        q_rows[:, lo:hi] = q * (counts > 0)[..., None]
 
     def _graph(self, B: int, widths: tuple[int, ...]):
         key = (B, widths)

@@ -124,6 +124,28 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.softmax(scaled, dim=-1)
 
 
+def process_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 filtered: bool = True) -> torch.Tensor:
+    """``process_logits`` with each leading row's own knobs, in device ops alone (capturable): logits [B, ..., V],
+    temperature [B] (> 0), top_k [B] int64 (0 = off), top_p [B] (1 = off) -> probs, same shape, float32.
+    Row b gives what ``process_logits(logits[b], SamplingParams(temperature[b], top_k[b], top_p[b]))`` gives
+    (sampled rows only). ``filtered=False`` skips the sort when no row has top-k or top-p."""
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    scaled = logits.float() / temperature.view(shape)
+    if not filtered:
+        return torch.softmax(scaled, dim=-1)
+    V = logits.shape[-1]
+    ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    k = torch.where((top_k > 0) & (top_k < V), top_k, V).view(shape).expand(*scaled.shape[:-1], 1)
+    kth = ordered.gather(-1, k - 1)  # ties with the k-th are kept, as torch.topk's k-th value keeps them
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # the nucleus is taken over what top-k kept
+    probs = torch.softmax(ordered, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop = (mass_before >= top_p.view(shape)) & (top_p < 1).view(shape)
+    drop = torch.zeros_like(drop).scatter(-1, order, drop) | (scaled < kth)
+    return torch.softmax(scaled.masked_fill(drop, float("-inf")), dim=-1)
+
+
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Mask (to -inf) every token outside the nucleus. logits: [N, V] float32."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [N, V]

@@ -46,9 +46,10 @@ def test_device_loop_mixed_widths_and_sampled_requests():
             DraftRequest("d", list(range(9, 40)), (2, 2, 1), SamplingParams(temperature=0), gen)]
     trees = drafter.propose(reqs)
     assert [t.num_nodes for t in (trees[0], trees[2], trees[3])] == [6, 4, 6]
-    assert trees[2].draft_probs is not None  # sampled: the host builder kept the draft's distributions
+    assert trees[2].draft_probs is not None  # sampled: the loop kept the draft's distributions
     assert trees[0].draft_probs is None
-    assert drafter.loop.replays == 0 and len(drafter.loop._plans) == 1  # one loop for the three greedy trees
+    # one loop for the three greedy trees (their union template), one for the sampled tree
+    assert drafter.loop.replays == 0 and sorted(drafter.loop._plans) == [(1, (2, 1)), (3, (2, 2, 1))]
     for t, r in zip(trees, reqs):
         assert int(t.tokens[0]) == r.token_ids[-1]
         depths = t.depths.tolist()
@@ -153,4 +154,109 @@ def test_device_loop_graphs_keep_greedy_output_cuda():
     assert set(drafter.loop._graphs) == held
     assert all(out[f"in{i}"] == out[f"False{i}"] for i in range(5))
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
+    assert drafter.cache.pool.num_free == drafter.cache.pool.num_blocks
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.3, top_p=0.6),
+], ids=["t1", "topk3", "topp"])
+@pytest.mark.parametrize("widths", [(1,), (2, 2, 1), (3, 3, 2), (4, 1, 1)])
+def test_sampled_device_loop_grows_the_host_builders_trees(params, widths):
+    """Same generators, same trees: the loop draws each request's race noise level by level as the host
+    builder does, so tokens and parents agree exactly, and draft distributions to float rounding. top-k 3
+    under width 4 and a narrow nucleus leave fewer tokens with mass than children: the loop's draws past
+    the support are cut."""
+    engine = tiny_engine(num_blocks=128, page_size=4, vocab=512)
+    drafter = engine.drafters["draft"]
+    def reqs() -> list[DraftRequest]:
+        return [DraftRequest(f"s{i}", [(11 * j + i) % 500 + 3 for j in range(6 + 3 * i)], widths, params,
+                             torch.Generator().manual_seed(i)) for i in range(3)]
+
+    free = drafter.cache.pool.num_free
+    trees = {}
+    for on_device in (True, False):
+        drafter.device_loop = on_device
+        trees[on_device] = drafter.propose(reqs())
+        for r in reqs():
+            drafter.release(r.seq_id)
+        assert drafter.cache.pool.num_free == free
+    cut = 0
+    for a, b in zip(trees[True], trees[False]):
+        assert a.depths.tolist() == b.depths.tolist()  # the same share of each level for each node
+        for node, (tok, parent) in enumerate(zip(a.tokens.tolist(), a.parents.tolist())):
+            if node:
+                assert a.draft_probs[parent, tok] > 0  # never a draw past the support
+        if a.num_nodes < 1 + sum(widths) and len(widths) > 1:
+            # a cut above the last level: the host draws noise for the kept frontier nodes alone, the loop
+            # for every node it fed, so deeper levels draw other (equally valid) noise. The cut level agrees.
+            cut += 1
+            first = a.depths.tolist().count(1) + 1
+            assert a.tokens.tolist()[:first] == b.tokens.tolist()[:first]
+            continue
+        assert a.tokens.tolist() == b.tokens.tolist()
+        assert a.parents.tolist() == b.parents.tolist()
+        # the loop's forwards batch the sequences otherwise than the host's: the logits differ in their last bits
+        torch.testing.assert_close(a.draft_probs, b.draft_probs, rtol=1e-4, atol=1e-7)
+        assert torch.equal(a.draft_probs > 0, b.draft_probs > 0)
+    assert drafter.loop.replays == 0
+    if params.top_k == 3 and widths == (4, 1, 1):
+        assert cut == 3  # four children asked of a three-token support at the root
+
+
+def test_sampled_loop_with_cut_draws_commits_the_fed_slots():
+    """A tree with draws cut past the support keeps its K/V where the loop fed them: committing an accepted
+    path through it leaves the draft cache as if the path had been fed in order."""
+    engine = tiny_engine(num_blocks=128, page_size=4, vocab=512)
+    drafter = engine.drafters["draft"]
+    params = SamplingParams(temperature=1.0, top_k=2)
+    r = DraftRequest("s", [(5 * j) % 500 + 3 for j in range(9)], (3, 3, 1), params, torch.Generator().manual_seed(0))
+    tree = drafter.propose([r])[0]
+    fed = drafter._fed["s"]
+    assert tree.num_nodes < 8
+    depths, parents = tree.depths.tolist(), tree.parents.tolist()
+    child = depths.index(2)  # the first depth-2 node: its loop slot lies past the cut draw of level 1
+    assert fed[child] != child
+    path = [0, parents[child], child]
+    drafter.commit("s", tree, path)
+    drafter.flush()
+    assert drafter._cached["s"] == len(r.token_ids) + 2
+    ids = r.token_ids + [int(tree.tokens[n]) for n in path[1:]] + [7]  # the accepted path, then the next root
+    # the next propose feeds only the new root over the committed cache: its tree must equal a fresh draft's
+    fresh = tiny_engine(num_blocks=128, page_size=4, vocab=512).drafters["draft"]
+    nxt = DraftRequest("s", ids, (2, 2), SamplingParams(temperature=0), torch.Generator())
+    again = DraftRequest("t", ids, (2, 2), SamplingParams(temperature=0), torch.Generator())
+    assert drafter.propose([nxt])[0].tokens.tolist() == fresh.propose([again])[0].tokens.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampled_loop_replays_the_runners_graphs_cuda():
+    """On CUDA the sampled loop's draft forwards replay the drafter's graph runner, with each request's
+    noise drawn from its own CUDA generator; sampled requests finish and free every block."""
+    from draft.model_drafter import ModelDrafter
+    from engine_util import noisy, random_weights, tiny_config
+    from gateway.engine import Engine, EngineConfig
+    from gateway.scheduler import SchedulerConfig
+    from target.model import Transformer
+
+    cfg = tiny_config(vocab=512)
+    w = random_weights(cfg)
+    target = Transformer.from_weights(cfg, w, torch.float32, "cuda")
+    drafter = ModelDrafter("draft", Transformer.from_weights(cfg, noisy(w, 0.3), torch.float32, "cuda"), 256, 4,
+                           graphs=True, max_model_len=256)
+    engine = Engine(target, {"draft": drafter}, EngineConfig(num_blocks=256, page_size=4, scheduler=SchedulerConfig(
+        max_running=8, max_model_len=256), default_drafter="draft", default_tree=(2, 2, 1)))
+    engine.capture_graphs()
+    before = drafter.graphs.replays
+    for i, params in enumerate([SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=1),
+                                SamplingParams(temperature=1.0, top_p=0.9, top_k=4, max_tokens=24, ignore_eos=True)]):
+        engine.add(f"s{i}", [(5 * j + i) % 500 + 3 for j in range(9)], params, SpeculationParams(tree=(2, 2, 1)))
+    out = {}
+    while engine.has_work():
+        for o in engine.step():
+            assert o.error is None, o.error
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [len(v) for v in out.values()] == [24, 24]
+    assert drafter.graphs.replays > before and drafter.loop.replays == 0
     assert drafter.cache.pool.num_free == drafter.cache.pool.num_blocks

@@ -181,7 +181,7 @@ def test_stacked_tree_decisions_equal_each_tree_alone() -> None:
     p = torch.softmax(torch.randn(sum(t.num_nodes for t in trees), V, generator=g), -1)  # [R, V]
     for seed in range(20):
         together = _stochastic_parallel(trees, p, [torch.Generator().manual_seed(seed + i) for i in range(3)])
-        R, at, alone = p.shape[0], 0, []
+        R, at = p.shape[0], 0
         for i, t in enumerate(trees):
             n = t.num_nodes
             one = _stochastic_parallel([t], p[at : at + n], [torch.Generator().manual_seed(seed + i)])

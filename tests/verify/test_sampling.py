@@ -7,7 +7,7 @@ import torch
 
 from draft.tree import TokenTree
 from verify.sampling import (SamplingParams, _inverse_cdf, apply_penalties, make_generator, process_logits,
-                             race_argmax, sample, sample_rows, tree_path_counts)
+                             process_rows, race_argmax, sample, sample_rows, tree_path_counts)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -189,3 +189,24 @@ def test_inverse_cdf_never_draws_a_zero_probability_token() -> None:
     below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
     u = torch.tensor([0.0, 0.25, 0.2499999, float(below_one), 0.5], dtype=torch.float64)
     assert _inverse_cdf(probs, u).tolist() == [1, 3, 1, 3, 1]
+
+
+def test_process_rows_gives_each_row_what_process_logits_gives_it() -> None:
+    """Per-row knobs in one pass: every row equals process_logits with its own knobs, ties with the k-th
+    logit, -inf columns (a cut head's) and rows with neither filter included."""
+    g = torch.Generator().manual_seed(0)
+    V = 40
+    logits = torch.randn(6, 3, V, generator=g) * 3
+    logits[1, :, :8] = 2.5  # ties across the top-k boundary
+    logits[2, :, ::3] = float("-inf")
+    knobs = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.5, 4, 0.9), (2.0, V, 1.0), (0.9, 1, 0.3)]
+    temp = torch.tensor([k[0] for k in knobs])
+    top_k = torch.tensor([k[1] for k in knobs])
+    top_p = torch.tensor([k[2] for k in knobs])
+    out = process_rows(logits, temp, top_k, top_p)
+    for b, (t, k, p) in enumerate(knobs):
+        want = process_logits(logits[b], SamplingParams(temperature=t, top_k=k, top_p=p))
+        torch.testing.assert_close(out[b], want, rtol=1e-6, atol=0)
+        assert torch.equal(out[b] > 0, want > 0)
+    plain = process_rows(logits[[0, 4]], temp[[0, 4]], top_k[[0, 4]], top_p[[0, 4]], filtered=False)
+    torch.testing.assert_close(plain, out[[0, 4]], rtol=1e-6, atol=0)
