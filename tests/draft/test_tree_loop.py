@@ -112,11 +112,8 @@ def test_committing_a_cut_tree_keeps_the_draft_cache_exact() -> None:
                                        rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_device_loop_graphs_keep_greedy_output_cuda():
-    """On CUDA the loop replays captured graphs (batches padded to a bucket, mixed widths cut from one
-    union tree); greedy speculative output stays the target's own. Trees are not compared with the host
-    builder's: fp32 attention runs as TF32 there, and padding changes its rounding, so near-ties may flip."""
+def cuda_engine():
+    """A float32 target and its noisy-copy draft on CUDA, with graphs: the engine and the draft."""
     from draft.model_drafter import ModelDrafter
     from engine_util import noisy, random_weights, tiny_config
     from gateway.engine import Engine, EngineConfig
@@ -130,6 +127,15 @@ def test_device_loop_graphs_keep_greedy_output_cuda():
                            graphs=True, max_model_len=256)
     engine = Engine(target, {"draft": drafter}, EngineConfig(num_blocks=256, page_size=4, scheduler=SchedulerConfig(
         max_running=8, max_model_len=256), default_drafter="draft", default_tree=(2, 2, 1)))
+    return engine, drafter
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_loop_graphs_keep_greedy_output_cuda():
+    """On CUDA the loop replays captured graphs (batches padded to a bucket, mixed widths cut from one
+    union tree); greedy speculative output stays the target's own. Trees are not compared with the host
+    builder's: fp32 attention runs as TF32 there, and padding changes its rounding, so near-ties may flip."""
+    engine, drafter = cuda_engine()
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [[(7 * j + i) % 500 + 3 for j in range(5 + 3 * i)] for i in range(5)]
     trees = [(2, 2, 1), (1, 1), (3, 1), None, (2,)]
@@ -234,19 +240,7 @@ def test_sampled_loop_with_cut_draws_commits_the_fed_slots():
 def test_sampled_loop_replays_the_runners_graphs_cuda():
     """On CUDA the sampled loop's draft forwards replay the drafter's graph runner, with each request's
     noise drawn from its own CUDA generator; sampled requests finish and free every block."""
-    from draft.model_drafter import ModelDrafter
-    from engine_util import noisy, random_weights, tiny_config
-    from gateway.engine import Engine, EngineConfig
-    from gateway.scheduler import SchedulerConfig
-    from target.model import Transformer
-
-    cfg = tiny_config(vocab=512)
-    w = random_weights(cfg)
-    target = Transformer.from_weights(cfg, w, torch.float32, "cuda")
-    drafter = ModelDrafter("draft", Transformer.from_weights(cfg, noisy(w, 0.3), torch.float32, "cuda"), 256, 4,
-                           graphs=True, max_model_len=256)
-    engine = Engine(target, {"draft": drafter}, EngineConfig(num_blocks=256, page_size=4, scheduler=SchedulerConfig(
-        max_running=8, max_model_len=256), default_drafter="draft", default_tree=(2, 2, 1)))
+    engine, drafter = cuda_engine()
     engine.capture_graphs()
     before = drafter.graphs.replays
     for i, params in enumerate([SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=1),
