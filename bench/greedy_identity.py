@@ -1,8 +1,10 @@
 """Is greedy speculative output token-identical to plain decoding on this device, and where it is not, were the
-flips near-ties? One run per dtype on a random INT4 model of SmolLM2-135M's shape (no download), through the
-engine: plain decoding against the n-gram drafter and the self-draft, each with a fixed tree.
+flips near-ties? One run per dtype, through the engine: plain decoding against each drafter with a fixed tree.
+By default the target is a random INT4 model of SmolLM2-135M's shape (no download) with the n-gram drafter
+and the self-draft; ``--embedded`` takes the embedded SmolLM2 (its own Q4_1 weights) with the n-gram drafter
+and the shipped draft, on MT-bench first turns.
 
-    python bench/greedy_identity.py [--device cuda] [--dtypes float32,bfloat16] [--batches 1,8]
+    python bench/greedy_identity.py [--device cuda] [--dtypes bfloat16,float32] [--batches 1,8] [--embedded]
                                     [--prompts 16] [--max-tokens 96] [--out bench/results/greedy_identity.json]
 
 Speculation keeps the target's argmax at every position, so in exact arithmetic the outputs are equal. A verify
@@ -35,6 +37,7 @@ from draft.ngram import NgramDrafter  # noqa: E402
 from draft.params import SpeculationParams  # noqa: E402
 from gateway.budget import BudgetConfig  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
+from gateway.llm import LLM, LoadConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
 from target.config import ModelConfig  # noqa: E402
 from target.loader import expected_weights  # noqa: E402
@@ -92,6 +95,8 @@ def main() -> None:
     ap.add_argument("--tree", default="2,2,2,1")
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--small", action="store_true", help="a 4-layer, 64-wide model (a CPU smoke run)")
+    ap.add_argument("--embedded", action="store_true", help="the embedded SmolLM2 and its shipped draft")
+    ap.add_argument("--prompts-file", default=str(ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "greedy_identity.json"))
     args = ap.parse_args()
     shape = dict(SMOLLM2)
@@ -102,13 +107,18 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, shape["vocab_size"], (int(n),), generator=g).tolist()
                for n in torch.randint(16, 64, (args.prompts,), generator=g)]
+    if args.embedded:
+        shape = {}
+        turns = [json.loads(line)["turns"][0] for line in open(args.prompts_file)][: args.prompts]
     rows: list[dict] = []
     dev = (f"cuda {torch.cuda.get_device_name()}" if args.device == "cuda"
            else f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)")
 
     def save() -> None:  # after every row: a run stopped at its time limit keeps what it measured
         res = {"date": datetime.date.today().isoformat(), "device": dev, "commit": provenance.commit(),
-               "torch": torch.__version__, "model": f"random INT4 (RTN g{args.group}) of shape {shape}",
+               "torch": torch.__version__,
+               "model": "embedded SmolLM2-135M-Instruct (its Q4_1 weights), shipped draft, MT-bench first turns"
+               if args.embedded else f"random INT4 (RTN g{args.group}) of shape {shape}",
                "max_tokens": args.max_tokens, "rows": rows,
                "note": ("identical: prompts whose greedy output with that drafter equals plain decoding's, token for "
                         "token. flips: each other prompt's first differing position and the float32 logit gap there "
@@ -118,16 +128,23 @@ def main() -> None:
 
     for dname in args.dtypes.split(","):
         dtype = getattr(torch, dname)
-        target = random_target(shape, dtype, args.device, args.group)
         widest = max(int(b) for b in args.batches.split(","))
         most = widest * (1 + sum(tree))
         ecfg = EngineConfig(num_blocks=2048, page_size=16, scheduler=SchedulerConfig(
-            max_running=widest, max_model_len=512, max_step_tokens=max(1024, most),
+            max_running=widest, max_model_len=1024, max_step_tokens=max(1024, most),
             budget=BudgetConfig(min_gain=0.0, max_verify_tokens=max(64, most), cost_aware=False)))
-        drafters = {"ngram": NgramDrafter(),
-                    "self": ModelDrafter("self", target.truncated(shape["num_layers"] * 4 // 5), ecfg.num_blocks,
-                                         ecfg.page_size)}
-        engine = Engine(target, drafters, ecfg)
+        if args.embedded:
+            llm = LLM.load(LoadConfig(device=args.device, dtype=dname, draft="auto", draft_vocab=0), ecfg,
+                           log=lambda m: None)
+            engine, target = llm.engine, llm.engine.target
+            drafters = {name: engine.drafters[name] for name in ("ngram", "draft")}
+            prompts = [llm.encode(t) for t in turns]
+        else:
+            target = random_target(shape, dtype, args.device, args.group)
+            drafters = {"ngram": NgramDrafter(),
+                        "self": ModelDrafter("self", target.truncated(shape["num_layers"] * 4 // 5),
+                                             ecfg.num_blocks, ecfg.page_size)}
+            engine = Engine(target, drafters, ecfg)
         engine.capture_graphs()
         gap_cache: dict[int, torch.Tensor] = {}
 
