@@ -31,7 +31,8 @@
 #                                    (its T=0.7 rows measure the sampled tree loop against draft_head_gpu_b1.json's
 #                                    host-grown trees)
 #   bash bench/gpu_run.sh identity   bench/greedy_identity.py: greedy speculative output against plain decoding per
-#                                    prompt, bfloat16 and float32, with each flip's logit gap (random weights: no model)
+#                                    prompt, bfloat16 and float32, with each flip's logit gap (random weights: no model;
+#                                    IDENTITY_ARGS=--embedded after `model`: SmolLM2, n-grams and the shipped draft)
 #   bash bench/gpu_run.sh feature    train a feature draft (EAGLE-style) for the embedded model into .cache/feature_draft
 #   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
@@ -119,8 +120,8 @@ for stage in "$@"; do
           --batch $b --prompts 16 --max-tokens 128 --prompts-file .cache/mt_bench.jsonl \
           --out "$OUT/draft_head_gpu_b$b.json" 2>&1 | grep -v "^{'drafter" | tail -6
       done ;;
-    identity) timeout "${IDENTITY_TIMEOUT:-300}" python bench/greedy_identity.py --device cuda \
-                --out "$OUT/greedy_identity.json" 2>&1 | grep -v Warning | tail -14 ;;
+    identity) timeout "${IDENTITY_TIMEOUT:-300}" python bench/greedy_identity.py --device cuda ${IDENTITY_ARGS:-} \
+                --prompts-file .cache/mt_bench.jsonl --out "$OUT/greedy_identity.json" 2>&1 | grep -v Warning | tail -14 ;;
     drafts)
       timeout "${DRAFTS_TIMEOUT:-200}" python bench/drafters.py --sweep --arms "${ARMS:-draft,ngram,self}" --prompts 16 --batch 8 --max-tokens 128 \
         --trees "${DRAFT_TREES:-1,1,1,1/2,2,2,1/3,3,3,2,2,1}" --temperatures 0,0.7 --device cuda --dtype bfloat16 \
