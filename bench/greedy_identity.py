@@ -125,6 +125,7 @@ def main() -> None:
                         "between plain decoding's token and the speculative one (prefix: plain decoding's). "
                         "median_top2_gap: the median top-1 minus top-2 logit over every plain position, for scale.")}
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        plot(res, Path(args.out).with_suffix(".png"))
 
     for dname in args.dtypes.split(","):
         dtype = getattr(torch, dname)
@@ -174,6 +175,34 @@ def main() -> None:
                       [(f["position"], f["gap"]) for f in flips], flush=True)
                 save()
     save()
+
+
+def plot(res: dict, path: Path) -> None:
+    """Left: prompts identical to plain decoding per (dtype, batch, drafter). Right: each flip's float32 logit
+    gap beside the median top-two gap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+    labels = [f"{short.get(r['dtype'], r['dtype'])} b{r['batch']} {r['drafter']}" for r in rows]
+    a.bar(range(len(rows)), [r["identical"] / r["prompts"] for r in rows], color="tab:green")
+    a.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
+    a.set_ylim(0, 1.05)
+    a.set_ylabel("prompts identical to plain decoding")
+    for i, r in enumerate(rows):
+        gaps = [abs(f["gap"]) for f in r["flips"]]
+        b.scatter([i] * len(gaps), gaps, s=12, color="tab:red")
+        b.scatter([i], [r["median_top2_gap"]], marker="_", s=300, color="k")
+    b.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
+    b.set_ylabel("|logit gap| at each first flip\n(bar: median top-2 gap)", fontsize=8)
+    fig.suptitle(f"Greedy speculative vs plain decoding: {res['model'][:60]}, {res['device']}, {res['date']}, "
+                 f"{res['commit']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
