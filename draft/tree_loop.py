@@ -19,9 +19,9 @@ tables, then reads tokens and parents back once. Elsewhere the same code runs ea
 Sampled trees (``grow_sampled``) run the same loop with the host builder's sampled rule
 (``draft.base._expand_sampled``): each frontier node's share of the level's width by largest remainder of
 its cumulative probability, then that many draws without replacement from the processed draft
-distribution q by an exponential race. The race's noise comes from each request's own generator, drawn
-level by level before the loop in the order the host builder draws it, so a request's tree does not
-depend on its batch. A draw past q's support (top-k, top-p) is kept in the layout but marked invalid, with
+distribution q by an exponential race. The race's noise comes from each request's own generator in one
+draw before the loop, so a request's tree does not depend on its batch; on the CPU, whose generator fills
+a tensor in order however it is split, that draw equals the host builder's level-by-level draws. A draw past q's support (top-k, top-p) is kept in the layout but marked invalid, with
 no share of the next level: the caller cuts it, as the host builder never adds it. The loop runs eagerly,
 its draft forwards through the drafter's graph runner when it has one, and the tree comes back with the
 q rows of its nodes in one host copy.
@@ -147,9 +147,8 @@ class GreedyTreeLoop:
         plan = self._plan(G, widths)
         R = plan.levels[-2][1]  # frontier nodes: every node above the leaves
         noise = torch.empty(G, R, self.model.config.vocab_size, device=self.device)
-        for g, gen in enumerate(generators):  # level by level, as the host builder draws
-            for lo, hi in plan.levels[:-1]:
-                noise[g, lo:hi].exponential_(generator=gen)
+        for g, gen in enumerate(generators):  # one draw per request, whatever shares its batch
+            noise[g].exponential_(generator=gen)
         knobs = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in sampling], dtype=torch.float64)
         knobs = knobs.to(self.device, non_blocking=True)
         filtered = any(p.top_k > 0 or p.top_p < 1 for p in sampling)

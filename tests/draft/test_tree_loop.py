@@ -170,8 +170,9 @@ def test_device_loop_graphs_keep_greedy_output_cuda():
 ], ids=["t1", "topk3", "topp"])
 @pytest.mark.parametrize("widths", [(1,), (2, 2, 1), (3, 3, 2), (4, 1, 1)])
 def test_sampled_device_loop_grows_the_host_builders_trees(params, widths):
-    """Same generators, same trees: the loop draws each request's race noise level by level as the host
-    builder does, so tokens and parents agree exactly, and draft distributions to float rounding. top-k 3
+    """Same generators, same trees: the CPU generator fills the loop's one noise block per request with the
+    numbers the host builder draws level by level, so tokens and parents agree exactly, and draft
+    distributions to float rounding. top-k 3
     under width 4 and a narrow nucleus leave fewer tokens with mass than children: the loop's draws past
     the support are cut."""
     engine = tiny_engine(num_blocks=128, page_size=4, vocab=512)
