@@ -21,10 +21,11 @@ Sampled trees (``grow_sampled``) run the same loop with the host builder's sampl
 its cumulative probability, then that many draws without replacement from the processed draft
 distribution q by an exponential race. The race's noise comes from each request's own generator in one
 draw before the loop, so a request's tree does not depend on its batch; on the CPU, whose generator fills
-a tensor in order however it is split, that draw equals the host builder's level-by-level draws. A draw past q's support (top-k, top-p) is kept in the layout but marked invalid, with
-no share of the next level: the caller cuts it, as the host builder never adds it. The loop runs eagerly,
-its draft forwards through the drafter's graph runner when it has one, and the tree comes back with the
-q rows of its nodes in one host copy.
+a tensor in order however it is split, that draw equals the host builder's level-by-level draws. A draw
+past q's support (top-k, top-p) is kept in the layout but marked invalid, with no share of the next
+level: the caller cuts it, as the host builder never adds it. The loop runs eagerly, its draft forwards
+through the drafter's graph runner when it has one, and the tree comes back with the q rows of its nodes
+in one host copy.
 
 Measured with this loop (bench/results/step_profile.json, H200, SmolLM2 shapes, batch 1, tree 2,2,2,1):
 drafting costs 1.9 ms a step against a 1.3 ms target forward; the loop replaces per-level batch building,
@@ -38,11 +39,11 @@ from dataclasses import dataclass
 import torch
 
 from draft.base import top_logprobs
-from verify.sampling import SamplingParams, process_rows, race_scores
 from target.batch import ForwardBatch
 from target.graphs import BATCH_BUCKETS
 from target.kv_cache import BlockTable, KVCache
 from target.model import Transformer
+from verify.sampling import SamplingParams, process_rows, race_scores
 
 
 @dataclass(slots=True)
