@@ -117,10 +117,12 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
     ``tuning``'s sequences; its row gets the held-out KL before and after and the loss curve's ends.
     ``_tunenorm{N}``: the same, the norm weights tuned too (``TuneConfig.tune_norms``); ``_tunecode{N}`` and
     ``_tunecodenorm{N}``: the codes too, each within one level of the arm's (``TuneConfig.tune_codes``).
+    ``s{S}`` after ``N`` (``_tunecodenorm600s1``) seeds the tuning's batch order with S (0 otherwise): the
+    spread over seeds is the run-to-run noise of a tuned arm's figures.
     """
-    if (m := re.fullmatch(r"(.+)_tune(code)?(norm)?(\d+)", name)) is not None:
+    if (m := re.fullmatch(r"(.+)_tune(code)?(norm)?(\d+)(?:s(\d+))?", name)) is not None:
         return tuned_arm(m[1], int(m[4]), bool(m[3]), bool(m[2]), dense, ck, calib, cache, model, tuning,
-                         gptq_device)
+                         gptq_device, seed=int(m[5] or 0))
     if name == "dense_fp32":
         return dense, 0.0, {}
     if name == "dense_bf16":
@@ -160,7 +162,7 @@ def build_arm(name: str, dense: Transformer, ck: LoadedCheckpoint, calib: list[l
 
 def tuned_arm(base: str, steps: int, norms: bool, codes: bool, dense: Transformer, ck: LoadedCheckpoint,
               calib: list[list[int]], cache: Path | None, model: str | None, tuning: Tuning | None,
-              gptq_device: str = "cpu") -> tuple[Transformer, float | None, dict]:
+              gptq_device: str = "cpu", seed: int = 0) -> tuple[Transformer, float | None, dict]:
     """``base``'s model (built or taken from ``cache``), its scales and zeros (and ``norms``, ``codes``) then
     tuned for ``steps`` steps."""
     if tuning is None:
@@ -168,7 +170,7 @@ def tuned_arm(base: str, steps: int, norms: bool, codes: bool, dense: Transforme
     start, base_s, fields = build_arm(base, dense, ck, calib, cache, model, gptq_device=gptq_device)
     t0 = time.perf_counter()
     losses: list[float] = []
-    cfg = replace(tuning.cfg, steps=steps, tune_norms=norms, tune_codes=codes)
+    cfg = replace(tuning.cfg, steps=steps, tune_norms=norms, tune_codes=codes, seed=seed)
     tuned = tune_scales(start, dense, tuning.train, cfg, tuning.device, log=lambda step, loss: losses.append(loss))
     secs = time.perf_counter() - t0
     window = max(1, min(20, steps // 5))
