@@ -7,7 +7,8 @@ counts come from draft/data's prompt lists).
                                [--device cpu] [--out bench/results/draft_head_cpu.json]
 
 K = 0 is the whole head. Every arm shares the loaded draft's weights and the engine; each cut arm is the
-shipped draft with its own cut head and KV cache. The arms alternate within each of ``--repeats`` rounds, and
+shipped draft with its own cut head and KV cache. Arm ``draft-host`` is the whole-head draft with its trees
+grown level by level from the host instead of in the device loops (``draft/tree_loop.py``). The arms alternate within each of ``--repeats`` rounds, and
 tokens/s is the best round's (each generation's prefill included, as a client sees it).
 """
 
@@ -88,6 +89,9 @@ def main() -> None:
         llm.generate(qs[i : i + args.batch], SamplingParams(temperature=0, max_tokens=2), SpeculationParams(enabled=False))
     specs = {"off": SpeculationParams(enabled=False), "ngram": SpeculationParams(drafter="ngram", tree=tree)}
     specs |= {name: SpeculationParams(drafter=name, tree=tree) for name in arms}
+    # the whole-head draft with its trees grown level by level from the host (the builder the device loops
+    # replaced), against the same draft's device loops: the loops' gain within one run
+    specs["draft-host"] = SpeculationParams(drafter="draft", tree=tree)
     temps = [float(t) for t in args.temperatures.split(",")]
     runs: dict[tuple[str, float], list[float]] = {}
     stats: dict[tuple[str, float], tuple[int, int]] = {}
@@ -96,6 +100,7 @@ def main() -> None:
         for temp in temps:
             sampling = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
             for name, spec in specs.items():
+                base.device_loop = name != "draft-host"
                 t0 = time.perf_counter()
                 gens = [g for i in range(0, len(qs), args.batch)
                         for g in llm.generate(qs[i : i + args.batch], sampling, spec)]
@@ -107,10 +112,12 @@ def main() -> None:
     for (name, temp), tok_s in runs.items():
         steps, acc = stats[(name, temp)]
         best = max(tok_s)
-        rows.append({"drafter": name, "head_tokens": arms.get(name), "temperature": temp,
+        rows.append({"drafter": name, "head_tokens": arms.get("draft" if name == "draft-host" else name),
+                     "temperature": temp,
                      "tree": [] if name == "off" else list(tree),
                      "mean_accepted_length": round((acc + steps) / steps, 4),
-                     "draft_cost_ratio": cost.get(name) or cost.get("draft" + name[6:]) if name in arms else None,
+                     "draft_cost_ratio": (cost.get(name) or cost.get("draft" + name[6:]) if name in arms
+                                          else cost.get("draft") if name == "draft-host" else None),
                      "tokens_per_s": round(best, 2), "runs_tok_s": [round(x, 2) for x in tok_s],
                      "speedup_vs_off": round(best / max(runs[("off", temp)]), 3),
                      "identical_to_off": None if temp > 0 else sum(

@@ -28,8 +28,8 @@
 #                                    SELF_INSTRUCT=N adds N prompts the target writes itself
 #   bash bench/gpu_run.sh drafts_ab  drafts.json: the .cache/draft_mix draft, the shipped draft and n-grams
 #   bash bench/gpu_run.sh draft_head bench/draft_head.py: the shipped draft with its head cut to K tokens (FR-Spec)
-#                                    (its T=0.7 rows measure the sampled tree loop against draft_head_gpu_b1.json's
-#                                    host-grown trees)
+#                                    (its draft-host arm grows the whole-head draft's trees on the host: against the
+#                                    draft arm, the device loops' gain within one run, greedy and sampled)
 #   bash bench/gpu_run.sh identity   bench/greedy_identity.py: greedy speculative output against plain decoding per
 #                                    prompt, bfloat16 and float32, with each flip's logit gap (random weights: no model;
 #                                    IDENTITY_ARGS=--embedded after `model`: SmolLM2, n-grams and the shipped draft)
