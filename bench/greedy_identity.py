@@ -64,6 +64,18 @@ def random_target(shape: dict, dtype: torch.dtype, device: str, group: int, seed
     return Transformer.from_weights(cfg, w, dtype, device).quantize(group)
 
 
+class Float32Head:
+    """An LM head multiplied and returned in float32 (a float32 copy of its weight): logits no longer round
+    to the model dtype, so only the hidden states' rounding can flip a near-tie (``--head-fp32``)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.w32, self.b32 = weight.float(), None if bias is None else bias.float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.w32, self.b32)
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -96,6 +108,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--small", action="store_true", help="a 4-layer, 64-wide model (a CPU smoke run)")
     ap.add_argument("--embedded", action="store_true", help="the embedded SmolLM2 and its shipped draft")
+    ap.add_argument("--head-fp32", action="store_true",
+                    help="the target's LM head in float32 (Float32Head): what rounding the logits costs")
     ap.add_argument("--prompts-file", default=str(ROOT.parent / "shared" / "data" / "mt_bench_questions.jsonl"))
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "greedy_identity.json"))
     args = ap.parse_args()
@@ -119,7 +133,7 @@ def main() -> None:
                "torch": torch.__version__,
                "model": "embedded SmolLM2-135M-Instruct (its Q4_1 weights), shipped draft, MT-bench first turns"
                if args.embedded else f"random INT4 (RTN g{args.group}) of shape {shape}",
-               "max_tokens": args.max_tokens, "rows": rows,
+               "max_tokens": args.max_tokens, "head_fp32": args.head_fp32, "rows": rows,
                "note": ("identical: prompts whose greedy output with that drafter equals plain decoding's, token for "
                         "token. flips: each other prompt's first differing position and the float32 logit gap there "
                         "between plain decoding's token and the speculative one (prefix: plain decoding's). "
@@ -146,6 +160,8 @@ def main() -> None:
                         "self": ModelDrafter("self", target.truncated(shape["num_layers"] * 4 // 5),
                                              ecfg.num_blocks, ecfg.page_size)}
             engine = Engine(target, drafters, ecfg)
+        if args.head_fp32:
+            target.lm_head = Float32Head(target.lm_head.weight, target.lm_head.bias)
         engine.capture_graphs()
         gap_cache: dict[int, torch.Tensor] = {}
 
