@@ -8,8 +8,9 @@ counts come from draft/data's prompt lists).
 
 K = 0 is the whole head. Every arm shares the loaded draft's weights and the engine; each cut arm is the
 shipped draft with its own cut head and KV cache. Arm ``draft-host`` is the whole-head draft with its trees
-grown level by level from the host instead of in the device loops (``draft/tree_loop.py``). The arms alternate within each of ``--repeats`` rounds, and
-tokens/s is the best round's (each generation's prefill included, as a client sees it).
+grown level by level from the host instead of in the device loops (``draft/tree_loop.py``). The arms
+alternate within each of ``--repeats`` rounds, and tokens/s is the best round's (each generation's prefill
+included, as a client sees it).
 """
 
 from __future__ import annotations
@@ -112,12 +113,11 @@ def main() -> None:
     for (name, temp), tok_s in runs.items():
         steps, acc = stats[(name, temp)]
         best = max(tok_s)
-        rows.append({"drafter": name, "head_tokens": arms.get("draft" if name == "draft-host" else name),
-                     "temperature": temp,
+        head = "draft" if name == "draft-host" else name  # the model arm whose head and cost it shares
+        rows.append({"drafter": name, "head_tokens": arms.get(head), "temperature": temp,
                      "tree": [] if name == "off" else list(tree),
                      "mean_accepted_length": round((acc + steps) / steps, 4),
-                     "draft_cost_ratio": (cost.get(name) or cost.get("draft" + name[6:]) if name in arms
-                                          else cost.get("draft") if name == "draft-host" else None),
+                     "draft_cost_ratio": cost.get(head) or cost.get("draft" + head[6:]) if head in arms else None,
                      "tokens_per_s": round(best, 2), "runs_tok_s": [round(x, 2) for x in tok_s],
                      "speedup_vs_off": round(best / max(runs[("off", temp)]), 3),
                      "identical_to_off": None if temp > 0 else sum(
@@ -132,7 +132,8 @@ def main() -> None:
            "note": ("draft_cost_ratio: median decode forward (batch as given, 1 token each after 128 cached) of the "
                     "draft with that head over the target's" + (", both replayed from CUDA graphs" if cuda else "")
                     + ". tokens_per_s: the best round's output tokens over wall time (prefill included); ratios are "
-                    "within this run. identical_to_off: prompts whose greedy output equals the plain arm's (T>0: not compared).")}
+                    "within this run. identical_to_off: prompts whose greedy output equals the plain arm's "
+                    "(T>0: not compared).")}
     Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
     plot(res, Path(args.out).with_suffix(".png"))
 

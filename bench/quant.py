@@ -458,8 +458,8 @@ def write(args: argparse.Namespace, ck: LoadedCheckpoint, rows: list[dict], text
                                                f"{args.draft_layers} layers (one fixed draft for every arm)",
            "calibration": f"{args.calib_seqs} x {args.calib_len} tokens sampled from the dense model (seed 0)",
            "note": (PYDOC_NOTE.format(scored=scored) if args.ppl_text == "pydoc" else FILE_NOTE) + ARMS_NOTE,
-           "rows": [{**r, "date": date, "commit": commit} for r in rows]}
-    out["rows"] = [{**r, "device": out["device"]} for r in out["rows"]]
+           "rows": []}
+    out["rows"] = [{**r, "date": date, "commit": commit, "device": out["device"]} for r in rows]
     path = Path(args.out)
     old = json.loads(path.read_text()) if path.is_file() else {}
     same = ("model", "perplexity_text", "greedy_agreement", "mean_accepted_length", "calibration")

@@ -15,6 +15,7 @@ import torch
 from draft.base import DraftRequest, TreeBuilder, expand_all
 from draft.tree import MAX_TREE_NODES, TokenTree, mask_to_bits
 from draft.tree_loop import GreedyTreeLoop
+from draft.vocab import full_vocab
 from target.batch import Segment, build_batch
 from target.graphs import CudaGraphRunner
 from target.kv_cache import BlockTable, KVCache, NoFreeBlocks
@@ -195,10 +196,7 @@ class ModelDrafter:
 
     def _full(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits ``[R, V]`` over the vocabulary from a cut head's ``[R, K]``: -inf off the cut."""
-        if self.vocab_ids is None:
-            return logits
-        full = logits.new_full((logits.shape[0], self.model.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.vocab_ids, logits)
+        return full_vocab(logits, self.vocab_ids, self.model.config.vocab_size)
 
     def _forward(self, batch) -> torch.Tensor:
         return (self.graphs.forward if self.graphs is not None else self.model.forward)(batch, self.cache)

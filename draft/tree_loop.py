@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from draft.base import top_logprobs
+from draft.vocab import full_vocab
 from target.batch import ForwardBatch
 from target.graphs import BATCH_BUCKETS
 from target.kv_cache import BlockTable, KVCache
@@ -287,9 +288,7 @@ class GreedyTreeLoop:
         """Level ``new_lo:new_hi`` of sampled trees from the frontier ``lo:hi``'s logits ``front`` [B, F, V'],
         by ``draft.base._expand_sampled``'s rule (``_allocate`` for the shares)."""
         B, F = front.shape[0], hi - lo
-        if self.vocab_ids is not None:  # a cut head: q is zero off the cut
-            full = front.new_full((B, F, self.model.config.vocab_size), float("-inf"))
-            front = full.index_copy_(2, self.vocab_ids, front)
+        front = full_vocab(front, self.vocab_ids, self.model.config.vocab_size)  # a cut head: q is zero off the cut
         q = process_rows(front, smp.temperature, smp.top_k, smp.top_p, smp.filtered)  # [B, F, V]
         ok = valid[:, lo:hi]
         share = cum[:, lo:hi].masked_fill(~ok, float("-inf")).softmax(-1) * w  # [B, F]

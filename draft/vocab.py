@@ -36,6 +36,15 @@ COUNTS_FILE = "token_counts.json"
 DEFAULT_HEAD_VOCAB = 8192
 
 
+def full_vocab(logits: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """A cut head's logits ``[..., K]`` over the whole vocabulary ``[..., vocab_size]``: column j is token
+    ``ids[j]``, every other token -inf (zero draft probability). ``ids`` None: ``logits`` as they are."""
+    if ids is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    return full.index_copy_(-1, ids, logits)
+
+
 def rank_tokens(counts: Mapping[int, int], vocab_size: int, keep: Iterable[int] = ()) -> list[int]:
     """Every token id once: ``keep`` first, then by count (highest first), then by id."""
     out = list(dict.fromkeys(t for t in keep if 0 <= t < vocab_size))
