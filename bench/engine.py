@@ -199,7 +199,7 @@ def synthetic(res: dict, verify_only: bool = False, profile: bool = False) -> No
     from kernels import int4_matmul_triton as T
 
     # the INT4 config the tuner chose per (M bucket, N, K, silu): a bad pick shows here first
-    res["int4_configs"] = {str(k[:3] + k[6:7]): str(v) for k, v in T._CONFIG_CACHE.items()}
+    res["int4_configs"] = {str(k[:3] + k[7:8]): str(v) for k, v in T._CONFIG_CACHE.items()}
     for k, v in res["int4_configs"].items():
         log(f"  int4 {k}: {v}")
     if profile:

@@ -29,6 +29,15 @@ class Int4Weight:
     scales: torch.Tensor  # [K // G, N]
     zeros: torch.Tensor | None  # [K // G, N] or None (symmetric, zero point 8)
     group_size: int
+    whole_zeros: bool | None = None  # every zero point a whole number; None: not yet looked at
+
+    def zeros_are_whole(self) -> bool:
+        """Whole-number zero points (RTN, GPTQ) let the kernels subtract them in 16 bits; fractional ones
+        (GGUF Q4_1's minimum, tuned zero points) take the factored path. Looked at once: one sync, at the
+        first (eager) call."""
+        if self.whole_zeros is None:
+            self.whole_zeros = self.zeros is None or bool(torch.equal(self.zeros, self.zeros.round()))
+        return self.whole_zeros
 
     @property
     def in_features(self) -> int:
@@ -40,7 +49,7 @@ class Int4Weight:
 
     def to(self, device: torch.device | str) -> "Int4Weight":
         z = None if self.zeros is None else self.zeros.to(device)
-        return Int4Weight(self.qweight.to(device), self.scales.to(device), z, self.group_size)
+        return Int4Weight(self.qweight.to(device), self.scales.to(device), z, self.group_size, self.whole_zeros)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -123,7 +132,8 @@ def int4_matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     if not (x.is_cuda if use_triton is None else use_triton):
         return int4_matmul_ref(x, w, bias, residual)
     res = None if residual is None else _rows(residual)
-    y = int4_matmul_triton(_rows(x), w.qweight, w.scales, w.zeros, w.group_size, bias=bias, residual=res)
+    y = int4_matmul_triton(_rows(x), w.qweight, w.scales, w.zeros, w.group_size, bias=bias, residual=res,
+                           whole_zeros=w.zeros_are_whole())
     return y.reshape(*x.shape[:-1], w.out_features)
 
 
@@ -132,5 +142,5 @@ def int4_matmul_silu_mul(x: torch.Tensor, w_gate_up: Int4Weight, *, use_triton: 
     if not (x.is_cuda if use_triton is None else use_triton):
         return int4_matmul_silu_mul_ref(x, w_gate_up)
     y = int4_matmul_triton(_rows(x), w_gate_up.qweight, w_gate_up.scales, w_gate_up.zeros, w_gate_up.group_size,
-                           silu=True)
+                           silu=True, whole_zeros=w_gate_up.zeros_are_whole())
     return y.reshape(*x.shape[:-1], w_gate_up.out_features // 2)

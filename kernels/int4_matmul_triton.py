@@ -482,7 +482,7 @@ def _int4_matmul_kernel(
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, SCALE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, SCALE_DOT: tl.constexpr, ZDEC: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split. The M tiles of an N tile are
     neighbours in the grid, so a weight tile comes from HBM once and from L2 for the others.
@@ -546,12 +546,20 @@ def _int4_matmul_kernel(
             # sum_k x as a dot against ones: a row sum of the x tile would cost a barrier per tile
             # sum_k x as a dot against ones: a row sum of the x tile would cost a barrier per tile.
             # (Two accumulator chains, even and odd j, measured no faster on the H200.)
-            ones = tl.full([BLOCK_K8, BLOCK_N], 1.0, x.dtype)
-            t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x (code + MAGIC)
-            u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x, broadcast along N
-            for j in tl.static_range(8):
-                t = tl.dot(xj[j], _codes_plus_magic(q, j, x.dtype, USE_ASM), t)
-                u = tl.dot(xj[j], ones, u)
+            t = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x (code + MAGIC), or with ZDEC x (code - z)
+            if ZDEC:  # (code + MAGIC) - (MAGIC + z) = code - z exactly in 16 bits: no sum_k x needed
+                if HAS_ZEROS:
+                    zm = (MAGIC + z_next.to(tl.float32)).to(x.dtype)[None, :]
+                else:
+                    zm = tl.full([1, 1], MAGIC + 8.0, x.dtype)
+                for j in tl.static_range(8):
+                    t = tl.dot(xj[j], _codes_plus_magic(q, j, x.dtype, USE_ASM) - zm, t)
+            else:
+                ones = tl.full([BLOCK_K8, BLOCK_N], 1.0, x.dtype)
+                u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum_k x, broadcast along N
+                for j in tl.static_range(8):
+                    t = tl.dot(xj[j], _codes_plus_magic(q, j, x.dtype, USE_ASM), t)
+                    u = tl.dot(xj[j], ones, u)
             if SCALE_DOT:
                 sz = tl.load(sz_ptrs + (k0 // G) * N, mask=sz_mask, other=0.0).to(x.dtype)  # [16, BLOCK_N]
                 s = tl.dot(e0, sz)
@@ -569,7 +577,10 @@ def _int4_matmul_kernel(
                 g_next = (k0 + BLOCK_K) // G * N
                 s_next = tl.load(scales_ptr + g_next + cols, mask=nxt, other=0.0)
                 z_next = tl.load(zeros_ptr + g_next + cols, mask=nxt & HAS_ZEROS, other=0.0)
-            acc += t * s - u * (s * (MAGIC + z))
+            if ZDEC:
+                acc += t * s
+            else:
+                acc += t * s - u * (s * (MAGIC + z))
         else:
             s16, sz16 = _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G, BLOCK_K, HAS_ZEROS)
             for j in tl.static_range(8):
@@ -578,6 +589,103 @@ def _int4_matmul_kernel(
         gdc_launch_dependents()
     _finish(acc, pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, part_ptr,
             count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R)
+
+
+@triton.jit
+def _int4_matmul_t_kernel(
+    # pointers
+    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
+    # sizes
+    M, N, K,
+    # strides
+    stride_xm, stride_ym, stride_rm,
+    split_k, K_ITERS, one_bits,  # K splits; K blocks per split; fp32 bits of 1.0
+    # meta-parameters
+    G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+    SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ZDEC: tl.constexpr,
+):
+    """The MMA path with its operands swapped: y^T = W x^T, so the decoded weights are the MMA's A
+    operand (rows = weight columns) and the tokens its N dimension (Machete's swap-AB idea).
+
+    ``_int4_matmul_kernel`` puts tokens on the MMA's M side; every warp that owns other token rows
+    decodes the same weights again, and a 64-row tile decodes each weight four times. Here warps split
+    the weight columns, each weight is decoded once per program whatever BLOCK_M is, and BLOCK_M only
+    adds MMAs (8 tokens each) on registers already decoded. Same factoring as the untransposed kernel:
+        sum_k x (c - z) s = s * (sum_k x (c + MAGIC) - (MAGIC + z) * sum_k x).
+    """
+    pid, pid_k = tl.program_id(0), tl.program_id(1)
+    if USE_PDL:
+        gdc_wait()
+    BLOCK_K8: tl.constexpr = BLOCK_K // 8
+    num_m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % num_m_tiles, pid // num_m_tiles
+    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_k8 = tl.arange(0, BLOCK_K8)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    q_ptrs = qw_ptr + offs_k8[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_K8]: W's packed rows, transposed
+    m_mask = offs_m < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T
+    k_lo = pid_k * K_ITERS * BLOCK_K
+    if FACTORED:
+        s_next = tl.load(scales_ptr + (k_lo // G) * N + cols, mask=n_mask, other=0.0)
+        z_next = tl.load(zeros_ptr + (k_lo // G) * N + cols, mask=n_mask & HAS_ZEROS, other=0.0)
+    for i in range(K_ITERS):
+        k0 = (pid_k * K_ITERS + i) * BLOCK_K
+        if EVEN_K:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+            q = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K8] int32
+        else:
+            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+            q_mask = n_mask[:, None] & (k0 + 8 * offs_k8 < K)[None, :]
+            q = tl.load(q_ptrs + (k0 // 8) * N, mask=q_mask, other=0)
+        xj = _split8(x, BLOCK_M, BLOCK_K8)  # 8 x [BLOCK_M, BLOCK_K8]
+        if FACTORED:
+            if x.dtype == tl.bfloat16:
+                MAGIC: tl.constexpr = 128.0
+            else:
+                MAGIC: tl.constexpr = 1024.0
+            s = s_next.to(tl.float32)
+            if HAS_ZEROS:
+                z = z_next.to(tl.float32)
+            else:
+                z = 8.0
+            t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            if ZDEC:  # (code + MAGIC) - (MAGIC + z) = code - z, exact in 16 bits: t = sum_k (code - z) x
+                if HAS_ZEROS:
+                    zm = (MAGIC + z).to(x.dtype)[:, None]
+                else:
+                    zm = tl.full([1, 1], MAGIC + 8.0, x.dtype)
+                for j in tl.static_range(8):
+                    t = tl.dot(_codes_plus_magic(q, j, x.dtype, USE_ASM) - zm, tl.trans(xj[j]), t)
+            else:  # t = sum_k (code + MAGIC) x, u = sum_k x (broadcast along the weight columns)
+                ones = tl.full([BLOCK_N, BLOCK_K8], 1.0, x.dtype)
+                u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                for j in tl.static_range(8):
+                    xt = tl.trans(xj[j])  # [BLOCK_K8, BLOCK_M]
+                    t = tl.dot(_codes_plus_magic(q, j, x.dtype, USE_ASM), xt, t)
+                    u = tl.dot(ones, xt, u)
+            nxt = n_mask & (i + 1 < K_ITERS)
+            g_next = (k0 + BLOCK_K) // G * N
+            s_next = tl.load(scales_ptr + g_next + cols, mask=nxt, other=0.0)
+            z_next = tl.load(zeros_ptr + g_next + cols, mask=nxt & HAS_ZEROS, other=0.0)
+            if ZDEC:
+                acc += t * s[:, None]
+            else:
+                acc += t * s[:, None] - u * (s * (MAGIC + z))[:, None]
+        else:
+            s16, sz16 = _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G, BLOCK_K, HAS_ZEROS)
+            s16, sz16 = tl.trans(s16), tl.trans(sz16)  # [BLOCK_N, 1] or [BLOCK_N, BLOCK_K8]
+            for j in tl.static_range(8):
+                w = (_nibble(q, j, one_bits) * s16 - sz16).to(x.dtype)
+                acc = _dot(w, tl.trans(xj[j]), acc)
+    if USE_PDL:
+        gdc_launch_dependents()
+    _finish(tl.trans(acc), pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr,
+            part_ptr, count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -611,8 +719,8 @@ def _int4_dequant_kernel(
 
 @dataclass(frozen=True, slots=True)
 class KernelConfig:
-    kind: str  # "hgemv" (packed fp16, M = 1), "gemv" (fp32 CUDA cores, M <= 4), "mma" (tensor cores) or
-    # "dequant" (W + cuBLAS)
+    kind: str  # "hgemv" (packed fp16, M = 1), "gemv" (fp32 CUDA cores, M <= 4), "mma" (tensor cores),
+    # "mmat" (tensor cores, operands swapped: y^T = W x^T) or "dequant" (W + cuBLAS)
     block_m: int = 16
     block_n: int = 128  # weight columns per program
     block_k: int = 128  # weight rows per loop step
@@ -632,6 +740,10 @@ USE_PDL = os.environ.get("SPECGATE_INT4_PDL", "1") != "0"
 # (bench/results/scale_dot_engine_ab.json: 16 nodes 3.64 -> 3.73 ms, mean of 5 runs per arm, alternated).
 # At block_m 32 its two [BLOCK_M, BLOCK_N] fp32 tiles spill (M=32 102 -> 123 us), so it never applies there.
 SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "0") == "1"
+# Whole-number zero points (RTN, GPTQ; not GGUF Q4_1's or tuned ones) are subtracted from the decoded
+# codes in 16 bits, exactly, so the MMA paths skip their second dot (sum_k x against ones) and its
+# per-tile correction. SPECGATE_INT4_ZDEC=0 keeps the factored form everywhere, for A/B runs.
+ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
@@ -642,6 +754,15 @@ _MMA_SHAPES = {
     32: [(32, 128, 4, 3), (32, 64, 4, 3)],
     64: [(32, 128, 4, 3), (32, 256, 8, 3)],
     128: [(32, 128, 4, 3)],
+    256: [(128, 128, 8, 3)],
+}
+# The swap-AB MMA path: (block_m = tokens, block_n, num_warps, num_stages). Weight columns are the MMA's
+# M side, so Triton lowers to wgmma with the decoded weights in registers (block_n >= 64 per warpgroup).
+_MMAT_SHAPES = {
+    16: [(16, 128, 4, 3), (16, 256, 8, 3)],
+    32: [(32, 128, 4, 3), (32, 256, 8, 3)],
+    64: [(64, 256, 8, 3), (64, 128, 4, 3), (64, 128, 8, 3)],
+    128: [(128, 128, 8, 3), (64, 256, 8, 3)],
     256: [(128, 128, 8, 3)],
 }
 _GEMV_SHAPES = [(512, 64, 4, 1)]  # (block_n, block_k, warps, stages); more rows or a larger block_k spill
@@ -671,6 +792,8 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
         out.append(KernelConfig("dequant"))
     bucket = min(max(triton.next_power_of_2(M), 16), 256)
     shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[bucket]]
+    if M > 1:  # (M = 1 belongs to the GEMVs)
+        shapes += [("mmat", bm, bn, 128, w, st) for bm, bn, w, st in _MMAT_SHAPES[bucket]]
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
         if x16:
             shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES] + shapes
@@ -693,8 +816,9 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: bool = True,
-               pdl: bool = False) -> tuple:
-    """The kernel of ``cfg``'s path and the compile-time arguments that depend on the call."""
+               pdl: bool = False, whole_zeros: bool = False) -> tuple:
+    """The kernel of ``cfg``'s path and the compile-time arguments that depend on the call.
+    ``whole_zeros``: the zero points are whole numbers (or absent), so a 16-bit decode can subtract them."""
     if cfg.kind == "hgemv":
         # partials read per fix-up step: the fix-up's L2 round trips are the tail of a short kernel
         return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(16, 8192 // cfg.block_n)), "USE_ASM": on_gpu,
@@ -704,8 +828,13 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
         return _int4_gemv_kernel, {"FIX_R": max(1, min(8, 4096 // cfg.block_n))}
     factored = x_16bit and G % cfg.block_k == 0
+    if cfg.kind == "mmat":
+        return _int4_matmul_t_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
+                                       "USE_PDL": pdl, "ZDEC": factored and whole_zeros and ZDEC}
+    scale_dot = factored and SCALE_DOT and cfg.block_m == 16
     return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
-                                 "USE_PDL": pdl, "SCALE_DOT": factored and SCALE_DOT and cfg.block_m == 16}
+                                 "USE_PDL": pdl, "SCALE_DOT": scale_dot,
+                                 "ZDEC": factored and whole_zeros and ZDEC and not scale_dot}
 
 
 def sass_configs() -> list[KernelConfig]:
@@ -717,7 +846,10 @@ def sass_configs() -> list[KernelConfig]:
             KernelConfig("mma", 16, 256, 128, 8, 8, 3),
             KernelConfig("mma", 16, 256, 128, 8, 4, 3),
             KernelConfig("mma", 32, 256, 128, 4, 8, 3),
-            KernelConfig("mma", 32, 128, 128, 4, 4, 3)]
+            KernelConfig("mma", 32, 128, 128, 4, 4, 3),
+            KernelConfig("mmat", 16, 128, 128, 8, 4, 3),
+            KernelConfig("mmat", 64, 256, 128, 2, 8, 3),
+            KernelConfig("mmat", 128, 128, 128, 1, 8, 3)]
 
 
 def _is_16bit(x: torch.Tensor) -> bool:
@@ -738,7 +870,7 @@ def _pdl_ok(device: torch.device) -> bool:
 
 def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, G: int, bias: torch.Tensor | None, residual: torch.Tensor | None,
-            silu: bool, y: torch.Tensor) -> None:
+            silu: bool, y: torch.Tensor, whole_zeros: bool = False) -> None:
     """x: [M, K]; qweight: [K // 8, N]; y: [M, N] or [M, N // 2] with silu; residual like y."""
     M, K = x.shape
     N = qweight.shape[1]
@@ -754,7 +886,8 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
     grid_m = 1 if "gemv" in cfg.kind else triton.cdiv(M, cfg.block_m)
     part = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     counts = y if cfg.split_k == 1 else _counters(x.device, grid_m * grid_n)
-    kernel, extra = kernel_for(cfg, _is_16bit(x), G, x.is_cuda, K % cfg.block_k == 0, _pdl_ok(x.device))
+    kernel, extra = kernel_for(cfg, _is_16bit(x), G, x.is_cuda, K % cfg.block_k == 0, _pdl_ok(x.device),
+                               zeros is None or whole_zeros)
     k_iters = triton.cdiv(K, cfg.block_k) // cfg.split_k
     args = [x, qweight, scales, scales if zeros is None else zeros, y if bias is None else bias,
             y if residual is None else residual, y, part, counts]
@@ -822,11 +955,12 @@ def _time_configs(run, cands: list[KernelConfig], device: torch.device) -> list[
 def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                        group_size: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                        silu: bool = False, config: KernelConfig | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, whole_zeros: bool = False) -> torch.Tensor:
     """x: [M, K], unit stride along K -> [M, N] (or [M, N // 2] = silu(gate) * up with ``silu``) in x's dtype.
 
     On CPU tensors this needs ``TRITON_INTERPRET=1`` before Triton is imported (tests). ``config``
-    skips the choice (benchmarks); ``out`` receives the result.
+    skips the choice (benchmarks); ``out`` receives the result. ``whole_zeros``: every zero point is a
+    whole number (the caller knows; checking here would cost a device sync per call).
     """
     M, K = x.shape
     N = qweight.shape[1]
@@ -839,8 +973,9 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, not {tuple(y.shape)} {y.dtype}")
     if M == 0:
         return y
-    run = lambda c: _launch(c, x, qweight, scales, zeros, group_size, bias, residual, silu, y)  # noqa: E731
-    key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, silu, x.device)
+    run = lambda c: _launch(c, x, qweight, scales, zeros, group_size, bias, residual, silu, y,  # noqa: E731
+                            whole_zeros)
+    key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, whole_zeros, silu, x.device)
     run(config or _pick(x, N, group_size, key, silu, run))
     return y
 

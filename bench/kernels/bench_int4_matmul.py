@@ -65,7 +65,7 @@ def _compile_worker(jobs):
         try:
             w = rand_weight(N, K, dtype)
             x = torch.randn(M, K, device="cuda", dtype=dtype)
-            T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=cfg)
+            T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=cfg, whole_zeros=True)
         except Exception as e:  # noqa: BLE001 - report, keep compiling the rest
             errors.append(f"{M} {K}x{N} {cfg}: {type(e).__name__}: {str(e)[:300]}")
     torch.cuda.synchronize()
@@ -156,7 +156,7 @@ def _correct_worker(specs) -> list[str]:
                 if mode == "configs":
                     for cfg in T._candidates(M, N, K, False, sms):
                         errs[str(cfg)] = rel_err(T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, g, bias=bias,
-                                                                      config=cfg), r)
+                                                                      config=cfg, whole_zeros=True), r)
         except Exception as e:  # noqa: BLE001
             errs = {"exception": float("nan")}
             out.append(f"FAIL {dtype} M={M} N={N} K={K} G={g} zp={zp} {mode}: {type(e).__name__} {str(e)[:300]}")
@@ -254,7 +254,8 @@ def timing(dtype: torch.dtype, results: dict, ms: list[int]) -> None:
             per = {}
             r = ref(x, ws[0])
             for cfg in T._candidates(M, N, K, False, sms):
-                fns = [lambda w=w, c=cfg: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=c)
+                fns = [lambda w=w, c=cfg: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=c,
+                                                               whole_zeros=True)  # rand_weight's zero points
                        for w in ws]
                 try:
                     per[cfg], out = graph_time_us(fns)

@@ -105,7 +105,7 @@ def int4_cases():
     cases = []
     for cfg in T.sass_configs():
         const = dict(base, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
-        kernel, extra = T.kernel_for(cfg, True, base["G"], True, pdl=True)
+        kernel, extra = T.kernel_for(cfg, True, base["G"], True, pdl=True, whole_zeros=True)
         const.update(extra)
         const = {n: v for n, v in const.items() if n in kernel.arg_names}
         threads = 32 * cfg.num_warps

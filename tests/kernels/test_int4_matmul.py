@@ -139,6 +139,65 @@ def test_mma_scale_dot_matches_ref(monkeypatch, M, N, split_k, silu, use_zero_po
     assert _rel_err(y, ref) < TOL[torch.float16]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("M,N,K,G,use_zero_point,block_m,split_k,silu", [
+    (3, 100, 576, 64, True, 16, 1, False),  # ragged K, a group smaller than the tile: unfactored decode
+    (33, 200, 512, 128, False, 16, 2, False),  # three token tiles, the last one row deep; split-K
+    (17, 128, 512, 128, True, 32, 1, True),  # SiLU epilogue on transposed tiles
+    (40, 72, 1024, 32, True, 64, 4, False),  # one 64-token tile, four splits, ragged N
+])
+@pytest.mark.parametrize("whole_zeros", [False, True])
+def test_swapped_mma_matches_ref(M, N, K, G, use_zero_point, block_m, split_k, silu, dtype, whole_zeros):
+    """The swap-AB MMA path ("mmat": y^T = W x^T) on a poisoned output: every element written, right;
+    with whole zero points subtracted in the decode (ZDEC) or factored out."""
+    w = _weight(N, K, G, use_zero_point, dtype, seed=M + N)
+    x = _x(M, K, dtype, seed=K) * (0.05 if silu else 1.0)
+    cfg = T.KernelConfig("mmat", block_m, 64, 128, split_k, 4, 2)
+    assert T.kernel_for(cfg, dtype != torch.float32, G, False, whole_zeros=whole_zeros)[1]["ZDEC"] == (
+        whole_zeros and dtype != torch.float32 and G % 128 == 0)
+    out = torch.full((M, N // 2 if silu else N), float("nan"), dtype=dtype, device=DEVICE)
+    y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=silu, config=cfg, out=out,
+                             whole_zeros=whole_zeros)
+    ref = _ref(x, w)
+    if silu:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+    assert _rel_err(y, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("kind", ["mma", "mmat"])
+@pytest.mark.parametrize("use_zero_point", [True, False])
+def test_whole_zero_points_decode_exactly(kind, use_zero_point):
+    """ZDEC subtracts MAGIC + z from the decoded codes in fp16: exact for whole zero points, so the MMA
+    paths match the reference as closely as the factored form does; split-K starts mid-K."""
+    M, N, K, G = 20, 192, 1024, 128
+    w = _weight(N, K, G, use_zero_point, torch.float16, seed=7)
+    assert w.zeros_are_whole()
+    x = _x(M, K, torch.float16, seed=8)
+    ref = _ref(x, w)
+    cfg = T.KernelConfig(kind, 16, 64, 128, 2, 4, 2)
+    assert T.kernel_for(cfg, True, G, False, whole_zeros=True)[1]["ZDEC"]
+    for whole in (False, True):
+        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=cfg, whole_zeros=whole)
+        assert _rel_err(y, ref) < TOL[torch.float16], whole
+
+
+def test_fractional_zero_points_take_the_factored_path():
+    """A fractional zero point (GGUF Q4_1's minimum, tuned zeros) must not be rounded into the decode:
+    the weight says so, and the dispatcher's result still matches the reference."""
+    N, K, G = 96, 512, 128
+    w = _weight(N, K, G, True, torch.float16, seed=9)
+    w.zeros = (w.zeros.float() + 0.375).to(torch.float16)  # exact in fp16, not whole
+    assert not w.zeros_are_whole()
+    assert _weight(N, K, G, False, torch.float16).zeros_are_whole()  # symmetric: no zero points at all
+    x = _x(24, K, torch.float16, seed=10)
+    assert _rel_err(int4_matmul(x, w, use_triton=True), _ref(x, w)) < TOL[torch.float16]
+    # forcing the 16-bit subtraction on such zeros is what the flag prevents: it moves the result
+    cfg = T.KernelConfig("mmat", 16, 64, 128, 1, 4, 2)
+    wrong = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=cfg, whole_zeros=True)
+    assert _rel_err(wrong, _ref(x, w)) > 10 * TOL[torch.float16]
+
+
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("N,K,G,use_zero_point,split_k", [(1000, 576, 64, True, 3), (300, 1024, 32, False, 1),
                                                           (2048, 4096, 128, True, 8), (96, 512, 128, False, 2),
