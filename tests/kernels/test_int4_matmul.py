@@ -303,9 +303,12 @@ def test_gpu_llama_shape(M, dtype):
     x, bias = _x(M, 4096, dtype), _x(1, 1024, dtype, seed=2)[0]
     ref = _ref(x, w, bias)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for cfg in [None] + T._candidates(M, 1024, 4096, False, sms)[:3]:
-        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, bias=bias, config=cfg)
-        assert _rel_err(y, ref) < TOL[dtype], cfg
+    cands = T._candidates(M, 1024, 4096, False, sms)
+    kinds = {c.kind: c for c in reversed(cands)}  # the first candidate of each path
+    for cfg in [None] + cands[:3] + list(kinds.values()):
+        for whole in (False, True):  # the factored zero point, and whole zero points in the decode
+            y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, bias=bias, config=cfg, whole_zeros=whole)
+            assert _rel_err(y, ref) < TOL[dtype], (cfg, whole)
 
 
 @pytest.mark.gpu
