@@ -3,10 +3,13 @@
 No repack is needed: ``qweight`` is ``[K // 8, N]`` int32 with N contiguous, so a thread that owns four
 neighbouring columns of one packed row issues one 16-byte load, and a warp reads 512 contiguous bytes.
 
-Three paths; the launcher times the candidates of each (M bucket, shape) once and keeps the fastest:
+The launcher times the candidates of each (M bucket, shape) once and keeps the fastest:
 
 * ``_int4_matmul_kernel``: tensor cores (``tl.dot``) on register-decoded codes, split-K; the workhorse
   from M=1 to M=64 (weights cross HBM once, as 4-bit codes: the GPTQ-triton / Marlin idea).
+* ``_int4_matmul_t_kernel``: the same with the operands swapped (y^T = W x^T), so the decoded weights
+  sit on wgmma's register side and are decoded once per program whatever the token count.
+* ``_int4_gemv_f16_kernel`` ("hgemv"): M = 1, two codes per instruction in packed fp16 FMAs.
 * ``_int4_gemv_kernel``: CUDA-core FMAs for M <= 4 (a candidate at M = 1), split-K; ~4 instructions per
   weight, so it wins only on some shapes.
 * M >= 64 turns compute-bound: ``_int4_dequant_kernel`` writes a bf16/fp16 ``[K, N]`` scratch copy and
