@@ -6,6 +6,8 @@
 #   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair, with the per-kernel profile and the INT4 picks
 #   bash bench/gpu_run.sh probe      bench/kernels/decode_probe.py (L2 flush modes, short-context splits) and attn_layout.py
 #   bash bench/gpu_run.sh int4       the INT4 matmul: CUDA tests, then bench/results/int4_matmul.json
+#                                    (INT4_ARGS="--ms 16,64" for a subset; AB_A=SPECGATE_INT4_MMAT=0
+#                                    AB_B=SPECGATE_INT4_MMAT=1 ... ab: the swap-AB path inside the 8B verify step)
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
 #                                    bench/engine_ab.py: the 8B verify steps under two environments, alternated, 3 runs each
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
@@ -80,9 +82,11 @@ for stage in "$@"; do
       timeout 150 python bench/kernels/decode_probe.py --out "$OUT" 2>&1 | tail -24
       timeout 150 python bench/kernels/attn_layout.py --out "$OUT" 2>&1 | tail -16 ;;
     int4)
-      python -m pytest -x -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py -k "gpu or hgemv" 2>&1 | tail -4
-      timeout 330 python bench/kernels/bench_int4_matmul.py --out "$OUT" --commit "${BENCH_COMMIT:-unknown}" 2>&1 \
-        | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
+      timeout 150 python -m pytest -x -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py \
+        -k "gpu or hgemv or swapped or whole or fractional" 2>&1 | tail -4
+      # SIGINT, not SIGTERM: the bench writes the rows it has timed on the way out
+      timeout -s INT "${INT4_TIMEOUT:-420}" python bench/kernels/bench_int4_matmul.py --out "$OUT" \
+        --commit "${BENCH_COMMIT:-unknown}" ${INT4_ARGS:-} 2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
     pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_INT4_PDL=0 --arm SPECGATE_INT4_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
     ab) timeout 540 python bench/engine_ab.py --arm "$AB_A" --arm "$AB_B" --runs 3 --out "$OUT/engine_ab.json" 2>&1 | tail -8 ;;

@@ -747,6 +747,8 @@ SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "0") == "1"
 # codes in 16 bits, exactly, so the MMA paths skip their second dot (sum_k x against ones) and its
 # per-tile correction. SPECGATE_INT4_ZDEC=0 keeps the factored form everywhere, for A/B runs.
 ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
+# SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs).
+MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
@@ -795,7 +797,7 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
         out.append(KernelConfig("dequant"))
     bucket = min(max(triton.next_power_of_2(M), 16), 256)
     shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[bucket]]
-    if M > 1:  # (M = 1 belongs to the GEMVs)
+    if M > 1 and MMAT:  # (M = 1 belongs to the GEMVs)
         shapes += [("mmat", bm, bn, 128, w, st) for bm, bn, w, st in _MMAT_SHAPES[bucket]]
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
         if x16:

@@ -165,6 +165,17 @@ def test_swapped_mma_matches_ref(M, N, K, G, use_zero_point, block_m, split_k, s
     assert _rel_err(y, ref) < TOL[dtype]
 
 
+def test_swapped_path_is_a_candidate_from_two_rows(monkeypatch):
+    """The tuner times the swap-AB path from M = 2 (M = 1 belongs to the GEMVs) and at every M bucket,
+    SiLU included; SPECGATE_INT4_MMAT=0 (T.MMAT) leaves it out for A/B runs."""
+    kinds = lambda M, silu=False: {c.kind for c in T._candidates(M, 28672, 4096, silu, 132)}  # noqa: E731
+    assert "mmat" not in kinds(1)
+    for M in (2, 16, 64, 128, 300):
+        assert "mmat" in kinds(M) and "mmat" in kinds(M, silu=True), M
+    monkeypatch.setattr(T, "MMAT", False)
+    assert not any("mmat" in kinds(M) for M in (2, 16, 64, 128, 300))
+
+
 @pytest.mark.parametrize("kind", ["mma", "mmat"])
 @pytest.mark.parametrize("use_zero_point", [True, False])
 def test_whole_zero_points_decode_exactly(kind, use_zero_point):
