@@ -473,6 +473,48 @@ def _split8(x, BLOCK_M: tl.constexpr, BLOCK_K8: tl.constexpr):
 
 
 @triton.jit
+def _mma_tile(x_ptr, qw_ptr, pid, M, N, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, SILU: tl.constexpr, TRANS: tl.constexpr):
+    """A program's tile: its token rows and weight columns, and pointers to K block 0 of x ([BLOCK_M,
+    BLOCK_K]) and of the packed words ([BLOCK_K // 8, BLOCK_N], or [BLOCK_N, BLOCK_K // 8] with TRANS).
+    The M tiles of an N tile are neighbours in the grid, so a weight tile comes from HBM once and from
+    L2 for the others."""
+    num_m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m, pid_n = pid % num_m_tiles, pid // num_m_tiles
+    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k8 = tl.arange(0, BLOCK_K // 8)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]
+    if TRANS:
+        q_ptrs = qw_ptr + offs_k8[None, :] * N + cols[:, None]
+    else:
+        q_ptrs = qw_ptr + offs_k8[:, None] * N + cols[None, :]
+    return pid_n, cols, n_mask, offs_m, offs_m < M, x_ptrs, q_ptrs
+
+
+@triton.jit
+def _mma_load(x_ptrs, q_ptrs, k0, m_mask, n_mask, N, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              TRANS: tl.constexpr):
+    """K block k0's x tile and packed words (int32); K may be ragged (not a multiple of BLOCK_K) unless
+    EVEN_K, so rows past K are masked."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_k8 = tl.arange(0, BLOCK_K // 8)
+    if EVEN_K:
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
+        if TRANS:
+            q = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[:, None], other=0)
+        else:
+            q = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[None, :], other=0)
+    else:
+        x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
+        if TRANS:
+            q = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[:, None] & (k0 + 8 * offs_k8 < K)[None, :], other=0)
+        else:
+            q = tl.load(q_ptrs + (k0 // 8) * N, mask=(k0 + 8 * offs_k8 < K)[:, None] & n_mask[None, :], other=0)
+    return x, q
+
+
+@triton.jit
 def _int4_matmul_kernel(
     # pointers
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
@@ -487,8 +529,7 @@ def _int4_matmul_kernel(
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, SCALE_DOT: tl.constexpr, ZDEC: tl.constexpr,
 ):
-    """One program: a [BLOCK_M, BLOCK_N] output tile over one K split. The M tiles of an N tile are
-    neighbours in the grid, so a weight tile comes from HBM once and from L2 for the others.
+    """One program: a [BLOCK_M, BLOCK_N] output tile over one K split (see ``_mma_tile``).
 
     A [BLOCK_K // 8, BLOCK_N] tile of words is eight dots, one per code position j: rows 8 r + j of W
     against columns 8 r + j of x. With FACTORED (16-bit x, G % BLOCK_K == 0) the dots take the raw
@@ -502,15 +543,8 @@ def _int4_matmul_kernel(
     if USE_PDL:  # the pipeliner's first loads read x: nothing overlaps the previous kernel but our launch
         gdc_wait()
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
-    num_m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = pid % num_m_tiles, pid // num_m_tiles
-    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_k8 = tl.arange(0, BLOCK_K8)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    q_ptrs = qw_ptr + offs_k8[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
-    m_mask = offs_m < M
+    pid_n, cols, n_mask, offs_m, m_mask, x_ptrs, q_ptrs = _mma_tile(x_ptr, qw_ptr, pid, M, N, stride_xm, BLOCK_M,
+                                                                    BLOCK_N, BLOCK_K, SILU, False)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = pid_k * K_ITERS * BLOCK_K
     if SCALE_DOT:
@@ -532,14 +566,8 @@ def _int4_matmul_kernel(
         s_next = tl.load(scales_ptr + (k_lo // G) * N + cols, mask=n_mask, other=0.0)
         z_next = tl.load(zeros_ptr + (k_lo // G) * N + cols, mask=n_mask & HAS_ZEROS, other=0.0)
     for i in range(K_ITERS):
-        k0 = (pid_k * K_ITERS + i) * BLOCK_K  # K may be ragged (not a multiple of BLOCK_K): mask rows
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-            q = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[None, :], other=0)  # [BLOCK_K8, BLOCK_N] int32
-        else:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-            q_mask = (k0 + 8 * offs_k8 < K)[:, None] & n_mask[None, :]
-            q = tl.load(q_ptrs + (k0 // 8) * N, mask=q_mask, other=0)
+        k0 = (pid_k * K_ITERS + i) * BLOCK_K
+        x, q = _mma_load(x_ptrs, q_ptrs, k0, m_mask, n_mask, N, K, BLOCK_K, EVEN_K, False)  # q: [BLOCK_K8, BLOCK_N]
         xj = _split8(x, BLOCK_M, BLOCK_K8)  # 8 x [BLOCK_M, BLOCK_K8]
         if FACTORED:
             if x.dtype == tl.bfloat16:
@@ -622,15 +650,8 @@ def _int4_matmul_t_kernel(
     if USE_PDL:
         gdc_wait()
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
-    num_m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m, pid_n = pid % num_m_tiles, pid // num_m_tiles
-    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_k8 = tl.arange(0, BLOCK_K8)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    q_ptrs = qw_ptr + offs_k8[None, :] * N + cols[:, None]  # [BLOCK_N, BLOCK_K8]: W's packed rows, transposed
-    m_mask = offs_m < M
+    pid_n, cols, n_mask, offs_m, m_mask, x_ptrs, q_ptrs = _mma_tile(x_ptr, qw_ptr, pid, M, N, stride_xm, BLOCK_M,
+                                                                    BLOCK_N, BLOCK_K, SILU, True)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T
     k_lo = pid_k * K_ITERS * BLOCK_K
     if FACTORED:
@@ -638,13 +659,7 @@ def _int4_matmul_t_kernel(
         z_next = tl.load(zeros_ptr + (k_lo // G) * N + cols, mask=n_mask & HAS_ZEROS, other=0.0)
     for i in range(K_ITERS):
         k0 = (pid_k * K_ITERS + i) * BLOCK_K
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None], other=0.0)
-            q = tl.load(q_ptrs + (k0 // 8) * N, mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K8] int32
-        else:
-            x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (k0 + offs_k < K)[None, :], other=0.0)
-            q_mask = n_mask[:, None] & (k0 + 8 * offs_k8 < K)[None, :]
-            q = tl.load(q_ptrs + (k0 // 8) * N, mask=q_mask, other=0)
+        x, q = _mma_load(x_ptrs, q_ptrs, k0, m_mask, n_mask, N, K, BLOCK_K, EVEN_K, True)  # q: [BLOCK_N, BLOCK_K8]
         xj = _split8(x, BLOCK_M, BLOCK_K8)  # 8 x [BLOCK_M, BLOCK_K8]
         if FACTORED:
             if x.dtype == tl.bfloat16:
