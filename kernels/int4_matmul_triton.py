@@ -515,6 +515,16 @@ def _mma_load(x_ptrs, q_ptrs, k0, m_mask, n_mask, N, K, BLOCK_K: tl.constexpr, E
 
 
 @triton.jit
+def _group_vectors(scales_ptr, zeros_ptr, k, cols, mask, N, G: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """Scales and zero points ([BLOCK_N], storage dtype) of the group holding weight row k. The MMA
+    kernels load them a trip ahead: Triton's pipeliner overlaps only the loads that feed a dot, and
+    these would stall every trip on an HBM round trip."""
+    g = (k // G) * N
+    return (tl.load(scales_ptr + g + cols, mask=mask, other=0.0),
+            tl.load(zeros_ptr + g + cols, mask=mask & HAS_ZEROS, other=0.0))
+
+
+@triton.jit
 def _int4_matmul_kernel(
     # pointers
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr,
@@ -560,11 +570,8 @@ def _int4_matmul_kernel(
         pick = tl.arange(0, BLOCK_M)[:, None] * 0 + r16[None, :]  # [BLOCK_M, 16]: column index
         e0 = (pick == 0).to(x_ptr.dtype.element_ty)
         e1 = (pick == 1).to(x_ptr.dtype.element_ty)
-    else:
-        # FACTORED: the next tile's scales and zero points load a trip ahead (Triton's pipeliner
-        # overlaps only the loads that feed a dot; these would stall every trip on an HBM round trip).
-        s_next = tl.load(scales_ptr + (k_lo // G) * N + cols, mask=n_mask, other=0.0)
-        z_next = tl.load(zeros_ptr + (k_lo // G) * N + cols, mask=n_mask & HAS_ZEROS, other=0.0)
+    else:  # FACTORED: scales and zero points a trip ahead
+        s_next, z_next = _group_vectors(scales_ptr, zeros_ptr, k_lo, cols, n_mask, N, G, HAS_ZEROS)
     for i in range(K_ITERS):
         k0 = (pid_k * K_ITERS + i) * BLOCK_K
         x, q = _mma_load(x_ptrs, q_ptrs, k0, m_mask, n_mask, N, K, BLOCK_K, EVEN_K, False)  # q: [BLOCK_K8, BLOCK_N]
@@ -604,10 +611,8 @@ def _int4_matmul_kernel(
                     z = z_next.to(tl.float32)[None, :]
                 else:
                     z = 8.0
-                nxt = n_mask & (i + 1 < K_ITERS)
-                g_next = (k0 + BLOCK_K) // G * N
-                s_next = tl.load(scales_ptr + g_next + cols, mask=nxt, other=0.0)
-                z_next = tl.load(zeros_ptr + g_next + cols, mask=nxt & HAS_ZEROS, other=0.0)
+                s_next, z_next = _group_vectors(scales_ptr, zeros_ptr, k0 + BLOCK_K, cols, n_mask & (i + 1 < K_ITERS),
+                                                N, G, HAS_ZEROS)
             if ZDEC:
                 acc += t * s
             else:
@@ -655,8 +660,7 @@ def _int4_matmul_t_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T
     k_lo = pid_k * K_ITERS * BLOCK_K
     if FACTORED:
-        s_next = tl.load(scales_ptr + (k_lo // G) * N + cols, mask=n_mask, other=0.0)
-        z_next = tl.load(zeros_ptr + (k_lo // G) * N + cols, mask=n_mask & HAS_ZEROS, other=0.0)
+        s_next, z_next = _group_vectors(scales_ptr, zeros_ptr, k_lo, cols, n_mask, N, G, HAS_ZEROS)
     for i in range(K_ITERS):
         k0 = (pid_k * K_ITERS + i) * BLOCK_K
         x, q = _mma_load(x_ptrs, q_ptrs, k0, m_mask, n_mask, N, K, BLOCK_K, EVEN_K, True)  # q: [BLOCK_N, BLOCK_K8]
@@ -686,10 +690,8 @@ def _int4_matmul_t_kernel(
                     xt = tl.trans(xj[j])  # [BLOCK_K8, BLOCK_M]
                     t = tl.dot(_codes_plus_magic(q, j, x.dtype, USE_ASM), xt, t)
                     u = tl.dot(ones, xt, u)
-            nxt = n_mask & (i + 1 < K_ITERS)
-            g_next = (k0 + BLOCK_K) // G * N
-            s_next = tl.load(scales_ptr + g_next + cols, mask=nxt, other=0.0)
-            z_next = tl.load(zeros_ptr + g_next + cols, mask=nxt & HAS_ZEROS, other=0.0)
+            s_next, z_next = _group_vectors(scales_ptr, zeros_ptr, k0 + BLOCK_K, cols, n_mask & (i + 1 < K_ITERS), N,
+                                            G, HAS_ZEROS)
             if ZDEC:
                 acc += t * s[:, None]
             else:
