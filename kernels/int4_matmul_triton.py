@@ -24,14 +24,18 @@ that share it must be ordered: one stream, or graphs replayed on one stream.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.errors import CompileTimeAssertionFailure
+from triton.runtime.errors import OutOfResources, PTXASError
 from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
+log = logging.getLogger("specgate.int4")
 ONE_BITS = 0x3F800000  # fp32 1.0; a kernel argument, not a constant: see _nibble
 _NIBBLE_AT_19 = tl.constexpr(0x780000)  # mantissa bits 19..22
 
@@ -949,6 +953,23 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run) -> Kerne
 _TUNE_REPS = 15
 
 
+def _buildable(run, cands: list[KernelConfig]) -> list[KernelConfig]:
+    """The candidates that compile and launch (twice: the first launch's one-time costs stay out of the
+    timing). One that runs out of registers or shared memory on this GPU, or that ptxas rejects, is
+    left out with a warning, as Triton's own autotuner does; any other error is a bug and propagates."""
+    built = []
+    for c in cands:
+        try:
+            run(c)
+            run(c)
+            built.append(c)
+        except (OutOfResources, PTXASError, CompileTimeAssertionFailure) as e:
+            log.warning("INT4 config %s left out: %s: %s", c, type(e).__name__, str(e)[:200])
+    if not built:
+        raise RuntimeError(f"no INT4 kernel config could be built for this shape: {cands}")
+    return built
+
+
 def _time_configs(run, cands: list[KernelConfig], device: torch.device) -> list[float]:
     """Median device milliseconds of each candidate, timed round-robin (drift hits all alike), each
     call after a 256 MB read that evicts the weights from L2.
@@ -959,19 +980,18 @@ def _time_configs(run, cands: list[KernelConfig], device: torch.device) -> list[
     at M = 1 at ~1.4-1.5x hgemv's time (bench/results/norm_fold_ab.json). A read leaves clean lines, as
     the weight reads before a matmul in a forward do."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
-    for c in cands:  # compile, and the first launch's one-time costs
-        run(c)
-        run(c)
-    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-               for _ in range(_TUNE_REPS)] for _ in cands]
+    built = _buildable(run, cands)
+    events = {c: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(_TUNE_REPS)] for c in built}
     for r in range(_TUNE_REPS):
-        for c, pairs in zip(cands, events):
+        for c in built:
             flush.max()
-            pairs[r][0].record()
+            events[c][r][0].record()
             run(c)
-            pairs[r][1].record()
+            events[c][r][1].record()
     torch.cuda.synchronize(device)
-    return [sorted(a.elapsed_time(b) for a, b in pairs)[_TUNE_REPS // 2] for pairs in events]
+    return [sorted(a.elapsed_time(b) for a, b in events[c])[_TUNE_REPS // 2] if c in events else float("inf")
+            for c in cands]
 
 
 def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

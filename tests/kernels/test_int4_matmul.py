@@ -176,6 +176,32 @@ def test_swapped_path_is_a_candidate_from_two_rows(monkeypatch):
     assert not any("mmat" in kinds(M) for M in (2, 16, 64, 128, 300))
 
 
+def test_tuner_leaves_out_configs_that_cannot_build(caplog):
+    """A candidate that runs out of shared memory (or that ptxas rejects) on this GPU is dropped with a
+    warning instead of failing the first call; any other error propagates; none buildable is an error."""
+    from triton.runtime.errors import OutOfResources
+
+    a, b, c = (T.KernelConfig("mmat", bm, 128, 128, 1, 4, 3) for bm in (16, 32, 64))
+    calls = []
+
+    def run(cfg):
+        calls.append(cfg)
+        if cfg is b:
+            raise OutOfResources(300000, 232448, "shared memory")
+
+    with caplog.at_level("WARNING", logger="specgate.int4"):
+        assert T._buildable(run, [a, b, c]) == [a, c]
+    assert calls == [a, a, b, c, c] and "left out" in caplog.text
+    with pytest.raises(RuntimeError, match="no INT4 kernel config"):
+        T._buildable(run, [b])
+
+    def broken(cfg):
+        raise ValueError("a bug, not a resource limit")
+
+    with pytest.raises(ValueError):
+        T._buildable(broken, [a])
+
+
 @pytest.mark.parametrize("kind", ["mma", "mmat"])
 @pytest.mark.parametrize("use_zero_point", [True, False])
 def test_whole_zero_points_decode_exactly(kind, use_zero_point):
