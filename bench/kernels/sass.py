@@ -70,17 +70,31 @@ def loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
 INT_PIPE = {"LOP3", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA", "PLOP3", "VIADD", "IABS", "FLO", "POPC", "BMSK"}
 
 
-def report(name: str, compiled, scratch: str, weights_per_thread: int | None, dump: str | None) -> None:
+def report(name: str, compiled, scratch: str, weights_per_thread: int | None, dump: str | None,
+           tokens: int | None = None) -> dict:
+    """Print and return the case's registers, stack and main-loop mix. ``tokens``: rows of x a program
+    covers (MMA paths), to put paths with different tiles on one scale: warp instructions per 1024
+    weights per 64 tokens, the main loop's issue cost of one 64-token matmul."""
     sass, res = sass_of(compiled.asm["cubin"], scratch)
-    regs = re.search(r"REG:(\d+)", res).group(1)
-    stack = re.search(r"STACK:(\d+)", res).group(1)
-    print(f"== {name}: {regs} registers, stack {stack} B")
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    stack = int(re.search(r"STACK:(\d+)", res).group(1))
+    row = {"case": name, "registers": regs, "stack_bytes": stack, "shared_bytes": compiled.metadata.shared,
+           "num_warps": compiled.metadata.num_warps}
+    print(f"== {name}: {regs} registers, stack {stack} B, shared {row['shared_bytes']} B")
     for lo, hi, ops in loops(sass)[:1]:
         total = sum(ops.values())
         ints = sum(n for op, n in ops.items() if op in INT_PIPE)
-        per = f", {total / weights_per_thread:.2f} insns and {ints / weights_per_thread:.2f} int-pipe per weight" \
-            if weights_per_thread else ""
+        row.update(loop_insns=total, loop_int_pipe=ints, mix=dict(ops.most_common(16)))
+        per = ""
+        if weights_per_thread:
+            row.update(insns_per_weight=round(total / weights_per_thread, 3),
+                       int_pipe_per_weight=round(ints / weights_per_thread, 3))
+            per = f", {row['insns_per_weight']:.2f} insns and {row['int_pipe_per_weight']:.2f} int-pipe per weight"
         print(f"  loop {lo:#06x}-{hi:#06x}: {total} insns, {ints} int-pipe{per}")
+        if weights_per_thread and tokens:
+            # a trip: total x warps warp instructions over weights_per_thread x 32 x warps weights
+            row["warp_insns_per_1k_weights_64_tokens"] = round(total * 32 / weights_per_thread * 64 / tokens, 1)
+            print(f"  {row['warp_insns_per_1k_weights_64_tokens']} warp insns per 1k weights per 64 tokens")
         print("   ", " ".join(f"{op}:{n}" for op, n in ops.most_common(16)))
     if dump:
         os.makedirs(dump, exist_ok=True)
@@ -110,7 +124,8 @@ def int4_cases():
         const = {n: v for n, v in const.items() if n in kernel.arg_names}
         threads = 32 * cfg.num_warps
         cases.append((f"{cfg.kind}_m{cfg.block_m}_n{cfg.block_n}_k{cfg.block_k}_w{cfg.num_warps}", kernel,
-                      sig, const, div16, cfg.num_warps, cfg.num_stages, cfg.block_n * cfg.block_k // threads))
+                      sig, const, div16, cfg.num_warps, cfg.num_stages, cfg.block_n * cfg.block_k // threads,
+                      cfg.block_m if cfg.kind.startswith("mma") else None))
     return cases
 
 
@@ -129,10 +144,10 @@ def decode_cases():
     base = dict(GROUP=4, PAGE=16, HEAD_DIM=128, BLOCK_G=16, IS_SPLIT=True)
     base = dict(base, LEN_OFFSET=0)
     cases = [("decode_pipelined_n64_st3_w4", PD._paged_decode_kernel, sig, dict(base, BLOCK_N=64, PREFETCH=False),
-              div16, 4, 3, None)]
+              div16, 4, 3, None, None)]
     for bn, nw in RP.RP_TILES:
         cases.append((f"decode_prefetch_n{bn}_w{nw}", PD._paged_decode_kernel, sig,
-                      dict(base, BLOCK_N=bn, PREFETCH=True), div16, nw, 1, None))
+                      dict(base, BLOCK_N=bn, PREFETCH=True), div16, nw, 1, None, None))
     return cases
 
 
@@ -143,11 +158,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=sorted(CASES))
     ap.add_argument("--dump", help="folder for .sass / .ttgir / .ptx of each case")
+    ap.add_argument("--out", help="write the rows as JSON here (with date, commit, Triton version)")
     args = ap.parse_args()
     scratch = args.dump or os.environ.get("TMPDIR", "/tmp")
     os.makedirs(scratch, exist_ok=True)
-    for name, fn, sig, const, div16, warps, stages, wpt in CASES[args.which]():
-        report(name, compile_sm90(fn, sig, const, div16, warps, stages), scratch, wpt, args.dump)
+    rows = [report(name, compile_sm90(fn, sig, const, div16, warps, stages), scratch, wpt, args.dump, tokens)
+            for name, fn, sig, const, div16, warps, stages, wpt, tokens in CASES[args.which]()]
+    if args.out:
+        import datetime
+        import json
+
+        from bench import provenance
+        doc = {"target": "sm_90 (compiled on the host: ptxas and cuobjdump from Triton's wheel)",
+               "triton": triton.__version__, "date": datetime.date.today().isoformat(),
+               "commit": provenance.commit(), "which": args.which, "rows": rows}
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print("wrote", args.out)
 
 
 if __name__ == "__main__":
