@@ -34,9 +34,15 @@ class Int4Weight:
     def zeros_are_whole(self) -> bool:
         """Whole-number zero points (RTN, GPTQ) let the kernels subtract them in 16 bits; fractional ones
         (GGUF Q4_1's minimum, tuned zero points) take the factored path. Looked at once: one sync, at the
-        first (eager) call."""
+        first (eager) call. Inside a CUDA graph capture a sync is not allowed: an unlooked-at weight takes
+        the factored path there, which is right for any zero points."""
         if self.whole_zeros is None:
-            self.whole_zeros = self.zeros is None or bool(torch.equal(self.zeros, self.zeros.round()))
+            if self.zeros is None:
+                self.whole_zeros = True
+            elif self.zeros.is_cuda and torch.cuda.is_current_stream_capturing():
+                return False
+            else:
+                self.whole_zeros = bool(torch.equal(self.zeros, self.zeros.round()))
         return self.whole_zeros
 
     @property

@@ -360,3 +360,19 @@ def test_gpu_graph_replay():
     x.copy_(_x(16, 1024, torch.bfloat16, seed=7))
     graph.replay()
     assert _rel_err(y, _ref(x, w)) < TOL[torch.bfloat16]
+
+
+@gpu
+def test_gpu_capture_of_an_unlooked_at_weight():
+    """A weight first met inside a graph capture cannot sync to look at its zero points: it takes the
+    factored path (right for any zero points) and is looked at on its next eager call."""
+    w = _weight(512, 1024, 128, True, torch.bfloat16, seed=3)
+    x = _x(16, 1024, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = int4_matmul(x, w)
+    assert w.whole_zeros is None
+    graph.replay()
+    assert _rel_err(y, _ref(x, w)) < TOL[torch.bfloat16]
+    int4_matmul(x, w)
+    assert w.whole_zeros is True
