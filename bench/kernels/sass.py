@@ -103,10 +103,12 @@ def report(name: str, compiled, scratch: str, weights_per_thread: int | None, du
                 f.write(compiled.asm[key])
         with open(os.path.join(dump, f"{name}.sass"), "w") as f:
             f.write(sass)
+    return row
 
 
 def int4_cases():
-    """(name, kernel, signature, constexprs, div16, warps, stages, weights per thread per loop trip)."""
+    """(name, kernel, signature, constexprs, div16, warps, stages, weights per thread per loop trip,
+    tokens per program or None)."""
     from kernels import int4_matmul_triton as T
 
     sig = dict(x_ptr="*bf16", qw_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*bf16", bias_ptr="*bf16",
