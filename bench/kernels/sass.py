@@ -161,7 +161,12 @@ def main() -> None:
     ap.add_argument("which", choices=sorted(CASES))
     ap.add_argument("--dump", help="folder for .sass / .ttgir / .ptx of each case")
     ap.add_argument("--out", help="write the rows as JSON here (with date, commit, Triton version)")
+    ap.add_argument("--factored", action="store_true",
+                    help="int4: the MMA paths' factored zero point (a dot against ones), as for fractional zeros")
     args = ap.parse_args()
+    if args.factored:
+        from kernels import int4_matmul_triton as T
+        T.ZDEC = False
     scratch = args.dump or os.environ.get("TMPDIR", "/tmp")
     os.makedirs(scratch, exist_ok=True)
     rows = [report(name, compile_sm90(fn, sig, const, div16, warps, stages), scratch, wpt, args.dump, tokens)
@@ -173,7 +178,9 @@ def main() -> None:
         from bench import provenance
         doc = {"target": "sm_90 (compiled on the host: ptxas and cuobjdump from Triton's wheel)",
                "triton": triton.__version__, "date": datetime.date.today().isoformat(),
-               "commit": provenance.commit(), "which": args.which, "rows": rows}
+               "commit": provenance.commit(), "which": args.which,
+               "zero_points": "factored (sum_k x against ones)" if args.factored else "whole, subtracted in 16 bits",
+               "rows": rows}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
         print("wrote", args.out)
