@@ -913,7 +913,7 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
     part = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     counts = y if cfg.split_k == 1 else _counters(x.device, grid_m * grid_n)
     kernel, extra = kernel_for(cfg, _is_16bit(x), G, x.is_cuda, K % cfg.block_k == 0, _pdl_ok(x.device),
-                               zeros is None or whole_zeros)
+                               whole_zeros)
     k_iters = triton.cdiv(K, cfg.block_k) // cfg.split_k
     args = [x, qweight, scales, scales if zeros is None else zeros, y if bias is None else bias,
             y if residual is None else residual, y, part, counts]
@@ -1015,6 +1015,7 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, not {tuple(y.shape)} {y.dtype}")
     if M == 0:
         return y
+    whole_zeros = whole_zeros or zeros is None  # symmetric codes: the zero point 8 is whole
     run = lambda c: _launch(c, x, qweight, scales, zeros, group_size, bias, residual, silu, y,  # noqa: E731
                             whole_zeros)
     key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, whole_zeros, silu, x.device)

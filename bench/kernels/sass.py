@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
+import json
 import os
 import re
 import subprocess
@@ -25,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from bench import provenance  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _INSN = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)")
@@ -172,10 +175,6 @@ def main() -> None:
     rows = [report(name, compile_sm90(fn, sig, const, div16, warps, stages), scratch, wpt, args.dump, tokens)
             for name, fn, sig, const, div16, warps, stages, wpt, tokens in CASES[args.which]()]
     if args.out:
-        import datetime
-        import json
-
-        from bench import provenance
         doc = {"target": "sm_90 (compiled on the host: ptxas and cuobjdump from Triton's wheel)",
                "triton": triton.__version__, "date": datetime.date.today().isoformat(),
                "commit": provenance.commit(), "which": args.which,
