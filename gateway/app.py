@@ -40,6 +40,7 @@ from starlette.routing import Route
 
 from draft.params import SpeculationParams
 from gateway.audit import AuditConfig, Auditor
+from gateway.detok import TokenText
 from gateway.engine import Engine, QueueFull
 from gateway.generation import Choices, Generation
 from gateway.guard import ApiKeyMiddleware, read_body
@@ -85,6 +86,7 @@ class Gateway:
 
     def __init__(self, engine: Engine, tokenizer: Any, chat_template: str | None, config: ServerConfig) -> None:
         self.engine, self.tokenizer, self.chat_template, self.config = engine, tokenizer, chat_template, config
+        self.token_text = TokenText(tokenizer) if tokenizer is not None else None  # logprobs' token strings
         self.metrics = Metrics()
         self.stats = StatsStore()
         self.auditor = Auditor(config.audit, decode=tokenizer.decode if tokenizer is not None else None,
@@ -272,7 +274,7 @@ class Gateway:
                 self.runner.abort(sub.request_id)
             raise
         gens = [Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route,
-                           index=i) for i, sub in enumerate(subs)]
+                           index=i, token_text=self.token_text) for i, sub in enumerate(subs)]
         return gens[0] if req.n == 1 else Choices(gens)
 
     async def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,

@@ -117,6 +117,8 @@ class Auditor:
             return False
         if finish_reason == "length":  # the engine may have cut it short (KV, context): replay that much
             sampling = dataclasses.replace(sampling, max_tokens=len(tokens))
+        if getattr(sampling, "logprobs", None) is not None:  # the replay compares tokens alone
+            sampling = dataclasses.replace(sampling, logprobs=None)
         dropped = 0
         with self._lock:
             self._credit += self.config.fraction

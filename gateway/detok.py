@@ -47,6 +47,11 @@ class IncrementalDetokenizer:
                 return after[len(before) :]
         return ""
 
+    @property
+    def held(self) -> int:
+        """Characters decoded but held back (an incomplete character shows as U+FFFD)."""
+        return max(len(self._decode(len(self._ids))) - len(self._decode(self._read)), 0)
+
     def flush(self) -> str:
         """The request ended: whatever is held back, incomplete characters included."""
         before, after = self._decode(self._read), self._decode(len(self._ids))
@@ -72,6 +77,11 @@ class StopMatcher:
         self._pending = pending[len(pending) - keep :]
         return pending[: len(pending) - keep], False
 
+    @property
+    def pending(self) -> int:
+        """Characters held back."""
+        return len(self._pending)
+
     def _partial_len(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string.
 
@@ -94,6 +104,12 @@ class TextAssembler:
         self._stops = StopMatcher(stops)
         self.text = ""  # everything emitted so far
 
+    @property
+    def offset(self) -> int:
+        """Characters of output text decoded so far: emitted, or held back by the stop matcher or the detokenizer
+        (an incomplete character counted as its U+FFFD). Decodes the held tokens: for logprobs' text offsets."""
+        return len(self.text) + self._stops.pending + self._detok.held
+
     def feed(self, token_ids: list[int], finished: bool) -> tuple[str, bool]:
         text = self._detok.feed(token_ids)
         if finished:
@@ -101,3 +117,50 @@ class TextAssembler:
         out, stopped = self._stops.feed(text, final=finished)
         self.text += out
         return out, stopped
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """The inverse of the byte-level BPE alphabet (GPT-2's ``bytes_to_unicode``): printable Latin-1 bytes stand
+    for themselves, and the other 68 bytes, in order, for code points 256, 257, ..."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = (b for b in range(256) if b not in set(printable))
+    table.update((chr(256 + i), b) for i, b in enumerate(shifted))
+    return table
+
+
+BYTE_ALPHABET = _byte_alphabet()
+
+
+class TokenText:
+    """Each token's own text and bytes, for logprobs (cached: a request reports few distinct tokens).
+
+    The text is the token decoded alone, special tokens included. The bytes are exact for byte-level BPE
+    tokenizers (GPT-2, Llama 3, SmolLM): a token holding part of a multi-byte character decodes to U+FFFD,
+    and OpenAI's ``bytes`` field is there so a client can join such tokens back into the character.
+    Elsewhere they are the text's UTF-8."""
+
+    def __init__(self, tokenizer: Decoder) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        pieces = getattr(tokenizer, "convert_ids_to_tokens", None)
+        self._pieces = pieces if pieces is not None and _is_byte_level(tokenizer) else None
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self._tok.decode([token_id], skip_special_tokens=False)
+            raw = list(text.encode())
+            if self._pieces is not None:
+                piece = self._pieces(token_id)
+                if isinstance(piece, str) and piece and all(c in BYTE_ALPHABET for c in piece):
+                    raw = [BYTE_ALPHABET[c] for c in piece]
+            hit = self._cache[token_id] = (text, raw)
+        return hit
+
+
+def _is_byte_level(tokenizer: Decoder) -> bool:
+    """A Hugging Face fast tokenizer whose decoder is byte-level BPE."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return type(decoder).__name__ == "ByteLevel"

@@ -31,6 +31,7 @@ from target.graphs import CudaGraphRunner
 from target.kv_cache import KVCache
 from target.model import Transformer
 from verify.accept import AcceptResult, accept_batch
+from verify.logprobs import TokenLogprob, token_logprobs
 from verify.sampling import SamplingParams, make_generator
 
 
@@ -50,6 +51,7 @@ class RequestOutput:
     error: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +148,8 @@ class Engine:
         drafter = speculation.drafter or self.config.default_drafter if speculation.enabled else None
         if drafter is not None and drafter not in self.drafters:
             raise ValueError(f"unknown drafter {drafter!r}: available are {sorted(self.drafters)}")
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= V:  # pairs are sorted by id
+            raise ValueError(f"logit_bias names token {sampling.logit_bias[-1][0]}, outside the vocabulary [0, {V})")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting")
         stops = frozenset(sampling.stop_token_ids) | frozenset(() if sampling.ignore_eos else self.eos_token_ids)
@@ -223,6 +227,7 @@ class Engine:
                                [s.generator for s in decoding], [self._penalty_state(s, logits.device) for s in decoding])
         if hidden is not None:
             self._feed_features(plan, batch.query_lens, results, hidden)
+        logprobs = self._logprobs(logits, batch.logits_start[first:], decoding, results)
         for seq, n in plan.prefills:
             seq.num_cached += n
             seq.table.register_prefix(seq.token_ids, seq.num_cached)
@@ -232,8 +237,8 @@ class Engine:
             moves += self._commit(seq, tree, result, len(widths))
         for drafter in self.drafters.values():
             drafter.flush()  # before _emit: a finished sequence releases its draft blocks
-        for seq, tree, result in zip(decoding, trees, results):
-            outputs.append(self._emit(seq, tree, result))
+        for k, (seq, result) in enumerate(zip(decoding, results)):
+            outputs.append(self._emit(seq, result, logprobs.get(k)))
         if moves:
             src, dst = zip(*moves)
             self.cache.compact_slots(list(src), list(dst))
@@ -270,6 +275,24 @@ class Engine:
         for seq, pos, n in spans:
             self.drafters[seq.drafter].observe(seq.request_id, pos, picked[lo : lo + n])
             lo += n
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, starts: list[int], decoding: list[Sequence],
+                  results: list[AcceptResult]) -> dict[int, list[TokenLogprob]]:
+        """The emitted tokens' log-probabilities of every decoding sequence that asked (by index in
+        ``decoding``), in one gather and one host copy for the step."""
+        asked = [k for k, seq in enumerate(decoding) if seq.sampling.logprobs is not None]
+        if not asked:
+            return {}
+        rows = [starts[k] + node for k in asked for node in results[k].accepted_nodes]
+        tokens = [t for k in asked for t in results[k].tokens]
+        entries = token_logprobs(logits, rows, tokens, max(decoding[k].sampling.logprobs for k in asked))
+        out, lo = {}, 0
+        for k in asked:
+            n, top = len(results[k].tokens), decoding[k].sampling.logprobs
+            out[k] = [TokenLogprob(e.token_id, e.logprob, e.top[:top]) for e in entries[lo : lo + n]]
+            lo += n
+        return out
 
     def _template_of(self, seq: Sequence) -> tuple[tuple[int, ...], bool]:
         """The tree template, and whether the adaptive budget may cut it: a tree or node budget the
@@ -329,7 +352,7 @@ class Engine:
         seq.stats.record(tree.num_nodes, parents if len(nodes) > 1 else [], nodes)  # ranks among siblings need the parents
         return moves
 
-    def _emit(self, seq: Sequence, tree: TokenTree, result: AcceptResult) -> RequestOutput:
+    def _emit(self, seq: Sequence, result: AcceptResult, logprobs: list[TokenLogprob] | None) -> RequestOutput:
         """Append the step's tokens, cut at a stop token or at max_tokens, finish when either hits."""
         new = result.tokens
         if seq.first_token_time is None:
@@ -345,9 +368,11 @@ class Engine:
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is None:
-            return self._output(seq, new)
-        out = self._finish(seq, reason)
-        out.new_token_ids = new
+            out = self._output(seq, new)
+        else:
+            out = self._finish(seq, reason)
+            out.new_token_ids = new
+        out.logprobs = None if logprobs is None else logprobs[:keep]
         return out
 
     # --- exits ----------------------------------------------------------------------------------

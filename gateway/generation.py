@@ -14,11 +14,13 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from gateway.detok import Decoder, TextAssembler
+from gateway.detok import Decoder, TextAssembler, TokenText
 from gateway.metrics import Metrics, spec_label
-from gateway.protocol import SSE_DONE, ApiError, GenerateRequest, Shape, error_body, speculation_report, sse, usage
+from gateway.protocol import (SSE_DONE, ApiError, GenerateRequest, Shape, error_body, logprobs_body, speculation_report,
+                              sse, usage)
 from gateway.runner import EngineRunner, Event, Submission
 from gateway.sequence import SpecStats
+from verify.logprobs import TokenLogprob
 
 log = logging.getLogger("specgate.generation")
 
@@ -36,11 +38,17 @@ class Generation:
 
     def __init__(self, runner: EngineRunner, sub: Submission, req: GenerateRequest, shape: Shape,
                  tokenizer: Decoder, prompt_ids: list[int], arrival: float, metrics: Metrics, route: str,
-                 index: int = 0) -> None:
+                 index: int = 0, token_text: TokenText | None = None) -> None:
         self.runner, self.sub, self.req, self.shape, self.metrics = runner, sub, req, shape, metrics
         self.route, self.arrival, self.index = route, arrival, index
         self.label = spec_label(sub.is_speculative)
         self.assembler = TextAssembler(tokenizer, prompt_ids, req.stop)
+        # logprobs: every reported token with the offset of its text, and how many went out in chunks so far
+        self.token_text = None
+        if req.sampling.get("logprobs") is not None:
+            self.token_text = token_text or TokenText(tokenizer)
+        self.logprobs: list[tuple[TokenLogprob, int]] = []
+        self._logprobs_sent = 0
         self.stats = SpecStats()
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -75,7 +83,7 @@ class Generation:
                 if self.is_done or events.empty():
                     break
                 event = events.get_nowait()
-            if text or self.is_done:
+            if text or self.is_done or len(self.logprobs) > self._logprobs_sent:
                 yield text
 
     def _feed(self, event: Event) -> str:
@@ -85,13 +93,42 @@ class Generation:
             self.is_done = True
             status = 503 if event.finish_reason == "abort" else 500
             raise EngineFailure(event.error or self.interrupted or "the request was aborted", status)
-        text, stopped = self.assembler.feed(event.token_ids, event.finished)
+        if self.token_text is not None and event.logprobs:
+            text, stopped = self._feed_tokens(event)
+        else:
+            text, stopped = self.assembler.feed(event.token_ids, event.finished)
         if stopped and not event.finished:
             self.runner.abort(self.sub.request_id)  # free its KV now, not at max_tokens
         if stopped or event.finished:
             self.is_done = True
             self.finish_reason = "stop" if stopped else event.finish_reason
         return text
+
+    def _feed_tokens(self, event: Event) -> tuple[str, bool]:
+        """``assembler.feed`` one token at a time, keeping each token's logprobs up to the token that completed
+        a stop string (the tokens after it are cut, as their text is)."""
+        text, last = "", len(event.logprobs) - 1
+        for i, entry in enumerate(event.logprobs):
+            offset = self.assembler.offset
+            piece, stopped = self.assembler.feed([entry.token_id], event.finished and i == last)
+            self.logprobs.append((entry, offset))
+            text += piece
+            if stopped:
+                return text, True
+        return text, False
+
+    def _new_logprobs(self) -> dict[str, Any] | None:
+        """The logprobs of the tokens not yet in a chunk, for the next chunk; None when there are none."""
+        if self.token_text is None or self._logprobs_sent == len(self.logprobs):
+            return None
+        entries, self._logprobs_sent = self.logprobs[self._logprobs_sent :], len(self.logprobs)
+        return logprobs_body(self.shape.is_chat, entries, self.token_text)
+
+    def logprobs_report(self) -> dict[str, Any] | None:
+        """The whole choice's logprobs for the non-stream body; None when not asked for."""
+        if self.token_text is None:
+            return None
+        return logprobs_body(self.shape.is_chat, self.logprobs, self.token_text)
 
     def _observe(self, event: Event) -> None:
         n = len(event.token_ids)
@@ -144,8 +181,9 @@ class Generation:
         if self.shape.is_chat:
             yield self.shape.chunk("", role=True, usage=self._chunk_usage(), index=self.index)
         async for text in self.pieces():
-            if text:
-                yield self.shape.chunk(text, usage=self._chunk_usage(), index=self.index)
+            logprobs = self._new_logprobs()
+            if text or logprobs:
+                yield self.shape.chunk(text, usage=self._chunk_usage(), index=self.index, logprobs=logprobs)
         yield self.shape.chunk(None, self.finish_reason, usage=self._chunk_usage(), index=self.index)
 
     async def collect(self) -> dict[str, Any]:
@@ -263,7 +301,8 @@ async def _collect(owner: Generation | Choices, gens: list[Generation]) -> dict[
     try:
         texts = await asyncio.gather(*tasks)
         status = "200"
-        return owner.shape.response([(t, g.finish_reason) for t, g in zip(texts, gens)], owner.usage())
+        return owner.shape.response([(t, g.finish_reason, g.logprobs_report()) for t, g in zip(texts, gens)],
+                                    owner.usage())
     except EngineFailure as exc:
         status = str(exc.status)
         raise ApiError(exc.status, f"generation failed: {exc}", type="server_error") from None

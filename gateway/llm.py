@@ -31,6 +31,7 @@ from target.gptq import TUNE_RECIPES, cached_gptq
 from target.loader import LoadedCheckpoint, attach_shared_embeddings, load_checkpoint
 from target.model import Transformer
 from target.tp_worker import TPConfig, start_tensor_parallel
+from verify.logprobs import TokenLogprob
 from verify.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -256,6 +257,7 @@ class Generation:
     prompt_tokens: int
     seconds: float = 0.0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when its SamplingParams asked for logprobs
 
 
 @dataclass(slots=True)
@@ -303,16 +305,19 @@ class LLM:
             raise
         done: dict[str, RequestOutput] = {}
         toks: dict[str, list[int]] = {r: [] for r in rids}
+        lps: dict[str, list[TokenLogprob]] = {r: [] for r, sp in zip(rids, per_prompt) if sp.logprobs is not None}
         t0 = time.perf_counter()
         while len(done) < len(rids):
             for out in self.engine.step():
                 toks[out.request_id] += out.new_token_ids
+                if out.logprobs is not None:
+                    lps[out.request_id] += out.logprobs
                 if out.finished:
                     done[out.request_id] = out
         secs = time.perf_counter() - t0
         tok = self.loaded.checkpoint.tokenizer
         return [Generation(tok.decode(toks[r], skip_special_tokens=True), toks[r], done[r].finish_reason,
-                           done[r].stats, done[r].prompt_tokens, secs, done[r].error) for r in rids]
+                           done[r].stats, done[r].prompt_tokens, secs, done[r].error, lps.get(r)) for r in rids]
 
 
 def log_stderr(msg: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.protocol import (
     MAX_CHOICES,
+    MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -18,6 +19,7 @@ from gateway.protocol import (
     REPETITION_PENALTY_RANGE,
     ROLES,
 )
+from verify.sampling import MAX_LOGPROBS
 
 INT64 = {"minimum": -(2**63), "maximum": 2**64 - 1}  # what torch.Generator accepts as a seed
 
@@ -54,8 +56,10 @@ def _common(max_model_len: int) -> dict[str, Any]:
             "include_usage": {"type": ["boolean", "null"]}, "continuous_usage_stats": {"type": ["boolean", "null"]}}},
         "n": _num(1, MAX_CHOICES, "integer", description="choices; each is a sequence of its own, seeds seed + i"),
         "best_of": {"type": ["integer", "null"], "description": "must equal n"},
-        "logprobs": {"enum": [False, None], "description": "not supported"},
-        "logit_bias": {"type": ["object", "null"], "maxProperties": 0, "description": "not supported"},
+        "logit_bias": {"type": ["object", "null"], "maxProperties": MAX_LOGIT_BIAS,
+                       "propertyNames": {"pattern": "^[0-9]+$"},
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                       "description": "token id -> bias added to its logit before penalties and temperature"},
         "speculation": {"$ref": "#/components/schemas/Speculation"},
     }
 
@@ -84,9 +88,16 @@ def _bodies(max_model_len: int) -> dict[str, Any]:
     chat = {"type": "object", "required": ["messages"], "properties": common | {
         "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": MAX_MESSAGES},
         "max_completion_tokens": common["max_tokens"],
+        "logprobs": {"type": ["boolean", "null"], "description": "each output token's log-probability under the "
+                     "target's raw distribution (before bias, penalties and temperature)"},
+        "top_logprobs": _num(0, MAX_LOGPROBS, "integer", description="most likely alternatives per token; "
+                             "needs logprobs: true"),
         "response_format": {"oneOf": [{"type": "object", "properties": {"type": {"const": "text"}},
                                        "additionalProperties": False}, {"type": "null"}]}}}
-    completion = {"type": "object", "required": ["prompt"], "properties": common | {"prompt": prompt}}
+    completion = {"type": "object", "required": ["prompt"], "properties": common | {
+        "prompt": prompt,
+        "logprobs": _num(0, MAX_LOGPROBS, "integer", description="each output token's log-probability under the "
+                         "target's raw distribution, with this many most likely alternatives")}}
     return {"ChatCompletionRequest": chat, "CompletionRequest": completion}
 
 

@@ -7,6 +7,7 @@ answer in OpenAI's error shape before anything reaches the engine.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,8 @@ import orjson
 from draft.params import SpeculationParams, check_widths, parse_tree
 from gateway.sequence import SpecStats
 from gateway.stats import Arm
-from verify.sampling import SamplingParams
+from verify.logprobs import TokenLogprob
+from verify.sampling import MAX_LOGPROBS, SamplingParams
 
 # Limits that bound the work one request can ask for; gateway/openapi.py publishes them.
 MAX_STOP_STRINGS = 16
@@ -23,6 +25,7 @@ MAX_CHOICES = 16  # n: each choice is a sequence of its own (its own KV), so one
 MAX_STOP_CHARS = 256  # per stop string: the matcher holds back up to this much text
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 256
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: logits / 1e-30 overflow float32 to inf, then NaN
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # outside it, dividing logits overflows or zeroes them
 # A file path in an exception's text: anything ending in a file name with an extension, or under a system
@@ -32,7 +35,7 @@ _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-]+)*[\\/][\w\-]+\.[A-Za-z]\w*"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields we know and refuse rather than silently ignore: their absence would change what the user gets.
 UNSUPPORTED = {"echo": "echo", "suffix": "suffix", "tools": "tool calling", "functions": "function calling",
-               "logit_bias": "logit_bias"}
+               "prompt_logprobs": "prompt_logprobs"}
 
 
 class ApiError(Exception):
@@ -106,7 +109,7 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
     return GenerateRequest(
         is_chat=is_chat, model=_get(body, "model", str, None),
         messages=_messages(body) if is_chat else None, prompt=None if is_chat else _prompt(body),
-        max_tokens=max_tokens, sampling=_sampling(body), speculation=_speculation(body, spec_header),
+        max_tokens=max_tokens, sampling=_sampling(body, is_chat), speculation=_speculation(body, spec_header),
         stop=_stop(body), stream=stream, n=_choices(body),
         include_usage=stream and _get(options, "include_usage", bool, False, "stream_options.include_usage"),
         continuous_usage=stream and _get(options, "continuous_usage_stats", bool, False,
@@ -144,9 +147,6 @@ def _choices(body: dict) -> int:
 
 
 def _refuse_unsupported(body: dict, is_chat: bool) -> None:
-    wants_logprobs = body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None
-    if wants_logprobs:
-        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
     for name, what in UNSUPPORTED.items():
         if body.get(name) not in (None, False, "", [], {}):
             raise ApiError(400, f"{what} is not supported by this server", param=name)
@@ -155,7 +155,7 @@ def _refuse_unsupported(body: dict, is_chat: bool) -> None:
         raise ApiError(400, "response_format other than text is not supported", param="response_format")
 
 
-def _sampling(body: dict) -> dict[str, Any]:
+def _sampling(body: dict, is_chat: bool) -> dict[str, Any]:
     top_k = _get(body, "top_k", int, 0)
     out = {
         "temperature": _get(body, "temperature", float, 1.0),
@@ -184,7 +184,46 @@ def _sampling(body: dict) -> dict[str, Any]:
         raise ApiError(400, f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}",
                        param="stop_token_ids")
     out["stop_token_ids"] = tuple(ids)
+    out["logit_bias"] = _logit_bias(body)
+    out["logprobs"] = _logprobs(body, is_chat)
     return out
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}``, biases in [-100, 100]; ids are checked against the vocabulary later."""
+    bias = _get(body, "logit_bias", dict, {})
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias holds at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100
+        if not ok:
+            raise ApiError(400, f"logit_bias[{key!r}] must be a number in [-100, 100], got "
+                                f"{orjson.dumps(value).decode()}", param="logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
+
+
+def _logprobs(body: dict, is_chat: bool) -> int | None:
+    """Alternatives per token to report, or None for no logprobs. Chat: ``logprobs: true`` with
+    ``top_logprobs: K``; completions: ``logprobs: K``."""
+    if not is_chat:
+        if body.get("top_logprobs") is not None:
+            raise ApiError(400, "top_logprobs is a chat completions field; completions take logprobs: K",
+                           param="top_logprobs")
+        top = _get(body, "logprobs", int, None)
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="logprobs")
+        return top
+    wanted = _get(body, "logprobs", bool, False)
+    top = _get(body, "top_logprobs", int, None)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -322,20 +361,21 @@ class Shape:
         kind = "chat.completion" if self.is_chat else "text_completion"
         return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
 
-    def response(self, choices: list[tuple[str, str]], usage: dict[str, Any]) -> dict[str, Any]:
-        """The non-stream body: ``choices`` is (text, finish_reason) per choice, in index order."""
+    def response(self, choices: list[tuple[str, str, dict[str, Any] | None]], usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-stream body: ``choices`` is (text, finish_reason, logprobs) per choice, in index order."""
         out = []
-        for index, (text, finish_reason) in enumerate(choices):
+        for index, (text, finish_reason, logprobs) in enumerate(choices):
             choice: dict[str, Any] = {"index": index}
             if self.is_chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            out.append(choice | {"logprobs": None, "finish_reason": finish_reason})
+            out.append(choice | {"logprobs": logprobs, "finish_reason": finish_reason})
         return self._head("") | {"choices": out, "usage": usage}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              usage: dict[str, Any] | None | bool = False, index: int = 0) -> dict[str, Any]:
+              usage: dict[str, Any] | None | bool = False, index: int = 0,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         """One stream chunk; ``usage=False`` leaves the field out, ``None`` writes null (include_usage)."""
         choice: dict[str, Any] = {"index": index}
         if self.is_chat:
@@ -345,7 +385,7 @@ class Shape:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        choice |= {"logprobs": None, "finish_reason": finish_reason}
+        choice |= {"logprobs": logprobs, "finish_reason": finish_reason}
         out = self._head(".chunk" if self.is_chat else "") | {"choices": [choice]}
         if usage is not False:
             out["usage"] = usage
@@ -353,6 +393,34 @@ class Shape:
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return self._head(".chunk" if self.is_chat else "") | {"choices": [], "usage": usage}
+
+
+def logprobs_body(is_chat: bool, entries: list[tuple[TokenLogprob, int]],
+                  token_text: Callable[[int], tuple[str, list[int]]]) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` of one choice (or of one chunk's tokens): ``entries`` holds each token's figures
+    and the offset of its text in the completion; ``token_text(id)`` gives a token's (text, bytes).
+
+    Chat: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``. Completions
+    (the legacy shape): ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``, where a
+    position's map also holds the emitted token, as OpenAI's and vLLM's do. The map is keyed by text, so two
+    tokens that decode alike (two halves of different characters) share a key; the emitted token's own
+    figure wins it."""
+    if is_chat:
+        content = []
+        for e, _ in entries:
+            text, raw = token_text(e.token_id)
+            top = [{"token": t, "logprob": lp, "bytes": b} for t, b, lp in
+                   ((*token_text(i), lp) for i, lp in e.top)]
+            content.append({"token": text, "logprob": e.logprob, "bytes": raw, "top_logprobs": top})
+        return {"content": content}
+    tops = []
+    for e, _ in entries:
+        top = {token_text(i)[0]: lp for i, lp in reversed(e.top)}  # the likelier of two alike wins
+        top[token_text(e.token_id)[0]] = e.logprob
+        tops.append(top)
+    return {"tokens": [token_text(e.token_id)[0] for e, _ in entries],
+            "token_logprobs": [e.logprob for e, _ in entries], "top_logprobs": tops,
+            "text_offset": [offset for _, offset in entries]}
 
 
 def sse(obj: dict[str, Any]) -> bytes:

@@ -32,6 +32,7 @@ from gateway.engine import Engine, RequestOutput
 from gateway.metrics import Metrics
 from gateway.sequence import SpecStats
 from gateway.stats import Arm, ArmLabeller, StatsStore
+from verify.logprobs import TokenLogprob
 from verify.sampling import SamplingParams
 
 log = logging.getLogger("specgate.runner")
@@ -52,6 +53,7 @@ class Event:
     error: str | None
     completion_tokens: int
     time: float  # time.monotonic() when the engine emitted it
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
 
 
 @dataclass(slots=True)
@@ -235,7 +237,7 @@ class EngineRunner:
                 self._observe(live, stats.since(live.stats), out.new_token_ids, now)
             live.stats = stats
             batch.append((live.events, Event(list(out.new_token_ids), out.finished, out.finish_reason, stats,
-                                             out.error, out.completion_tokens, now)))
+                                             out.error, out.completion_tokens, now, out.logprobs)))
             if out.finished:
                 del self._live[out.request_id]
                 self._busy_at = now

@@ -77,7 +77,8 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
     - Stochastic trees: every node's accept/reject decisions at once on the device, every tree of a group
       (same knobs, draft probabilities or point masses) in one pass (``_stochastic_parallel``); the host
       walks the accepted children.
-    - Requests with penalties go through ``accept`` one by one (their logits depend on the path).
+    - Requests with penalties or a logit bias go through ``accept`` one by one (penalised logits depend on
+      the path).
     """
     picks: list[torch.Tensor] = []
     at: dict[int, int] = {}  # sequence -> offset of its ids in the host copy
@@ -89,7 +90,7 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
         picks.append(t)
         size += t.shape[0]
 
-    greedy = [k for k, p in enumerate(params) if p.is_greedy and not p.use_penalties]
+    greedy = [k for k, p in enumerate(params) if p.is_greedy and not p.custom_logits]
     if greedy:
         best = logits.argmax(dim=-1)  # [R]: rows of other sequences are read and ignored
         picks.append(best)
@@ -101,7 +102,7 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
     # outgrow the cache (sampling_step_cpu.json): there each tree is a group of its own, with the same draws.
     alone = logits.device.type != "cuda"
     for k, (tree, p) in enumerate(zip(trees, params)):
-        if p.is_greedy or p.use_penalties:
+        if p.is_greedy or p.custom_logits:
             continue
         knobs = (p.temperature, p.top_k, p.top_p)
         if tree.num_nodes == 1:
@@ -309,9 +310,11 @@ def _normalise(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
 def _penalise(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None,
               output_counts: torch.Tensor | None, tree: TokenTree | None) -> torch.Tensor:
     """apply_penalties with each tree row also counting its path root..i. logits: [N, V]."""
-    if not params.use_penalties:
+    if not params.custom_logits:
         return logits
-    path_counts = None if tree is None else tree_path_counts(tree, logits.shape[-1]).to(logits.device)  # [N, V]
+    path_counts = None
+    if tree is not None and params.use_penalties:
+        path_counts = tree_path_counts(tree, logits.shape[-1]).to(logits.device)  # [N, V]
     return apply_penalties(logits, params, prompt_mask, output_counts, path_counts)
 
 

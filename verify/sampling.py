@@ -3,12 +3,13 @@
 Every function here is pure: it reads its tensors, returns new ones and draws randomness only from the
 ``torch.Generator`` it is handed, so a seeded request reproduces token for token.
 
-Processing order (the vLLM order): penalties on raw logits, then temperature, top-k, top-p, softmax.
+Processing order (vLLM's): logit bias and penalties on raw logits, then temperature, top-k, top-p, softmax.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,9 +30,15 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's logit_bias: (token id, bias) pairs added to the raw logits; a dict {id: bias} is accepted.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Log-probabilities of each emitted token under the target's raw distribution, plus this many most likely
+    # alternatives per position; None = none.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # accept a list
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         checks = (
             ("temperature", self.temperature >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
@@ -42,6 +49,10 @@ class SamplingParams:
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an int >= 1"),
             ("seed", self.seed is None or isinstance(self.seed, int), "an int or None"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "ints >= 0"),
+            ("logit_bias", all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+             "token ids >= 0 with biases in [-100, 100]"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
+                                                   and 0 <= self.logprobs <= MAX_LOGPROBS), f"in [0, {MAX_LOGPROBS}]"),
         )
         for name, ok, rule in checks:
             if not ok:  # NaN fails every comparison above, so it lands here too
@@ -54,6 +65,25 @@ class SamplingParams:
     @property
     def use_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def custom_logits(self) -> bool:
+        """Penalties or a logit bias: this request's logits need processing of their own before temperature
+        (per tree path, for penalties), so the verifier decides it alone instead of in a batched group."""
+        return bool(self.logit_bias) or self.use_penalties
+
+
+MAX_LOGPROBS = 20  # alternatives per position (vLLM's default max_logprobs; OpenAI's top_logprobs allows 20)
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (id, bias) pairs, from a dict or pairs; the same id twice keeps the last."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        merged = {t: float(b) for t, b in items}
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+    return tuple(sorted(merged.items()))
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
@@ -68,22 +98,32 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None,
                     output_counts: torch.Tensor | None, path_counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Penalise repeated tokens. Returns new float32 logits, or ``logits`` itself when all penalties are neutral.
+    """Add the logit bias, then penalise repeated tokens (vLLM's order). Returns new float32 logits, or
+    ``logits`` itself when there is no bias and every penalty is neutral.
 
     logits: [N, V]. prompt_mask: [V] bool, tokens in the prompt (None = none). output_counts: [V] int, counts
     of tokens already generated (None = none). path_counts: [N, V] int, extra per-row counts (the tree path
     of each node, see ``tree_path_counts``), added to ``output_counts``.
     Presence/frequency act on generated tokens only (OpenAI); repetition acts on prompt or generated tokens.
     """
-    if not params.use_penalties:
+    if not params.custom_logits:
         return logits
+    out = logits.float()  # [N, V]
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        V = out.shape[-1]
+        if max(ids) >= V:
+            raise ValueError(f"logit_bias names token {max(ids)}, outside the vocabulary [0, {V})")
+        out = out.index_add(-1, torch.tensor(ids, device=out.device),
+                            torch.tensor(bias, device=out.device).expand(*out.shape[:-1], len(ids)))
+    if not params.use_penalties:
+        return out
     counts = torch.zeros(1, logits.shape[-1], dtype=torch.int64, device=logits.device)  # [1, V]
     if output_counts is not None:
         counts = counts + output_counts
     if path_counts is not None:
         counts = counts + path_counts  # [N, V]
     is_output = counts > 0  # [N or 1, V]
-    out = logits.float()  # [N, V]
     if params.repetition_penalty != 1:
         is_seen = is_output if prompt_mask is None else is_output | prompt_mask
         penalised = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)

@@ -52,9 +52,12 @@ def test_greedy_speculation_with_the_shipped_draft_matches_the_target(embedded_m
     assert llm.engine.config.default_drafter == "ngram" and {"draft", "hybrid"} <= set(llm.engine.drafters)
     assert llm.engine.drafters["draft"].model.logits_width == DEFAULT_HEAD_VOCAB  # the cut head (FR-Spec)
     prompts = ["What is the capital of France?", "Write a short poem about rivers.", "List three prime numbers."]
-    greedy = SamplingParams(temperature=0, max_tokens=24)
+    greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
     off = llm.generate(prompts, greedy, SpeculationParams(enabled=False))
     for drafter in ("draft", "hybrid"):
         on = llm.generate(prompts, greedy, SpeculationParams(drafter=drafter, tree=(2, 2, 2, 1)))
         assert [g.token_ids for g in on] == [g.token_ids for g in off], drafter
         assert sum(g.stats.accepted_tokens for g in on) > 0
+        for a, b in zip(on, off):  # the logprobs too, up to rounding: tree rows score what plain steps do
+            assert [e.token_id for e in a.logprobs] == a.token_ids
+            assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-3)

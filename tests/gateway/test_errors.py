@@ -95,9 +95,22 @@ def test_prompt_too_long_is_400(tokenizer) -> None:
     assert check(r, 400, "prompt", "context")["code"] == "context_length_exceeded"
 
 
-@pytest.mark.parametrize("field, value", [("logprobs", True), ("top_logprobs", 2), ("tools", [{}])])
+@pytest.mark.parametrize("field, value", [("tools", [{}]), ("echo", True), ("prompt_logprobs", 1)])
 def test_unsupported_features_are_refused(tokenizer, field, value) -> None:
-    check(post(tokenizer, CHAT | {field: value}), 400, "logprobs" if field == "top_logprobs" else field)
+    check(post(tokenizer, CHAT | {field: value}), 400, field, "not supported")
+
+
+@pytest.mark.parametrize("body, path, param, words", [
+    ({"top_logprobs": 2}, "/v1/chat/completions", "top_logprobs", ("logprobs: true",)),
+    ({"logprobs": 1}, "/v1/chat/completions", "logprobs", ("boolean",)),
+    ({"logprobs": True}, "/v1/completions", "logprobs", ("integer",)),
+    ({"logprobs": 2, "top_logprobs": 2}, "/v1/completions", "top_logprobs", ("chat",)),
+    ({"logit_bias": {"a": 1}}, "/v1/chat/completions", "logit_bias", ("token ids",)),
+    ({"logit_bias": {"3": True}}, "/v1/chat/completions", "logit_bias", ("[-100, 100]",)),
+])
+def test_bad_logprobs_and_logit_bias_name_the_field(tokenizer, body, path, param, words) -> None:
+    base = CHAT if path == "/v1/chat/completions" else {"model": MODEL, "prompt": "Hi"}
+    check(post(tokenizer, base | body, path=path), 400, param, *words)
 
 
 @pytest.mark.parametrize("body, param, words", [({"n": 0}, "n", ("between 1 and 16", "0")),

@@ -128,7 +128,15 @@ NASTIES = [
     ("/v1/chat/completions", json.dumps(CHAT | {"messages": [{"role": "user", "content": ""}]}).encode(), 200),
     ("/v1/chat/completions", json.dumps(CHAT | {"max_tokens": 2**62}).encode(), 400),
     ("/v1/chat/completions", json.dumps(CHAT | {"stop": ["a"] * 1000}).encode(), 400),
-    ("/v1/chat/completions", json.dumps(CHAT | {"logit_bias": {"5": 100}}).encode(), 400),
+    ("/v1/chat/completions", json.dumps(CHAT | {"logit_bias": {"5": 100}}).encode(), 200),
+    ("/v1/chat/completions", json.dumps(CHAT | {"logit_bias": {"5": 100.5}}).encode(), 400),
+    ("/v1/chat/completions", json.dumps(CHAT | {"logit_bias": {"99999": 1}}).encode(), 400),
+    ("/v1/chat/completions", json.dumps(CHAT | {"logit_bias": {"-5": 1}}).encode(), 400),
+    ("/v1/chat/completions", json.dumps(CHAT | {"top_logprobs": 2}).encode(), 400),
+    ("/v1/chat/completions", json.dumps(CHAT | {"logprobs": True, "top_logprobs": 21, "stream": True}).encode(), 400),
+    ("/v1/chat/completions", json.dumps(CHAT | {"logprobs": True, "top_logprobs": 20, "stream": True}).encode(), 200),
+    ("/v1/completions", json.dumps({"prompt": "a", "logprobs": True}).encode(), 400),
+    ("/v1/completions", json.dumps({"prompt": "a", "logprobs": 5, "top_logprobs": 5}).encode(), 400),
     ("/v1/chat/completions", json.dumps(CHAT | {"logit_bias": {}, "unknown": {"x": [1]}}).encode(), 200),
     ("/v1/chat/completions", json.dumps(CHAT | {"temperature": 1e-300, "top_p": 5e-324}).encode(), 200),
     ("/v1/chat/completions", json.dumps(CHAT | {"top_k": 2**62, "seed": -(2**63)}).encode(), 200),
@@ -146,6 +154,9 @@ def test_named_nasties(served, route: str, raw: bytes, status: int) -> None:
     assert send(served, route, raw).status_code == status
 
 
+NEEDS = {"top_logprobs": {"logprobs": True}}  # a field the schema bounds that is valid only beside another
+
+
 def test_openapi_schema_is_published_and_truthful(served) -> None:
     """Each numeric bound in the schema: the bound itself is served, just past it is a 400 naming the field."""
     runner, client, _ = served
@@ -159,8 +170,9 @@ def test_openapi_schema_is_published_and_truthful(served) -> None:
             bound = prop[key]
             step = step if prop["type"][0] == "integer" else step * max(abs(bound) * 0.5, 0.5)
             inside = {name: bound} if name not in ("max_tokens", "max_completion_tokens") else {name: 2}
+            inside |= NEEDS.get(name, {})
             ok = send(served, ROUTES[1], json.dumps(CHAT | {"max_tokens": 2} | inside).encode())
             assert ok.status_code == 200, (name, bound, ok.text)
             base = {k: v for k, v in CHAT.items() if k != "max_tokens"}  # it would win over max_completion_tokens
-            bad = send(served, ROUTES[1], json.dumps(base | {name: bound + step}).encode())
+            bad = send(served, ROUTES[1], json.dumps(base | NEEDS.get(name, {}) | {name: bound + step}).encode())
             assert bad.status_code == 400 and bad.json()["error"]["param"] in (name, "max_tokens"), (name, bad.text)

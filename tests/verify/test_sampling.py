@@ -210,3 +210,18 @@ def test_process_rows_gives_each_row_what_process_logits_gives_it() -> None:
         assert torch.equal(out[b] > 0, want > 0)
     plain = process_rows(logits[[0, 4]], temp[[0, 4]], top_k[[0, 4]], top_p[[0, 4]], filtered=False)
     torch.testing.assert_close(plain, out[[0, 4]], rtol=1e-6, atol=0)
+
+
+def test_logit_bias_is_normalised_and_added_before_penalties() -> None:
+    params = SamplingParams(logit_bias={5: 1, 2: -3})
+    assert params.logit_bias == ((2, -3.0), (5, 1.0)) and params.custom_logits and not params.use_penalties
+    assert not SamplingParams().custom_logits
+    logits = torch.tensor([[1.0, 2.0, 0.5, 0.0, 0.0, 0.0]])
+    out = apply_penalties(logits, params, None, None)
+    assert out.tolist() == [[1.0, 2.0, -2.5, 0.0, 0.0, 1.0]]
+    # vLLM's order: bias first, then the repetition penalty divides the biased (positive) logit
+    both = SamplingParams(logit_bias={0: 1.0}, repetition_penalty=2.0)
+    out = apply_penalties(logits, both, torch.tensor([True, False, False, False, False, False]), None)
+    assert out[0, 0].item() == 1.0 and out[0, 1].item() == 2.0
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        apply_penalties(logits, SamplingParams(logit_bias={6: 1.0}), None, None)

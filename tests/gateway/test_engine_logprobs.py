@@ -1,0 +1,172 @@
+"""Logprobs and logit bias through the engine: figures checked against a teacher-forced forward of the
+target, the same under speculation as without, cut with the tokens, and a bias that steers verification."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft.params import SpeculationParams
+from engine_util import run_all, tiny_engine
+from target.batch import Segment, build_batch
+from verify.logprobs import token_logprobs
+from verify.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 2, 5, 9, 2, 5, 9], [1, 2, 3], [40, 41, 7, 7, 7, 7, 3]]
+SPEC = {"off": SpeculationParams(enabled=False), "draft": SpeculationParams(drafter="draft", tree=(2, 2, 1)),
+        "ngram": SpeculationParams(drafter="ngram", tree=(1, 1, 1)),
+        "exact": SpeculationParams(drafter="exact", tree=(2, 1, 1))}
+
+
+def run_with_logprobs(engine, sampling: SamplingParams, spec: SpeculationParams):
+    """Tokens and logprob entries per request, and the most tokens one event carried; checks every event
+    carries one entry per new token."""
+    for i, p in enumerate(PROMPTS):
+        engine.add(str(i), p, sampling, spec)
+    toks = {str(i): [] for i in range(len(PROMPTS))}
+    lps = {str(i): [] for i in range(len(PROMPTS))}
+    done, widest = set(), 0
+    while len(done) < len(PROMPTS):
+        for out in engine.step():
+            widest = max(widest, len(out.new_token_ids))
+            assert out.error is None, out.error
+            assert out.logprobs is not None and len(out.logprobs) == len(out.new_token_ids)
+            assert [e.token_id for e in out.logprobs] == out.new_token_ids
+            toks[out.request_id] += out.new_token_ids
+            lps[out.request_id] += out.logprobs
+            if out.finished:
+                done.add(out.request_id)
+    return toks, lps, widest
+
+
+def teacher_forced(engine, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V] log-probabilities of the target's plain forward over prompt + output."""
+    model, ids = engine.target, prompt + output
+    cache = model.new_cache(-(-len(ids) // 4) + 1, 4)
+    logits = model.forward(build_batch([Segment(cache.new_table(), 0, ids, logits="all")], cache, "cpu"), cache)
+    return torch.log_softmax(logits[len(prompt) - 1 : len(ids) - 1].float(), dim=-1)
+
+
+@pytest.mark.parametrize("spec", list(SPEC))
+def test_greedy_logprobs_match_a_teacher_forced_forward(spec: str) -> None:
+    engine = tiny_engine()
+    sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    toks, lps, widest = run_with_logprobs(engine, sampling, SPEC[spec])
+    assert (widest > 1) == (spec != "off")  # speculative runs took rows from inside verified trees
+    for i, prompt in enumerate(PROMPTS):
+        ref = teacher_forced(engine, prompt, toks[str(i)])
+        entries = lps[str(i)]
+        got = torch.tensor([e.logprob for e in entries])
+        want = ref.gather(1, torch.tensor(toks[str(i)])[:, None])[:, 0]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for e, row in zip(entries, ref):
+            assert len(e.top) == 3
+            assert e.top[0][0] == e.token_id  # greedy: the emitted token is the most likely one
+            values, ids = row.topk(3)
+            assert [t for t, _ in e.top] == ids.tolist()
+            torch.testing.assert_close(torch.tensor([lp for _, lp in e.top]), values, atol=1e-4, rtol=1e-4)
+
+
+def test_speculative_and_plain_runs_report_the_same_logprobs() -> None:
+    sampling = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    base_toks, base, _ = run_with_logprobs(tiny_engine(), sampling, SPEC["off"])
+    engine = tiny_engine()
+    toks, got, _ = run_with_logprobs(engine, sampling, SPEC["exact"])  # every draft accepted: multi-token steps
+    assert toks == base_toks
+    for rid in base:
+        torch.testing.assert_close(torch.tensor([e.logprob for e in got[rid]]),
+                                   torch.tensor([e.logprob for e in base[rid]]), atol=1e-4, rtol=1e-4)
+        assert all(e.top == () for e in got[rid])
+
+
+def test_sampled_logprobs_are_those_of_the_emitted_tokens() -> None:
+    engine = tiny_engine()
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True, logprobs=2)
+    toks, lps, _ = run_with_logprobs(engine, sampling, SPEC["draft"])
+    for i, prompt in enumerate(PROMPTS):
+        ref = teacher_forced(engine, prompt, toks[str(i)])  # raw: before temperature and top-p
+        want = ref.gather(1, torch.tensor(toks[str(i)])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in lps[str(i)]]), want, atol=1e-4, rtol=1e-4)
+
+
+def test_logprobs_are_cut_with_the_tokens_at_a_stop_token_and_max_tokens() -> None:
+    engine = tiny_engine()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = run_all(tiny_engine(), [("a", PROMPTS[0], greedy, SPEC["off"])])["a"]
+    stop = free[5]
+    first = free.index(stop)
+    sampling = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=1, stop_token_ids=(stop,))
+    engine.add("a", PROMPTS[0], sampling, SPEC["exact"])  # four tokens a step: the stop lands mid-step
+    toks, entries = [], []
+    while engine.has_work():
+        for out in engine.step():
+            toks += out.new_token_ids
+            entries += out.logprobs
+    assert toks == free[: min(first + 1, 7)]
+    assert [e.token_id for e in entries] == toks
+
+
+def test_no_logprobs_unless_asked() -> None:
+    engine = tiny_engine()
+    engine.add("a", PROMPTS[1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), SPEC["draft"])
+    while engine.has_work():
+        assert all(out.logprobs is None for out in engine.step())
+
+
+def test_token_logprobs_packs_one_copy_per_step() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 40, generator=g, dtype=torch.float64).float()
+    entries = token_logprobs(logits, [4, 0, 2], [7, 39, 0], top=4)
+    ref = torch.log_softmax(logits, dim=-1)
+    for e, row, tok in zip(entries, [4, 0, 2], [7, 39, 0]):
+        assert e.token_id == tok and abs(e.logprob - ref[row, tok].item()) < 1e-6
+        values, ids = ref[row].topk(4)
+        assert [t for t, _ in e.top] == ids.tolist()
+        assert max(abs(a - b) for (_, a), b in zip(e.top, values.tolist())) < 1e-6
+    assert token_logprobs(logits, [], [], top=3) == []
+    with pytest.raises(ValueError, match="rows"):
+        token_logprobs(logits, [1], [1, 2], top=0)
+
+
+@pytest.mark.parametrize("spec", ["off", "draft", "ngram"])
+def test_a_large_logit_bias_steers_greedy_verification(spec: str) -> None:
+    """+100 on one token makes it the argmax at every position: the output is that token throughout, and a
+    drafter's proposals are verified against the biased logits, not the raw ones."""
+    engine = tiny_engine()
+    sampling = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={17: 100.0})
+    got = run_all(engine, [(str(i), p, sampling, SPEC[spec]) for i, p in enumerate(PROMPTS)])
+    assert all(toks == [17] * 10 for toks in got.values())
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
+
+
+@pytest.mark.parametrize("spec", ["off", "draft", "exact"])
+def test_a_negative_bias_bans_tokens_and_speculation_agrees(spec: str) -> None:
+    """-100 on the plain greedy choices: none of them is emitted again, and greedy speculative output with the
+    bias equals plain output with it (the exact drafter proposes the unbiased argmax, which must be refused)."""
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = run_all(tiny_engine(), [(str(i), p, plain, SPEC["off"]) for i, p in enumerate(PROMPTS)])
+    banned = sorted({t for toks in free.values() for t in toks[:3]})
+    biased = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={t: -100 for t in banned})
+    want = run_all(tiny_engine(), [(str(i), p, biased, SPEC["off"]) for i, p in enumerate(PROMPTS)])
+    got = run_all(tiny_engine(), [(str(i), p, biased, SPEC[spec]) for i, p in enumerate(PROMPTS)])
+    assert got == want
+    assert all(t not in banned for toks in got.values() for t in toks)
+
+
+def test_sampled_bias_bans_tokens() -> None:
+    banned = list(range(0, 64, 2))
+    s = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True, logit_bias={t: -100 for t in banned})
+    got = run_all(tiny_engine(), [(str(i), p, s, SPEC["draft"]) for i, p in enumerate(PROMPTS)])
+    assert all(t % 2 == 1 for toks in got.values() for t in toks)
+
+
+def test_bad_logit_bias_and_logprobs_are_refused() -> None:
+    engine = tiny_engine()
+    with pytest.raises(ValueError, match="logit_bias names token 64"):
+        engine.add("a", [1, 2], SamplingParams(logit_bias={64: 1.0}))
+    for bad, field in (({"logit_bias": {3: 101}}, "logit_bias"), ({"logit_bias": {-1: 1}}, "logit_bias"),
+                       ({"logit_bias": {3: float("nan")}}, "logit_bias"), ({"logit_bias": {3: "x"}}, "logit_bias"),
+                       ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks and not engine.has_work()
