@@ -136,7 +136,8 @@ def expand_all(builders: list[TreeBuilder], depth: int, rows: list[torch.Tensor]
     for i, b in enumerate(builders):
         if not b.sampling.is_greedy:
             alone = i if rows[i].device.type != "cuda" else -1
-            sampled.setdefault((b.sampling.temperature, b.sampling.top_k, b.sampling.top_p, alone), []).append(i)
+            knobs = (b.sampling.temperature, b.sampling.top_k, b.sampling.top_p, b.sampling.min_p)
+            sampled.setdefault(knobs + (alone,), []).append(i)
     for idx in sampled.values():
         _expand_sampled([builders[i] for i in idx], depth, [rows[i] for i in idx])
 

@@ -94,8 +94,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt = f.read()
     if not prompt:
         raise ValueError("prompt is empty")
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                              max_tokens=args.max_tokens)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                              seed=args.seed, max_tokens=args.max_tokens)
     speculation = SpeculationParams(enabled=args.speculation == "on", tree=args.tree)
     llm = load(args)
     llm.chat = not args.raw
@@ -127,6 +127,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--speculation", choices=["on", "off"], default="on")

@@ -42,6 +42,7 @@ def _common(max_model_len: int) -> dict[str, Any]:
         "temperature": _num(0, 2, description="below 1e-5 means greedy"),
         "top_p": _num(None, 1, exclusiveMinimum=0),
         "top_k": _num(-1, None, "integer", description="0 or -1 = off"),
+        "min_p": _num(0, 1, description="drop tokens less likely than min_p times the most likely; 0 = off"),
         "seed": {"type": ["integer", "null"], **INT64},
         "presence_penalty": _num(-2, 2),
         "frequency_penalty": _num(-2, 2),

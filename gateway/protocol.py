@@ -161,6 +161,7 @@ def _sampling(body: dict, is_chat: bool) -> dict[str, Any]:
         "temperature": _get(body, "temperature", float, 1.0),
         "top_p": _get(body, "top_p", float, 1.0),
         "top_k": 0 if top_k == -1 else top_k,  # vLLM spells "off" as -1
+        "min_p": _get(body, "min_p", float, 0.0),
         "seed": _get(body, "seed", int, None),
         "presence_penalty": _get(body, "presence_penalty", float, 0.0),
         "frequency_penalty": _get(body, "frequency_penalty", float, 0.0),

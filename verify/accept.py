@@ -96,7 +96,7 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
         picks.append(best)
         at.update((k, starts[k]) for k in greedy)
         size = best.shape[0]
-    plain: dict[tuple[float, int, float], list[int]] = {}  # one-node sampled trees by processing knobs
+    plain: dict[tuple[float, int, float, float], list[int]] = {}  # one-node sampled trees by processing knobs
     stochastic: dict[tuple, list[int]] = {}  # sampled trees by knobs and draft kind
     # Stacking pays where launches dominate (CUDA); on the CPU arithmetic does, and stacked [R, V] temporaries
     # outgrow the cache (sampling_step_cpu.json): there each tree is a group of its own, with the same draws.
@@ -104,7 +104,7 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
     for k, (tree, p) in enumerate(zip(trees, params)):
         if p.is_greedy or p.custom_logits:
             continue
-        knobs = (p.temperature, p.top_k, p.top_p)
+        knobs = (p.temperature, p.top_k, p.top_p, p.min_p)
         if tree.num_nodes == 1:
             plain.setdefault(knobs, []).append(k)
         else:

@@ -3,11 +3,13 @@
 Every function here is pure: it reads its tensors, returns new ones and draws randomness only from the
 ``torch.Generator`` it is handed, so a seeded request reproduces token for token.
 
-Processing order (vLLM's): logit bias and penalties on raw logits, then temperature, top-k, top-p, softmax.
+Processing order (vLLM's): logit bias and penalties on raw logits, then temperature, min-p, top-k, top-p,
+softmax.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # nucleus mass, 1 = off
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (after temperature); 0 = off
     seed: int | None = None  # None = a fresh random seed per request
     presence_penalty: float = 0.0  # OpenAI: subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
@@ -43,6 +46,7 @@ class SamplingParams:
             ("temperature", self.temperature >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
             ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
@@ -147,15 +151,19 @@ def tree_path_counts(tree: TokenTree, vocab_size: int) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k, top-p, softmax. logits: [N, V] (or [V]) -> probs, same shape, float32.
+    """Temperature, min-p, top-k, top-p, softmax. logits: [N, V] (or [V]) -> probs, same shape, float32.
 
-    Greedy params give the one-hot argmax. Top-k keeps ties with the k-th logit (so possibly more than k
-    tokens); top-p keeps the smallest prefix of the sorted distribution whose mass reaches ``top_p``, which
-    always includes the most likely token.
+    Greedy params give the one-hot argmax. Min-p keeps the tokens whose probability is at least ``min_p``
+    times the most likely one's (compared in log space: ``logit >= max + log(min_p)``). Top-k keeps ties with
+    the k-th logit (so possibly more than k tokens); top-p keeps the smallest prefix of the sorted
+    distribution whose mass reaches ``top_p``. Each always keeps the most likely token.
     """
     if params.is_greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
     scaled = logits.float() / params.temperature  # [N, V]
+    if params.min_p > 0:
+        floor = scaled.max(dim=-1, keepdim=True).values + math.log(params.min_p)  # [N, 1]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -169,7 +177,9 @@ def process_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     """``process_logits`` with each leading row's own knobs, in device ops alone (capturable): logits [B, ..., V],
     temperature [B] (> 0), top_k [B] int64 (0 = off), top_p [B] (1 = off) -> probs, same shape, float32.
     Row b gives what ``process_logits(logits[b], SamplingParams(temperature[b], top_k[b], top_p[b]))`` gives
-    (sampled rows only). ``filtered=False`` skips the sort when no row has top-k or top-p."""
+    (sampled rows only). ``filtered=False`` skips the sort when no row has top-k or top-p. No min-p: the draft's
+    device tree loop proposes from this, and a draft distribution need not match the target's processing
+    (verification is exact for any draft distribution; min-p is applied where it matters, to the target)."""
     shape = (-1,) + (1,) * (logits.dim() - 1)
     scaled = logits.float() / temperature.view(shape)
     if not filtered:

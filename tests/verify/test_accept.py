@@ -328,6 +328,10 @@ CASES = {  # name: (widths, is_sampled, target params, draft params)
                                      SamplingParams(top_k=3)),  # the draft misses tokens the target keeps
     "tree-point-mass": ((2, 2), False, SamplingParams(), SamplingParams()),
     "chain2-point-mass-topkp": ((1, 1), False, SamplingParams(top_k=5, top_p=0.8), SamplingParams()),
+    # min-p and a logit bias on the target alone: the draft proposes the banned token and ones min-p drops
+    "tree-sampled-minp-bias": ((3, 2), True, SamplingParams(temperature=0.9, min_p=0.1,
+                                                            logit_bias={2: -1.0, 5: -100.0}), SamplingParams()),
+    "chain2-point-mass-minp": ((1, 1), False, SamplingParams(min_p=0.3), SamplingParams()),
 }
 
 

@@ -225,3 +225,20 @@ def test_logit_bias_is_normalised_and_added_before_penalties() -> None:
     assert out[0, 0].item() == 1.0 and out[0, 1].item() == 2.0
     with pytest.raises(ValueError, match="outside the vocabulary"):
         apply_penalties(logits, SamplingParams(logit_bias={6: 1.0}), None, None)
+
+
+def test_min_p_keeps_tokens_at_least_that_share_of_the_most_likely() -> None:
+    probs = torch.tensor([0.5, 0.2, 0.1, 0.049, 0.151])
+    logits = probs.log()[None]
+    out = process_logits(logits, SamplingParams(min_p=0.2))[0]  # keeps p >= 0.1
+    kept = probs * torch.tensor([1.0, 1, 1, 0, 1])
+    torch.testing.assert_close(out, kept / kept.sum())
+    hot = process_logits(logits, SamplingParams(min_p=0.2, temperature=0.5))[0]  # after temperature: p^2
+    sq = probs**2
+    kept = sq * (sq >= 0.2 * sq.max())
+    torch.testing.assert_close(hot, kept / kept.sum())
+    assert process_logits(logits, SamplingParams(min_p=1.0))[0].argmax() == 0  # the most likely always stays
+    assert torch.equal(process_logits(logits, SamplingParams(min_p=0.0)), process_logits(logits, SamplingParams()))
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="min_p"):
+            SamplingParams(min_p=bad)

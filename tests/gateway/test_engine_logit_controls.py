@@ -1,5 +1,6 @@
-"""Logprobs and logit bias through the engine: figures checked against a teacher-forced forward of the
-target, the same under speculation as without, cut with the tokens, and a bias that steers verification."""
+"""Logprobs, logit bias and min-p through the engine: logprobs checked against a teacher-forced forward of
+the target, the same under speculation as without and cut with the tokens; a bias and min-p that steer
+verification whatever the drafter proposes."""
 
 from __future__ import annotations
 
@@ -170,3 +171,14 @@ def test_bad_logit_bias_and_logprobs_are_refused() -> None:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**bad)
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks and not engine.has_work()
+
+
+@pytest.mark.parametrize("spec", ["off", "draft", "ngram"])
+def test_min_p_one_samples_the_argmax(spec: str) -> None:
+    """min_p = 1 keeps only the most likely token: sampled output is greedy output, under speculation too
+    (the draft samples from its own distribution; the target's processing decides)."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = run_all(tiny_engine(), [(str(i), p, greedy, SPEC["off"]) for i, p in enumerate(PROMPTS)])
+    sampled = SamplingParams(temperature=1.3, min_p=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    got = run_all(tiny_engine(), [(str(i), p, sampled, SPEC[spec]) for i, p in enumerate(PROMPTS)])
+    assert got == want
