@@ -215,9 +215,9 @@ class Gateway:
             raw = await read_body(request.headers.get("content-length"), request.stream(), self.config.max_body_bytes)
             req = parse_request(raw, is_chat, request.headers.get("x-speculation"))
             label = spec_label(req.speculation.enabled)
-            if req.n > 1:  # every choice takes a slot: admit the whole request or none of it
-                self.in_flight += req.n - 1
-                held = req.n
+            if req.num_sequences > 1:  # every sequence takes a slot: admit the whole request or none of it
+                self.in_flight += req.num_sequences - 1
+                held = req.num_sequences
                 self._admit()
             gen = await self._start(req, route, arrival)
         except ApiError as exc:
@@ -255,27 +255,30 @@ class Gateway:
         if req.model is not None and req.model != self.config.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist: this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
-        prompt_ids = self._encode(req)
-        context_left = self.max_model_len - len(prompt_ids)
-        samplings = [req.sampling_params(context_left, i) for i in range(req.n)]
-        prefix = "chatcmpl-" if req.is_chat else "cmpl-"
-        request_id = prefix + uuid.uuid4().hex
-        self._log_request(request_id, req, prompt_ids)
+        prompts = [self._encode_chat(req.messages)] if req.is_chat else [self._encode(p) for p in req.prompts]
+        request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + uuid.uuid4().hex
+        for prompt_ids in prompts:
+            self._log_request(request_id, req, prompt_ids)
         shape = Shape(req.is_chat, request_id, int(time.time()), self.config.model_name)
-        # With n > 1, choice i is engine request "<id>-<i>" and choices 1.. reuse choice 0's prompt KV.
-        engine_ids = [request_id] if req.n == 1 else [f"{request_id}-{i}" for i in range(req.n)]
-        subs: list[Submission] = []
-        try:  # a refusal takes back the choices already in
-            for i, (engine_id, sampling) in enumerate(zip(engine_ids, samplings)):
-                subs.append(await self._submit(engine_id, prompt_ids, sampling, req,
-                                               prefix_of=engine_ids[0] if i else None))
+        # Sequence i (prompt i // n, choice i % n) is engine request "<id>-<i>" when there are several. Choices
+        # 1.. of a prompt reuse choice 0's prompt KV, unless they score the prompt (echo with logprobs).
+        total = len(prompts) * req.n
+        share = req.sampling.get("prompt_logprobs") is None
+        subs: list[tuple[Submission, list[int]]] = []
+        try:  # a refusal takes back the sequences already in
+            for i in range(total):
+                prompt_ids = prompts[i // req.n]
+                engine_id = request_id if total == 1 else f"{request_id}-{i}"
+                leader = f"{request_id}-{i - i % req.n}" if i % req.n and share else None
+                sampling = req.sampling_params(self.max_model_len - len(prompt_ids), i % req.n)
+                subs.append((await self._submit(engine_id, prompt_ids, sampling, req, prefix_of=leader), prompt_ids))
         except BaseException:
-            for sub in subs:
+            for sub, _ in subs:
                 self.runner.abort(sub.request_id)
             raise
         gens = [Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route,
-                           index=i, token_text=self.token_text) for i, sub in enumerate(subs)]
-        return gens[0] if req.n == 1 else Choices(gens)
+                           index=i, token_text=self.token_text) for i, (sub, prompt_ids) in enumerate(subs)]
+        return gens[0] if total == 1 else Choices(gens)
 
     async def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                       req: GenerateRequest, prefix_of: str | None = None) -> Submission:
@@ -311,12 +314,8 @@ class Gateway:
             raise exc
         return collect.result()
 
-    def _encode(self, req: GenerateRequest) -> list[int]:
-        if req.is_chat:
-            return self._encode_chat(req.messages)
-        if isinstance(req.prompt, list):
-            return req.prompt
-        return self.tokenizer.encode(req.prompt)
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        return prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not self.chat_template:
@@ -334,7 +333,7 @@ class Gateway:
             return
         text = ""
         if self.config.log_prompts:
-            text = f" prompt={orjson.dumps(req.messages if req.is_chat else req.prompt).decode()}"
+            text = f" prompt={orjson.dumps(req.messages if req.is_chat else prompt_ids).decode()}"
         log.info("%s: %d prompt tokens, max_tokens=%s, stream=%s, speculation=%s%s", request_id, len(prompt_ids),
                  req.max_tokens, req.stream, spec_label(req.speculation.enabled), text)
 

@@ -52,6 +52,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., with the first token, when asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,8 +204,8 @@ class Engine:
 
     def _run(self, plan) -> list[RequestOutput]:
         trees = self._propose(plan.decodes)
-        segments = [Segment(s.table, s.num_cached, s.token_ids[s.num_cached : s.num_cached + n], logits="none")
-                    for s, n in plan.prefills]
+        segments = [Segment(s.table, s.num_cached, s.token_ids[s.num_cached : s.num_cached + n],
+                            logits="all" if self._scores_prompt(s) else "none") for s, n in plan.prefills]
         for (seq, _), tree in zip(plan.decodes, trees):
             tokens, _, depths = tree.host()
             if len(tokens) == 1:  # plain decoding: causal defaults, no mask
@@ -228,6 +229,7 @@ class Engine:
         if hidden is not None:
             self._feed_features(plan, batch.query_lens, results, hidden)
         logprobs = self._logprobs(logits, batch.logits_start[first:], decoding, results)
+        self._prompt_logprobs(logits, batch.logits_start, plan.prefills)
         for seq, n in plan.prefills:
             seq.num_cached += n
             seq.table.register_prefix(seq.token_ids, seq.num_cached)
@@ -293,6 +295,34 @@ class Engine:
             out[k] = [TokenLogprob(e.token_id, e.logprob, e.top[:top]) for e in entries[lo : lo + n]]
             lo += n
         return out
+
+    @staticmethod
+    def _scores_prompt(seq: Sequence) -> bool:
+        """The prefill chunk needs logits: prompt logprobs asked for and not all computed yet (a preempted
+        sequence recomputes its prompt and output; only prompt positions count, each once)."""
+        return seq.wants_prompt_logprobs and len(seq.prompt_logprobs) < len(seq.prompt_ids) - 1
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, starts: list[int], prefills: list[tuple[Sequence, int]]) -> None:
+        """Append the prompt logprobs this step's prefill chunks computed: row i of a chunk at ``num_cached``
+        scores token ``num_cached + i + 1``. One gather and one host copy for the step."""
+        rows, tokens, owners = [], [], []
+        for k, (seq, n) in enumerate(prefills):
+            if starts[k + 1] == starts[k]:  # no logits asked for this chunk
+                continue
+            lo = len(seq.prompt_logprobs) + 1  # the first prompt token still to score
+            hi = min(seq.num_cached + n, len(seq.prompt_ids) - 1)  # the last this chunk scores
+            if lo <= seq.num_cached:  # positions before the chunk were never scored: none can be now
+                continue
+            for pos in range(lo, hi + 1):
+                rows.append(starts[k] + pos - seq.num_cached - 1)
+                tokens.append(seq.token_ids[pos])
+                owners.append(seq)
+        if not rows:
+            return
+        top = max(seq.sampling.prompt_logprobs for seq in owners)
+        for seq, e in zip(owners, token_logprobs(logits, rows, tokens, top)):
+            seq.prompt_logprobs.append(TokenLogprob(e.token_id, e.logprob, e.top[: seq.sampling.prompt_logprobs]))
 
     def _template_of(self, seq: Sequence) -> tuple[tuple[int, ...], bool]:
         """The tree template, and whether the adaptive budget may cut it: a tree or node budget the
@@ -373,6 +403,8 @@ class Engine:
             out = self._finish(seq, reason)
             out.new_token_ids = new
         out.logprobs = None if logprobs is None else logprobs[:keep]
+        if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
+            out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True
         return out
 
     # --- exits ----------------------------------------------------------------------------------

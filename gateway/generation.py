@@ -47,8 +47,13 @@ class Generation:
         self.token_text = None
         if req.sampling.get("logprobs") is not None:
             self.token_text = token_text or TokenText(tokenizer)
-        self.logprobs: list[tuple[TokenLogprob, int]] = []
+        self.logprobs: list[tuple[int, TokenLogprob | None, int]] = []  # (token, figures, text offset)
         self._logprobs_sent = 0
+        # echo (completions): the prompt's text goes out before the output's, with its tokens' logprobs when
+        # asked; output offsets then count from the end of the echoed text
+        self.prompt_ids, self.tokenizer = prompt_ids, tokenizer
+        self._echo: tuple[str, list[int]] | None = _echo_text(tokenizer, prompt_ids) if req.echo else None
+        self._text_base = len(self._echo[0]) if self._echo else 0
         self.stats = SpecStats()
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -93,10 +98,12 @@ class Generation:
             self.is_done = True
             status = 503 if event.finish_reason == "abort" else 500
             raise EngineFailure(event.error or self.interrupted or "the request was aborted", status)
+        head = self._take_echo(event)
         if self.token_text is not None and event.logprobs:
             text, stopped = self._feed_tokens(event)
         else:
             text, stopped = self.assembler.feed(event.token_ids, event.finished)
+        text = head + text
         if stopped and not event.finished:
             self.runner.abort(self.sub.request_id)  # free its KV now, not at max_tokens
         if stopped or event.finished:
@@ -109,13 +116,25 @@ class Generation:
         a stop string (the tokens after it are cut, as their text is)."""
         text, last = "", len(event.logprobs) - 1
         for i, entry in enumerate(event.logprobs):
-            offset = self.assembler.offset
+            offset = self._text_base + self.assembler.offset
             piece, stopped = self.assembler.feed([entry.token_id], event.finished and i == last)
-            self.logprobs.append((entry, offset))
+            self.logprobs.append((entry.token_id, entry, offset))
             text += piece
             if stopped:
                 return text, True
         return text, False
+
+    def _take_echo(self, event: Event) -> str:
+        """The echoed prompt's text, once, before the first output; its tokens' logprobs with it (the first
+        token has none: nothing comes before it)."""
+        if self._echo is None:
+            return ""
+        text, offsets = self._echo
+        self._echo = None
+        if self.token_text is not None:
+            scored = {i + 1: e for i, e in enumerate(event.prompt_logprobs or [])}
+            self.logprobs[:0] = [(t, scored.get(i), off) for i, (t, off) in enumerate(zip(self.prompt_ids, offsets))]
+        return text
 
     def _new_logprobs(self) -> dict[str, Any] | None:
         """The logprobs of the tokens not yet in a chunk, for the next chunk; None when there are none."""
@@ -245,9 +264,10 @@ class Choices:
             g.on_close = fn
 
     def usage(self) -> dict[str, Any]:
+        """Each prompt counted once (choice 0 of each), completions summed over every sequence."""
         parts = [g.usage() for g in self.gens]
-        return usage(parts[0]["prompt_tokens"], sum(p["completion_tokens"] for p in parts),
-                     [p["speculation"] for p in parts])
+        prompt = sum(p["prompt_tokens"] for g, p in zip(self.gens, parts) if g.index % self.req.n == 0)
+        return usage(prompt, sum(p["completion_tokens"] for p in parts), [p["speculation"] for p in parts])
 
     async def collect(self) -> dict[str, Any]:
         return await _collect(self, self.gens)
@@ -335,3 +355,15 @@ async def _stream(owner: Generation | Choices, chunks: AsyncIterator[dict[str, A
     finally:
         await chunks.aclose()
         owner.close(status)
+
+
+def _echo_text(tokenizer: Decoder, prompt_ids: list[int]) -> tuple[str, list[int]]:
+    """The prompt's text as the output's detokenizer writes text (special tokens skipped), and where each
+    prompt token's text starts in it: one token at a time through ``TextAssembler``, so a window of
+    neighbours decodes each piece, as for the output."""
+    assembler = TextAssembler(tokenizer, [])
+    offsets = []
+    for i, token in enumerate(prompt_ids):
+        offsets.append(assembler.offset)
+        assembler.feed([token], i == len(prompt_ids) - 1)
+    return assembler.text, offsets

@@ -12,6 +12,7 @@ from typing import Any
 from gateway.protocol import (
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
+    MAX_SEQUENCES,
     MAX_MESSAGES,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -82,10 +83,12 @@ def _bodies(max_model_len: int) -> dict[str, Any]:
     message = {"type": "object", "required": ["role"], "properties": {
         "role": {"enum": list(ROLES)},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]}}}
-    prompt = {"oneOf": [{"type": "string", "minLength": 1},
-                        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1,
-                         "maxItems": max_model_len - 1}],
-              "description": f"with the generation, at most {max_model_len} tokens"}
+    text = {"type": "string", "minLength": 1}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1, "maxItems": max_model_len - 1}
+    prompt = {"oneOf": [text, ids, {"type": "array", "items": {"oneOf": [text, ids]}, "minItems": 1,
+                                    "maxItems": MAX_SEQUENCES}],
+              "description": f"one prompt or a batch (each with n choices; at most {MAX_SEQUENCES} sequences); "
+                             f"each prompt with its generation at most {max_model_len} tokens"}
     chat = {"type": "object", "required": ["messages"], "properties": common | {
         "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": MAX_MESSAGES},
         "max_completion_tokens": common["max_tokens"],
@@ -97,6 +100,8 @@ def _bodies(max_model_len: int) -> dict[str, Any]:
                                        "additionalProperties": False}, {"type": "null"}]}}}
     completion = {"type": "object", "required": ["prompt"], "properties": common | {
         "prompt": prompt,
+        "echo": {"type": ["boolean", "null"], "description": "the prompt's text before the output; with logprobs, "
+                 "its tokens' logprobs too (the first is null)"},
         "logprobs": _num(0, MAX_LOGPROBS, "integer", description="each output token's log-probability under the "
                          "target's raw distribution, with this many most likely alternatives")}}
     return {"ChatCompletionRequest": chat, "CompletionRequest": completion}

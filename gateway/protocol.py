@@ -22,6 +22,7 @@ from verify.sampling import MAX_LOGPROBS, SamplingParams
 # Limits that bound the work one request can ask for; gateway/openapi.py publishes them.
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n: each choice is a sequence of its own (its own KV), so one request can fill a batch
+MAX_SEQUENCES = 128  # prompts x n of one completions request (a batch of prompts, as lm-eval sends)
 MAX_STOP_CHARS = 256  # per stop string: the matcher holds back up to this much text
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 256
@@ -70,7 +71,7 @@ class GenerateRequest:
     is_chat: bool
     model: str | None
     messages: list[dict[str, str]] | None  # chat
-    prompt: str | list[int] | None  # completions: text or token ids
+    prompts: tuple[str | list[int], ...] | None  # completions: each text or token ids (a batch of prompts)
     max_tokens: int | None  # None = what the context leaves (chat) or 16 (completions, as OpenAI)
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields other than max_tokens
     speculation: SpeculationParams = SpeculationParams()
@@ -79,6 +80,12 @@ class GenerateRequest:
     n: int = 1  # choices: independent sequences of one prompt (sampled ones differ; seeds go seed, seed + 1, ...)
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
+    echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens' logprobs) before the output
+
+    @property
+    def num_sequences(self) -> int:
+        """Engine sequences the request takes: n per prompt."""
+        return self.n * (len(self.prompts) if self.prompts else 1)
 
     def sampling_params(self, context_left: int, choice: int = 0) -> SamplingParams:
         """Choice ``i`` of ``n`` draws with ``seed + i``, so choices differ and each one replays alone."""
@@ -106,11 +113,20 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
     max_tokens = _get(body, "max_tokens", int, max_tokens)
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+    echo = not is_chat and _get(body, "echo", bool, False)
+    sampling = _sampling(body, is_chat)
+    if echo and sampling["logprobs"] is not None:  # the echoed prompt's tokens get logprobs too
+        sampling["prompt_logprobs"] = sampling["logprobs"]
+    prompts = None if is_chat else _prompts(body)
+    n = _choices(body)
+    if prompts is not None and len(prompts) * n > MAX_SEQUENCES:
+        raise ApiError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} sequences; at most "
+                            f"{MAX_SEQUENCES} per request", param="prompt")
     return GenerateRequest(
         is_chat=is_chat, model=_get(body, "model", str, None),
-        messages=_messages(body) if is_chat else None, prompt=None if is_chat else _prompt(body),
-        max_tokens=max_tokens, sampling=_sampling(body, is_chat), speculation=_speculation(body, spec_header),
-        stop=_stop(body), stream=stream, n=_choices(body),
+        messages=_messages(body) if is_chat else None, prompts=prompts,
+        max_tokens=max_tokens, sampling=sampling, speculation=_speculation(body, spec_header),
+        stop=_stop(body), stream=stream, n=n, echo=echo,
         include_usage=stream and _get(options, "include_usage", bool, False, "stream_options.include_usage"),
         continuous_usage=stream and _get(options, "continuous_usage_stats", bool, False,
                                          "stream_options.continuous_usage_stats"))
@@ -148,6 +164,8 @@ def _choices(body: dict) -> int:
 
 def _refuse_unsupported(body: dict, is_chat: bool) -> None:
     for name, what in UNSUPPORTED.items():
+        if name == "echo" and not is_chat:  # completions echo the prompt; chat has no such field
+            continue
         if body.get(name) not in (None, False, "", [], {}):
             raise ApiError(400, f"{what} is not supported by this server", param=name)
     fmt = body.get("response_format")
@@ -272,17 +290,25 @@ def _content(content: Any, where: str) -> str:
     raise ApiError(400, f"{where}.content must be a string or an array of text parts", param=f"{where}.content")
 
 
-def _prompt(body: dict) -> str | list[int]:
+def _prompts(body: dict) -> tuple[str | list[int], ...]:
+    """One prompt (text or token ids) or a batch of them (an array of texts or of token-id arrays)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str) and prompt:
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
+    if _one_prompt(prompt):
+        return (prompt,)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, "prompt must be one prompt: batches of several are not supported", param="prompt")
-    raise ApiError(400, "prompt must be a non-empty string or array of token ids", param="prompt")
+        for i, p in enumerate(prompt):
+            if not _one_prompt(p):
+                raise ApiError(400, f"prompt[{i}] must be a non-empty string or array of token ids", param="prompt")
+        return tuple(prompt)
+    raise ApiError(400, "prompt must be a non-empty string or array of token ids, or an array of those",
+                   param="prompt")
+
+
+def _one_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return bool(prompt)
+    return (isinstance(prompt, list) and bool(prompt)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
 
 
 def _speculation(body: dict, header: str | None) -> SpeculationParams:
@@ -396,10 +422,11 @@ class Shape:
         return self._head(".chunk" if self.is_chat else "") | {"choices": [], "usage": usage}
 
 
-def logprobs_body(is_chat: bool, entries: list[tuple[TokenLogprob, int]],
+def logprobs_body(is_chat: bool, entries: list[tuple[int, TokenLogprob | None, int]],
                   token_text: Callable[[int], tuple[str, list[int]]]) -> dict[str, Any]:
-    """OpenAI's ``logprobs`` of one choice (or of one chunk's tokens): ``entries`` holds each token's figures
-    and the offset of its text in the completion; ``token_text(id)`` gives a token's (text, bytes).
+    """OpenAI's ``logprobs`` of one choice (or of one chunk's tokens). ``entries``: each token, its figures
+    (None for an echoed prompt's first token, which nothing predicts) and the offset of its text in the
+    choice's text; ``token_text(id)`` gives a token's (text, bytes).
 
     Chat: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``. Completions
     (the legacy shape): ``{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}``, where a
@@ -408,20 +435,23 @@ def logprobs_body(is_chat: bool, entries: list[tuple[TokenLogprob, int]],
     figure wins it."""
     if is_chat:
         content = []
-        for e, _ in entries:
-            text, raw = token_text(e.token_id)
+        for token, e, _ in entries:
+            text, raw = token_text(token)
             top = [{"token": t, "logprob": lp, "bytes": b} for t, b, lp in
                    ((*token_text(i), lp) for i, lp in e.top)]
             content.append({"token": text, "logprob": e.logprob, "bytes": raw, "top_logprobs": top})
         return {"content": content}
-    tops = []
-    for e, _ in entries:
+    tops: list[dict[str, float] | None] = []
+    for token, e, _ in entries:
+        if e is None:
+            tops.append(None)
+            continue
         top = {token_text(i)[0]: lp for i, lp in reversed(e.top)}  # the likelier of two alike wins
-        top[token_text(e.token_id)[0]] = e.logprob
+        top[token_text(token)[0]] = e.logprob
         tops.append(top)
-    return {"tokens": [token_text(e.token_id)[0] for e, _ in entries],
-            "token_logprobs": [e.logprob for e, _ in entries], "top_logprobs": tops,
-            "text_offset": [offset for _, offset in entries]}
+    return {"tokens": [token_text(token)[0] for token, _, _ in entries],
+            "token_logprobs": [None if e is None else e.logprob for _, e, _ in entries], "top_logprobs": tops,
+            "text_offset": [offset for _, _, offset in entries]}
 
 
 def sse(obj: dict[str, Any]) -> bytes:

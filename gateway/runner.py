@@ -54,6 +54,7 @@ class Event:
     completion_tokens: int
     time: float  # time.monotonic() when the engine emitted it
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., on the first event, when asked
 
 
 @dataclass(slots=True)
@@ -237,7 +238,8 @@ class EngineRunner:
                 self._observe(live, stats.since(live.stats), out.new_token_ids, now)
             live.stats = stats
             batch.append((live.events, Event(list(out.new_token_ids), out.finished, out.finish_reason, stats,
-                                             out.error, out.completion_tokens, now, out.logprobs)))
+                                             out.error, out.completion_tokens, now, out.logprobs,
+                                             out.prompt_logprobs)))
             if out.finished:
                 del self._live[out.request_id]
                 self._busy_at = now

@@ -23,6 +23,9 @@ from target.blocks import BlockPool, BlockTable
 
 # (template widths, adapt?) for a decoding sequence: adapt=False keeps a tree the request asked for
 TemplateOf = Callable[[Sequence], tuple[tuple[int, ...], bool]]
+# Prefill tokens a step gives a request for prompt logprobs: its chunk's logits are [n, vocab] float32 (for a
+# 128k vocabulary, 128 MB at 256 tokens).
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,14 +218,18 @@ class Scheduler:
             avail -= need
             self.waiting.remove(seq)
             seq.status, seq.table = Status.RUNNING, BlockTable(self.pool)
-            # prefix cache: reuse full blocks of an identical prefix; the root itself stays uncached
-            seq.num_cached = seq.table.adopt_prefix(seq.token_ids, seq.num_tokens - 1)
+            # prefix cache: reuse full blocks of an identical prefix; the root itself stays uncached. A request
+            # for prompt logprobs computes every prompt position (the cache holds K/V, not logits).
+            if not seq.wants_prompt_logprobs:
+                seq.num_cached = seq.table.adopt_prefix(seq.token_ids, seq.num_tokens - 1)
             self.running.append(seq)
             candidates.append(seq)
         for seq in candidates:
             if budget <= 0:
                 break
             n = min(seq.num_tokens - 1 - seq.num_cached, budget)
+            if seq.wants_prompt_logprobs:  # its chunk's logits are [n, vocab] float32: bound them
+                n = min(n, PROMPT_LOGPROBS_CHUNK)
             need = seq.table.blocks_needed(seq.num_cached + n)
             if need > free:
                 continue

@@ -137,6 +137,10 @@ class Sequence:
     # A sibling with the same prompt (a choice of the same n > 1 request): this one is admitted only once
     # the leader's prompt is in the prefix cache, and then prefills only what the cache does not hold.
     prefix_leader: "Sequence | None" = None
+    # With sampling.prompt_logprobs: entries for prompt tokens 1.. as prefill computes them (TokenLogprob),
+    # handed out once with the first emitted token.
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -145,6 +149,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return getattr(self.sampling, "prompt_logprobs", None) is not None
 
     @property
     def is_prefilling(self) -> bool:

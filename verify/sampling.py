@@ -38,6 +38,9 @@ class SamplingParams:
     # Log-probabilities of each emitted token under the target's raw distribution, plus this many most likely
     # alternatives per position; None = none.
     logprobs: int | None = None
+    # The same for every prompt token after the first (vLLM's prompt_logprobs; OpenAI's echo with logprobs).
+    # A request with them computes its whole prompt: the prefix cache holds K/V, not logits.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # accept a list
@@ -55,8 +58,8 @@ class SamplingParams:
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "ints >= 0"),
             ("logit_bias", all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
              "token ids >= 0 with biases in [-100, 100]"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
-                                                   and 0 <= self.logprobs <= MAX_LOGPROBS), f"in [0, {MAX_LOGPROBS}]"),
+            ("logprobs", _top_ok(self.logprobs), f"None or an int in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", _top_ok(self.prompt_logprobs), f"None or an int in [0, {MAX_LOGPROBS}]"),
         )
         for name, ok, rule in checks:
             if not ok:  # NaN fails every comparison above, so it lands here too
@@ -78,6 +81,10 @@ class SamplingParams:
 
 
 MAX_LOGPROBS = 20  # alternatives per position (vLLM's default max_logprobs; OpenAI's top_logprobs allows 20)
+
+
+def _top_ok(top: Any) -> bool:
+    return top is None or (type(top) is int and 0 <= top <= MAX_LOGPROBS)
 
 
 def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:

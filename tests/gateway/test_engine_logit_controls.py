@@ -182,3 +182,58 @@ def test_min_p_one_samples_the_argmax(spec: str) -> None:
     sampled = SamplingParams(temperature=1.3, min_p=1.0, seed=5, max_tokens=12, ignore_eos=True)
     got = run_all(tiny_engine(), [(str(i), p, sampled, SPEC[spec]) for i, p in enumerate(PROMPTS)])
     assert got == want
+
+
+def collect_prompt_logprobs(engine, requests) -> dict[str, list]:
+    """Run (id, prompt, sampling, spec) requests; each one's prompt logprobs, checking they come once, with the
+    request's first tokens."""
+    for rid, prompt, sampling, spec in requests:
+        engine.add(rid, prompt, sampling, spec)
+    got: dict[str, list] = {}
+    while engine.has_work():
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.prompt_logprobs is not None:
+                assert out.request_id not in got and out.new_token_ids
+                got[out.request_id] = out.prompt_logprobs
+    return got
+
+
+@pytest.mark.parametrize("chunk", [256, 3])
+def test_prompt_logprobs_match_a_teacher_forced_forward(monkeypatch, chunk: int) -> None:
+    """Every prompt token after the first, scored by the prefill (in chunks of ``chunk`` tokens), including a
+    second request whose prompt sits in the prefix cache: it computes its prompt again to score it."""
+    import gateway.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "PROMPT_LOGPROBS_CHUNK", chunk)
+    engine = tiny_engine()
+    prompt = list(range(3, 30))  # six full blocks of 4: the second run finds them cached
+    sampling = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    first = collect_prompt_logprobs(engine, [("a", prompt, sampling, SPEC["draft"])])
+    again = collect_prompt_logprobs(engine, [("b", prompt, sampling, SPEC["draft"]),
+                                             ("c", [7], sampling, SPEC["off"])])
+    ref = teacher_forced(engine, prompt[:1], prompt[1:])  # row j scores prompt[j + 1]
+    for entries in (first["a"], again["b"]):
+        assert [e.token_id for e in entries] == prompt[1:]
+        want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in entries]), want, atol=1e-4, rtol=1e-4)
+        for e, row in zip(entries, ref):
+            assert [t for t, _ in e.top] == row.topk(2).indices.tolist()
+    assert again["c"] == []  # a one-token prompt has nothing to score
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
+
+
+def test_prompt_logprobs_survive_preemption_once() -> None:
+    """A pool too small for the batch preempts sequences, which recompute prompt and output: each still reports
+    every prompt position exactly once, and the same figures as alone."""
+    ps = [[(7 * i + j) % 60 + 1 for j in range(10 + i)] for i in range(8)]
+    sampling = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
+    want = {str(i): collect_prompt_logprobs(tiny_engine(), [(str(i), p, sampling, SPEC["off"])])[str(i)]
+            for i, p in enumerate(ps)}
+    engine = tiny_engine(num_blocks=24, page_size=4)
+    got = collect_prompt_logprobs(engine, [(str(i), p, sampling, SPEC["draft"]) for i, p in enumerate(ps)])
+    assert engine.num_preemptions > 0
+    for rid, entries in want.items():
+        assert [e.token_id for e in got[rid]] == [e.token_id for e in entries] == ps[int(rid)][1:]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in got[rid]]),
+                                   torch.tensor([e.logprob for e in entries]), atol=1e-4, rtol=1e-4)

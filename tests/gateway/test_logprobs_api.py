@@ -1,11 +1,13 @@
-"""OpenAI's logprobs and logit_bias through the HTTP routes: both shapes (chat, legacy completions), stream
-and non-stream agreeing, stop strings cutting logprobs with the text, bytes that rebuild the text."""
+"""OpenAI's logprobs, logit_bias, echo and batched prompts through the HTTP routes: both logprobs shapes (chat,
+legacy completions), stream and non-stream agreeing, stop strings cutting logprobs with the text, bytes that
+rebuild the text, and lm-eval's loglikelihood request (a batch of token-id prompts, echo, logprobs)."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from gateway_util import MODEL, pool_is_full, run_app as run
 from test_app import events
@@ -135,3 +137,107 @@ def test_logit_bias_over_http(tokenizer) -> None:
         assert body["choices"][0]["text"] == "Hello" * 16, body
         # raw logprobs: the bias is not in them, so the forced token is not certain
         assert all(lp < -1e-3 for lp in body["choices"][0]["logprobs"]["token_logprobs"])
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(tokenizer) -> None:
+    """lm-eval's loglikelihood request: token-id prompts in a batch, echo, logprobs 1, max_tokens 1. Each
+    choice lists every prompt token (the first without figures) then the generated one; the continuation's
+    logprobs are the target's, whatever shares the batch, and top_logprobs says whether it was greedy."""
+    context = tokenizer.encode("Hello wor")
+    conts = [tokenizer.encode("ld"), tokenizer.encode("d!")]
+    prompts = [context + c for c in conts]
+
+    async def go(client, app):
+        body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0,
+                "seed": 1234}
+        batch = (await client.post("/v1/completions", json=body)).json()
+        alone = [(await client.post("/v1/completions", json=body | {"prompt": p})).json() for p in prompts]
+        return batch, alone, pool_is_full(app.state.gateway.engine)
+
+    batch, alone, freed = run(tokenizer, go)
+    choices = sorted(batch["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in choices] == [0, 1] and freed
+    assert batch["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    for choice, single, prompt in zip(choices, alone, prompts):
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][1:])
+        assert choice["text"].startswith(tokenizer.decode(prompt))
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        # the figures lm-eval sums: the continuation's tokens, scored inside the prompt
+        cont = lp["token_logprobs"][len(context) : -1]
+        assert len(cont) == len(prompt) - len(context)
+        assert cont == pytest.approx(single["choices"][0]["logprobs"]["token_logprobs"][len(context) : -1], abs=1e-4)
+        for value, top in zip(cont, lp["top_logprobs"][len(context) : -1]):
+            assert max(top.values()) >= value  # is_greedy compares these two
+
+
+def test_echo_matches_a_teacher_forced_forward(tokenizer) -> None:
+    """The echoed prompt's logprobs are log-softmax of the target's logits over the prompt."""
+    from engine_util import tiny_engine
+    from test_engine_logit_controls import teacher_forced
+
+    prompt = tokenizer.encode("Hello world, hello")
+    engine = tiny_engine(vocab=len(tokenizer), num_blocks=128)
+
+    async def go(client, app):
+        return (await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2,
+                                                           "logprobs": 0, "echo": True, "temperature": 0})).json()
+
+    body = run(tokenizer, go, engine=engine)
+    ref = teacher_forced(engine, prompt[:1], prompt[1:])
+    want = ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    assert body["choices"][0]["logprobs"]["token_logprobs"][1 : len(prompt)] == pytest.approx(want, abs=1e-4)
+
+
+def test_echo_without_logprobs_and_streamed(tokenizer) -> None:
+    async def go(client, app):
+        plain = (await client.post("/v1/completions", json=COMPLETION)).json()
+        echo = (await client.post("/v1/completions", json=COMPLETION | {"echo": True})).json()
+        stream = (await client.post("/v1/completions", json=COMPLETION | {"echo": True, "stream": True,
+                                                                         "logprobs": 0})).text
+        chat = await client.post("/v1/chat/completions", json=CHAT | {"echo": True})
+        return plain, echo, stream, chat
+
+    plain, echo, stream, chat = run(tokenizer, go)
+    assert echo["choices"][0]["text"] == "Hello" + plain["choices"][0]["text"]
+    assert echo["choices"][0]["logprobs"] is None
+    chunks = [c for c in events(stream)[:-1] if c["choices"]]
+    assert chunks[0]["choices"][0]["text"].startswith("Hello")
+    assert "".join(c["choices"][0]["text"] for c in chunks) == echo["choices"][0]["text"]
+    tokens = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens[: len(tokenizer.encode("Hello"))] == [tokenizer.decode([t]) for t in tokenizer.encode("Hello")]
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"
+
+
+def test_a_batch_of_prompts_answers_each_with_n_choices(tokenizer) -> None:
+    """Prompt i's choice j has index i * n + j and equals the single request for that prompt (greedy)."""
+    texts = ["Hello", "Hi there", "Hello world"]
+
+    async def go(client, app):
+        batch = (await client.post("/v1/completions", json=COMPLETION | {"prompt": texts, "n": 2,
+                                                                         "max_tokens": 6})).json()
+        stream = (await client.post("/v1/completions", json=COMPLETION | {"prompt": texts, "max_tokens": 6,
+                                                                          "stream": True})).text
+        alone = [(await client.post("/v1/completions", json=COMPLETION | {"prompt": t, "max_tokens": 6})).json()
+                 for t in texts]
+        too_many = await client.post("/v1/completions", json=COMPLETION | {"prompt": ["a"] * 65, "n": 2})
+        bad = await client.post("/v1/completions", json=COMPLETION | {"prompt": ["a", ""]})
+        return batch, stream, alone, too_many, bad, pool_is_full(app.state.gateway.engine)
+
+    batch, stream, alone, too_many, bad, freed = run(tokenizer, go)
+    by_index = {c["index"]: c["text"] for c in batch["choices"]}
+    assert sorted(by_index) == list(range(6))
+    for i, single in enumerate(alone):
+        assert by_index[2 * i] == by_index[2 * i + 1] == single["choices"][0]["text"]
+    assert batch["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert batch["usage"]["completion_tokens"] == 36
+    streamed: dict[int, str] = {}
+    for c in events(stream)[:-1]:
+        for ch in c["choices"]:
+            streamed[ch["index"]] = streamed.get(ch["index"], "") + ch["text"]
+    assert streamed == {i: a["choices"][0]["text"] for i, a in enumerate(alone)}
+    assert too_many.status_code == 400 and "128" in too_many.json()["error"]["message"]
+    assert bad.status_code == 400 and "prompt[1]" in bad.json()["error"]["message"]
+    assert freed
