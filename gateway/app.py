@@ -46,7 +46,8 @@ from gateway.generation import Choices, Generation
 from gateway.guard import ApiKeyMiddleware, read_body
 from gateway.metrics import CONTENT_TYPE, Metrics, spec_label
 from gateway.openapi import openapi_schema
-from gateway.protocol import ApiError, GenerateRequest, Shape, error_body, parse_request
+from gateway.protocol import (ApiError, GenerateRequest, Shape, error_body, parse_detokenize, parse_request,
+                              parse_tokenize)
 from gateway.runner import EngineRunner, ShuttingDown, Submission
 from gateway.stats import StatsStore
 from verify.sampling import SamplingParams
@@ -195,6 +196,34 @@ class Gateway:
                                 "default_tree": list(cfg.default_tree)}}
         return json_response({"object": "list", "data": [card]})
 
+    # --- the tokenizer (vLLM's routes: lm-eval's remote tokenizer uses them) ---------------------------
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            raw = await read_body(request.headers.get("content-length"), request.stream(), self.config.max_body_bytes)
+            text, messages, flag = parse_tokenize(raw)
+            if messages is not None:
+                tokens = self._encode_chat(messages, add_generation_prompt=flag)
+            else:
+                tokens = self.tokenizer.encode(text, add_special_tokens=flag)
+        except ApiError as exc:
+            return error_response(exc)
+        return json_response({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            raw = await read_body(request.headers.get("content-length"), request.stream(), self.config.max_body_bytes)
+            tokens = parse_detokenize(raw, self.engine.target.config.vocab_size)
+        except ApiError as exc:
+            return error_response(exc)
+        return json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        tok = self.tokenizer
+        return json_response({"tokenizer_class": type(tok).__name__, "eos_token": getattr(tok, "eos_token", None),
+                              "bos_token": getattr(tok, "bos_token", None), "pad_token": getattr(tok, "pad_token", None),
+                              "chat_template": self.chat_template, "model_max_length": self.max_model_len})
+
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, is_chat=True)
 
@@ -317,11 +346,12 @@ class Gateway:
     def _encode(self, prompt: str | list[int]) -> list[int]:
         return prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
-    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if not self.chat_template:
             raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
                                                       chat_template=self.chat_template)
         except Exception as exc:  # noqa: BLE001 -- templates raise their own errors on unsupported turns
             raise ApiError(400, f"messages do not fit the chat template: {exc}", param="messages") from None
@@ -390,6 +420,9 @@ def create_app(engine: Engine, tokenizer: Any, chat_template: str | None, config
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),
         Route("/v1/models", gw.models, methods=["GET"]),
+        Route("/tokenize", gw.tokenize, methods=["POST"]),
+        Route("/detokenize", gw.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", gw.tokenizer_info, methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/metrics", gw.metrics_route, methods=["GET"]),
         Route("/openapi.json", gw.openapi, methods=["GET"]),

@@ -115,6 +115,14 @@ def _post(body: str, summary: str) -> dict[str, Any]:
                               "content": {"application/json": {}, "text/event-stream": {}}}} | errors}}
 
 
+def _plain_post(summary: str) -> dict[str, Any]:
+    """A small JSON route (vLLM's tokenizer routes)."""
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": {"application/json": {}}},
+                     "responses": {"200": {"description": "OK", "content": {"application/json": {}}},
+                                   "400": {"$ref": "#/components/responses/Error"},
+                                   "401": {"$ref": "#/components/responses/Error"}}}}
+
+
 def _get(summary: str, media: str = "application/json") -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {"200": {"description": "OK", "content": {media: {}}},
                                                        "401": {"$ref": "#/components/responses/Error"}}}}
@@ -150,7 +158,11 @@ def openapi_schema(model_name: str, max_model_len: int, max_body_bytes: int) -> 
                                                "responses": {"200": {"description": "reset"},
                                                              "401": {"$ref": "#/components/responses/Error"}}}},
                   "/dashboard": _open_get("the live A/B dashboard, one self-contained page (no API key)",
-                                          "text/html")},
+                                          "text/html"),
+                  "/tokenize": _plain_post('{"prompt": text, "add_special_tokens": bool} or {"messages": [...], '
+                                           '"add_generation_prompt": bool} -> {"count", "max_model_len", "tokens"}'),
+                  "/detokenize": _plain_post('{"tokens": [ids]} -> {"prompt": text}'),
+                  "/tokenizer_info": _get("eos_token, bos_token, pad_token, chat_template, model_max_length")},
         "components": {
             "schemas": _bodies(max_model_len) | {"Speculation": _speculation(), "Error": error},
             "responses": {"Error": {"description": "OpenAI error shape", "content": {

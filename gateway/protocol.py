@@ -100,12 +100,7 @@ class GenerateRequest:
 
 
 def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> GenerateRequest:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
+    body = _object(raw)
     _refuse_unsupported(body, is_chat)
     stream = _get(body, "stream", bool, False)
     options = _get(body, "stream_options", dict, {})
@@ -342,6 +337,37 @@ def _tree(value: Any) -> tuple[int, ...] | None:
         check_widths(tuple(value))
         return tuple(value)
     raise ApiError(400, "speculation.tree must be widths per depth, like [2, 2, 1]", param="speculation.tree")
+
+
+def parse_tokenize(raw: bytes) -> tuple[str | None, list[dict[str, str]] | None, bool]:
+    """POST /tokenize (vLLM's): ``{"prompt": text, "add_special_tokens": bool}`` or ``{"messages": [...],
+    "add_generation_prompt": bool}``. Returns (text, messages, flag): one of text and messages is None; the flag
+    is add_special_tokens for text, add_generation_prompt for messages."""
+    body = _object(raw)
+    if "messages" in body:
+        return None, _messages(body), _get(body, "add_generation_prompt", bool, True)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise ApiError(400, "prompt must be a string (or send messages)", param="prompt")
+    return prompt, None, _get(body, "add_special_tokens", bool, True)
+
+
+def parse_detokenize(raw: bytes, vocab_size: int) -> list[int]:
+    """POST /detokenize: ``{"tokens": [ids]}``, each id in the vocabulary."""
+    tokens = _object(raw).get("tokens")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+        raise ApiError(400, f"tokens must be an array of token ids in [0, {vocab_size})", param="tokens")
+    return tokens
+
+
+def _object(raw: bytes) -> dict:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
 
 
 # --- responses ------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from gateway_util import MODEL, pool_is_full, run_app as run
+from gateway_util import CHAT_TEMPLATE, MODEL, pool_is_full, run_app as run
 from test_app import events
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "temperature": 0, "max_tokens": 16,
@@ -241,3 +241,26 @@ def test_a_batch_of_prompts_answers_each_with_n_choices(tokenizer) -> None:
     assert too_many.status_code == 400 and "128" in too_many.json()["error"]["message"]
     assert bad.status_code == 400 and "prompt[1]" in bad.json()["error"]["message"]
     assert freed
+
+
+def test_tokenizer_routes_as_lm_eval_probes_them(tokenizer) -> None:
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, in the shapes lm-eval's remote tokenizer reads."""
+    async def go(client, app):
+        info = (await client.get("/tokenizer_info")).json()
+        plain = (await client.post("/tokenize", json={"prompt": "Hello world", "add_special_tokens": False})).json()
+        chat = (await client.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]})).json()
+        back = (await client.post("/detokenize", json={"tokens": plain["tokens"]})).json()
+        bad = [await client.post("/detokenize", json={"tokens": [10**6]}),
+               await client.post("/tokenize", json={"prompt": 5}), await client.post("/tokenize", content=b"[")]
+        return info, plain, chat, back, bad
+
+    info, plain, chat, back, bad = run(tokenizer, go)
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"] and info["model_max_length"] > 0
+    assert plain["tokens"] == tokenizer.encode("Hello world", add_special_tokens=False)
+    assert plain["count"] == len(plain["tokens"]) and plain["max_model_len"] == info["model_max_length"]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True, chat_template=CHAT_TEMPLATE)
+    assert chat["tokens"] == tokenizer.encode(text, add_special_tokens=False)  # what the chat route serves
+    assert back == {"prompt": "Hello world"}
+    assert [r.status_code for r in bad] == [400, 400, 400]
+    assert [r.json()["error"]["param"] for r in bad[:2]] == ["tokens", "prompt"]
