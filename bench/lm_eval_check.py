@@ -97,10 +97,12 @@ def main() -> None:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(url, server)
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+            served = json.loads(r.read())["data"][0]["id"]
         with tempfile.TemporaryDirectory() as tmp:
             via_server, via_hf = Path(tmp) / "server", Path(tmp) / "hf"
             server_s = lm_eval(args.lm_eval_python, "local-completions",
-                               f"model=served,base_url={url}/v1/completions,num_concurrent=1,max_retries=1",
+                               f"model={served},base_url={url}/v1/completions,num_concurrent=1,max_retries=1",
                                via_server, args.batch_size, [])
             hf_s = lm_eval(args.lm_eval_python, "hf", f"pretrained={args.model},dtype=float32", via_hf,
                            args.batch_size, ["--device", "cpu"])
@@ -127,6 +129,7 @@ def main() -> None:
         "exact_match": {"server": scores[0]["specgate_gen"]["exact_match,strip"],
                         "hf": scores[1]["specgate_gen"]["exact_match,strip"]},
         "wall_s": {"server": round(server_s, 1), "hf": round(hf_s, 1)},
+        "loglikelihoods": {"server": [round(a, 6) for a, _, _ in pairs], "hf": [round(b, 6) for _, b, _ in pairs]},
         "notes": ["lm-eval local-completions against the server (remote tokenizer from /tokenizer_info and "
                   "/tokenize; loglikelihood as token-id prompt batches with echo and logprobs 1) beside lm-eval "
                   "hf on the same directory, one run each. Toy tasks (bench/lm_eval): the accuracies say nothing "
@@ -134,7 +137,32 @@ def main() -> None:
                   "against an independent implementation. wall_s includes each harness's start-up."],
     }
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out, indent=2))
+    plot(out, Path(args.out).with_suffix(".png"))
+    print(json.dumps({k: v for k, v in out.items() if k != "loglikelihoods"}, indent=2))
+
+
+def plot(res: dict, path: Path) -> None:
+    """Each loglikelihood request: the server's figure against transformers', and their difference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    server, hf = res["loglikelihoods"]["server"], res["loglikelihoods"]["hf"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a.plot(hf, server, "o", ms=3)
+    lo, hi = min(hf + server), max(hf + server)
+    a.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+    a.set_xlabel("lm-eval hf (transformers)")
+    a.set_ylabel("lm-eval local-completions (server)")
+    a.set_title("loglikelihood per request")
+    b.plot(range(len(hf)), [s - h for s, h in zip(server, hf)], "o", ms=3)
+    b.set_xlabel("request")
+    b.set_ylabel("server - transformers")
+    b.set_title(f"max |diff| {res['loglikelihood_max_abs_diff']:.1e}")
+    fig.suptitle(f"{res['model']} {res['dtype']}, {res['device']}, {res['date']}, {res['commit']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
