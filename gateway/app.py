@@ -88,6 +88,8 @@ class Gateway:
     def __init__(self, engine: Engine, tokenizer: Any, chat_template: str | None, config: ServerConfig) -> None:
         self.engine, self.tokenizer, self.chat_template, self.config = engine, tokenizer, chat_template, config
         self.token_text = TokenText(tokenizer) if tokenizer is not None else None  # logprobs' token strings
+        if engine.tokenizer is None:  # an engine built without one (tests): structured output walks this one
+            engine.tokenizer = tokenizer
         self.metrics = Metrics()
         self.stats = StatsStore()
         self.auditor = Auditor(config.audit, decode=tokenizer.decode if tokenizer is not None else None,

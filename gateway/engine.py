@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ from target.graphs import CudaGraphRunner
 from target.kv_cache import KVCache
 from target.model import Transformer
 from verify.accept import AcceptResult, accept_batch
+from verify.grammar import GrammarTokenizer, apply_masks, tree_masks
 from verify.logprobs import TokenLogprob, token_logprobs
 from verify.sampling import SamplingParams, make_generator
 
@@ -68,13 +70,15 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, target: Transformer, drafters: dict[str, Drafter], config: EngineConfig,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), tokenizer: Any = None) -> None:
         if config.default_drafter is not None and config.default_drafter not in drafters:
             raise ValueError(f"default drafter {config.default_drafter!r} is not loaded: have {sorted(drafters)}")
         self.target = target
         self.drafters = drafters
         self.config = config
         self.eos_token_ids = eos_token_ids or target.config.eos_token_ids
+        self.tokenizer = tokenizer  # Hugging Face; only structured output reads it (the grammar walks its tokens)
+        self._grammar_tokenizer: GrammarTokenizer | None = None
         self.cache: KVCache = target.new_cache(config.num_blocks, config.page_size)
         self.max_model_len = min(config.scheduler.max_model_len, target.config.max_position_embeddings)
         self.scheduler = Scheduler(replace(config.scheduler, max_model_len=self.max_model_len), self.cache.pool)
@@ -154,8 +158,10 @@ class Engine:
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting")
         stops = frozenset(sampling.stop_token_ids) | frozenset(() if sampling.ignore_eos else self.eos_token_ids)
+        matcher = self._matcher(sampling.grammar) if sampling.grammar is not None else None
         seq = Sequence(request_id, list(prompt_ids), sampling, speculation,
                        make_generator(sampling, self.target.device), drafter, priority, stop_ids=stops)
+        seq.matcher = matcher
         leader = self._seqs.get(prefix_of) if prefix_of is not None else None
         if leader is not None and leader.prompt_ids == seq.prompt_ids:
             seq.prefix_leader = leader
@@ -224,12 +230,15 @@ class Engine:
             logits = runner.forward(batch, self.cache)  # [R, V] float32, on the device
         first = len(plan.prefills)
         decoding = [seq for seq, _ in plan.decodes]
+        raw = logits  # logprobs are the model's, before any grammar
+        if any(seq.matcher is not None for seq in decoding):
+            logits = self._constrain(logits, batch.logits_start[first:], decoding, trees)
         results = accept_batch(trees, logits, batch.logits_start[first:], [s.sampling for s in decoding],
                                [s.generator for s in decoding], [self._penalty_state(s, logits.device) for s in decoding])
         if hidden is not None:
             self._feed_features(plan, batch.query_lens, results, hidden)
-        logprobs = self._logprobs(logits, batch.logits_start[first:], decoding, results)
-        self._prompt_logprobs(logits, batch.logits_start, plan.prefills)
+        logprobs = self._logprobs(raw, batch.logits_start[first:], decoding, results)
+        self._prompt_logprobs(raw, batch.logits_start, plan.prefills)
         for seq, n in plan.prefills:
             seq.num_cached += n
             seq.table.register_prefix(seq.token_ids, seq.num_cached)
@@ -294,6 +303,30 @@ class Engine:
             n, top = len(results[k].tokens), decoding[k].sampling.logprobs
             out[k] = [TokenLogprob(e.token_id, e.logprob, e.top[:top]) for e in entries[lo : lo + n]]
             lo += n
+        return out
+
+    def _matcher(self, grammar: str) -> Any:
+        """A parser state for a new request's grammar (the grammar tokenizer is built on first use)."""
+        if self._grammar_tokenizer is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the target's tokenizer, which this engine was not given")
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.target.config.vocab_size)
+        return self._grammar_tokenizer.matcher(grammar)
+
+    def _constrain(self, logits: torch.Tensor, starts: list[int], decoding: list[Sequence],
+                   trees: list[TokenTree]) -> torch.Tensor:
+        """A copy of ``logits`` whose constrained sequences' tree rows allow only what their grammar allows
+        after each node's path (verify/grammar.py); one host-to-device copy of the masks for the step."""
+        rows: list[int] = []
+        masks: list[torch.Tensor] = []
+        for k, seq in enumerate(decoding):
+            if seq.matcher is None:
+                continue
+            tokens, parents, _ = trees[k].host()
+            masks.append(tree_masks(seq.matcher, tokens, parents, self._grammar_tokenizer.words))
+            rows += range(starts[k], starts[k + 1])
+        out = logits.clone()
+        apply_masks(out, rows, torch.cat(masks))
         return out
 
     @staticmethod
@@ -397,6 +430,13 @@ class Engine:
         seq.output_ids += new
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = "length"
+        if seq.matcher is not None and reason != "stop":  # a stop token ends the output; the grammar need not see it
+            if not seq.matcher.consume_tokens(new):  # cannot happen: every token came from a masked row
+                out = self._finish(seq, "error", error=f"grammar: {seq.matcher.get_error()}")
+                out.new_token_ids = new
+                return out
+            if seq.matcher.is_stopped():  # the grammar is complete and admits nothing more
+                reason = "stop"
         if reason is None:
             out = self._output(seq, new)
         else:

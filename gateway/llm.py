@@ -175,8 +175,10 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
             default = "ngram"
     engine_cfg = replace(engine_cfg, default_drafter=None if default == "none" else default)
     if tp == 1:
-        return Loaded(Engine(target, drafters, engine_cfg), ckpt, name)
-    return Loaded(_tensor_parallel_engine(cfg, dtype, device, target, drafters, engine_cfg, log), ckpt, name)
+        return Loaded(Engine(target, drafters, engine_cfg, tokenizer=ckpt.tokenizer), ckpt, name)
+    engine = _tensor_parallel_engine(cfg, dtype, device, target, drafters, engine_cfg, log)
+    engine.tokenizer = ckpt.tokenizer
+    return Loaded(engine, ckpt, name)
 
 
 def _tensor_parallel_engine(cfg: LoadConfig, dtype: torch.dtype, device: torch.device, full: Transformer,

@@ -63,6 +63,19 @@ def _common(max_model_len: int) -> dict[str, Any]:
                        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
                        "description": "token id -> bias added to its logit before penalties and temperature"},
         "speculation": {"$ref": "#/components/schemas/Speculation"},
+        "response_format": {"oneOf": [
+            {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"]},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                    "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}},
+            {"type": "null"}], "description": "structured output: every token keeps the output inside the schema"},
+        "structured_outputs": {"type": ["object", "null"], "minProperties": 1, "maxProperties": 1,
+                               "additionalProperties": False, "properties": {
+                                   "json": {"type": ["object", "string"]}, "regex": {"type": "string"},
+                                   "choice": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                                   "grammar": {"type": "string", "description": "Lark or GBNF"}},
+                               "description": "vLLM's structured output: exactly one of json, regex, choice, grammar"},
     }
 
 
@@ -95,9 +108,7 @@ def _bodies(max_model_len: int) -> dict[str, Any]:
         "logprobs": {"type": ["boolean", "null"], "description": "each output token's log-probability under the "
                      "target's raw distribution (before bias, penalties and temperature)"},
         "top_logprobs": _num(0, MAX_LOGPROBS, "integer", description="most likely alternatives per token; "
-                             "needs logprobs: true"),
-        "response_format": {"oneOf": [{"type": "object", "properties": {"type": {"const": "text"}},
-                                       "additionalProperties": False}, {"type": "null"}]}}}
+                             "needs logprobs: true")}}
     completion = {"type": "object", "required": ["prompt"], "properties": common | {
         "prompt": prompt,
         "echo": {"type": ["boolean", "null"], "description": "the prompt's text before the output; with logprobs, "

@@ -16,6 +16,7 @@ import orjson
 from draft.params import SpeculationParams, check_widths, parse_tree
 from gateway.sequence import SpecStats
 from gateway.stats import Arm
+from verify.grammar import GRAMMAR_KINDS, compile_grammar
 from verify.logprobs import TokenLogprob
 from verify.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -163,9 +164,6 @@ def _refuse_unsupported(body: dict, is_chat: bool) -> None:
             continue
         if body.get(name) not in (None, False, "", [], {}):
             raise ApiError(400, f"{what} is not supported by this server", param=name)
-    fmt = body.get("response_format")
-    if is_chat and fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(400, "response_format other than text is not supported", param="response_format")
 
 
 def _sampling(body: dict, is_chat: bool) -> dict[str, Any]:
@@ -200,7 +198,45 @@ def _sampling(body: dict, is_chat: bool) -> dict[str, Any]:
     out["stop_token_ids"] = tuple(ids)
     out["logit_bias"] = _logit_bias(body)
     out["logprobs"] = _logprobs(body, is_chat)
+    out["grammar"] = _grammar(body)
     return out
+
+
+def _grammar(body: dict) -> str | None:
+    """Structured output, from OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's
+    ``structured_outputs`` (exactly one of ``json``, ``regex``, ``choice``, ``grammar``), compiled and checked."""
+    specs: list[tuple[str, Any, str]] = []  # (kind, spec, the field to name in an error)
+    fmt = _get(body, "response_format", dict, None)
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            specs.append(("json", {"type": "object"}, "response_format"))
+        elif kind == "json_schema":
+            inner = fmt.get("json_schema")
+            if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict):
+                raise ApiError(400, "response_format.json_schema must be an object holding a schema object",
+                               param="response_format.json_schema")
+            specs.append(("json", inner["schema"], "response_format.json_schema"))
+        elif kind != "text":
+            raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got "
+                                f"{orjson.dumps(kind).decode()}", param="response_format")
+    structured = _get(body, "structured_outputs", dict, None)
+    if structured is not None:
+        unknown = sorted(set(structured) - set(GRAMMAR_KINDS))
+        given = [k for k in GRAMMAR_KINDS if structured.get(k) is not None]
+        if unknown or len(given) != 1:
+            raise ApiError(400, f"structured_outputs takes exactly one of {', '.join(GRAMMAR_KINDS)}"
+                                + (f"; unknown: {', '.join(unknown)}" if unknown else ""), param="structured_outputs")
+        specs.append((given[0], structured[given[0]], f"structured_outputs.{given[0]}"))
+    if len(specs) > 1:
+        raise ApiError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+    if not specs:
+        return None
+    kind, spec, param = specs[0]
+    try:
+        return compile_grammar(kind, spec)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=param) from None
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:

@@ -141,6 +141,7 @@ class Sequence:
     # handed out once with the first emitted token.
     prompt_logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    matcher: Any = None  # with sampling.grammar: the llguidance parser state after the emitted tokens
 
     @property
     def token_ids(self) -> list[int]:

@@ -41,6 +41,9 @@ class SamplingParams:
     # The same for every prompt token after the first (vLLM's prompt_logprobs; OpenAI's echo with logprobs).
     # A request with them computes its whole prompt: the prefix cache holds K/V, not logits.
     prompt_logprobs: int | None = None
+    # Structured output: an llguidance grammar (verify/grammar.py compile_grammar) every emitted token must keep
+    # the output inside; None = unconstrained.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # accept a list
