@@ -25,7 +25,7 @@ ANSWER_S = 20.0  # far above any accepted request here: 64 tokens of a tiny mode
 FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stream",
           "stream_options", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "ignore_eos", "n", "best_of", "logprobs", "top_logprobs", "logit_bias", "speculation", "response_format",
-          "echo", "suffix", "tools", "user"]
+          "echo", "suffix", "tools", "user", "min_p", "structured_outputs", "prompt_logprobs"]
 HUGE = [1e308, -1e308, 5e-324, 2**63, 2**64, 2**70, -(2**70), 10**30, 0, -1, 1, 0.5]
 
 
@@ -74,6 +74,15 @@ speculation = st.dictionaries(st.sampled_from(["enabled", "drafter", "tree", "ma
 special = {"stop": st.lists(st.text(max_size=300), max_size=MAX_STOP_STRINGS + 4) | st.text(max_size=8),
            "stop_token_ids": token_ids, "speculation": speculation,
            "logit_bias": st.dictionaries(st.text(max_size=4), st.sampled_from(HUGE), max_size=3),
+           "structured_outputs": st.dictionaries(st.sampled_from(["json", "regex", "choice", "grammar", "yaml"]),
+                                                 st.one_of(st.sampled_from(["[ab]+", "(a", "{}", "start: x", "",
+                                                                            '{"type": "integer"}']),
+                                                           st.lists(st.text(max_size=3), max_size=3), junk),
+                                                 max_size=2),
+           "response_format": st.one_of(st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "x"},
+                                                         {"type": "json_schema", "json_schema": {"schema": {}}},
+                                                         {"type": "json_schema", "json_schema": {"schema": 5}}]),
+                                        junk),
            "max_tokens": st.sampled_from([1, 8, CONTEXT, CONTEXT + 1, 2**31, 2**63 - 1, 2**70, 0, -5, 1e308])}
 
 
