@@ -51,7 +51,7 @@ class Generation:
         self._logprobs_sent = 0
         # echo (completions): the prompt's text goes out before the output's, with its tokens' logprobs when
         # asked; output offsets then count from the end of the echoed text
-        self.prompt_ids, self.tokenizer = prompt_ids, tokenizer
+        self.prompt_ids = prompt_ids
         self._echo: tuple[str, list[int]] | None = _echo_text(tokenizer, prompt_ids) if req.echo else None
         self._text_base = len(self._echo[0]) if self._echo else 0
         self.stats = SpecStats()

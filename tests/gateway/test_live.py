@@ -163,3 +163,25 @@ def test_load_bench_reports_every_arm(tokenizer, tmp_path) -> None:
         assert row["ratio"] == round(on["request_tokens_per_s"]["p50"] / off["request_tokens_per_s"]["p50"], 3)
         assert row["p99_ttft_ms_off"] == round(off["ttft_s"]["p99"] * 1e3, 2)
         assert row["tpot_ratio_off_over_on"] == round(off["tpot_s"]["p50"] / on["tpot_s"]["p50"], 3)
+
+
+def test_openai_sdk_logprobs_batches_and_structured_output(live) -> None:
+    """The SDK's own types parse what the server sends: chat logprobs, a batch of completion prompts with
+    echo and legacy logprobs, and a JSON-schema response (its parse helper reads it back)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    with client(live) as c:
+        chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2, **greedy())
+        batch = c.completions.create(model=MODEL, prompt=["Hello", "Hi"], echo=True, logprobs=1, **greedy())
+        shaped = c.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=24,
+                                           response_format={"type": "json_schema",
+                                                            "json_schema": {"name": "n", "schema": schema}})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 16 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert sorted(ch.index for ch in batch.choices) == [0, 1]
+    for ch, prompt in zip(sorted(batch.choices, key=lambda ch: ch.index), ["Hello", "Hi"]):
+        assert ch.text.startswith(prompt) and ch.logprobs.token_logprobs[0] is None
+        assert len(ch.logprobs.tokens) == len(ch.logprobs.text_offset) == len(ch.logprobs.token_logprobs)
+    doc = json.loads(shaped.choices[0].message.content)
+    assert isinstance(doc["n"], int) and shaped.choices[0].finish_reason == "stop"
