@@ -66,6 +66,7 @@ class EngineConfig:
     default_tree: tuple[int, ...] = (2, 2, 2, 1)
     cuda_graphs: bool = True  # replay captured graphs for decode / verify / draft steps on CUDA
     capture_at_start: bool = False  # capture (and tune) every graph when the engine is built, not on first use
+    forced_chains: bool = True  # a grammar's forced tokens become the speculating sequence's tree (_forced_chain)
 
 
 class Engine:
@@ -98,6 +99,8 @@ class Engine:
         if config.capture_at_start:
             self.capture_graphs()
         self._seqs: dict[str, Sequence] = {}
+        self._forced: dict[str, TokenTree] = {}  # this step's grammar-forced sequences -> their drafter's tree
+        self._forced_step = False
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -201,7 +204,9 @@ class Engine:
             outputs = self._run(plan)
         except Exception as exc:  # noqa: BLE001 -- one bad step must not take the server down
             return [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
-        if not plan.prefills:  # the acceptance's host copy ended the step: this is its full time
+        # the acceptance's host copy ended the step: this is its full time (a step with forced chains ran no
+        # drafter for them, so it does not price its depth)
+        if not plan.prefills and not self._forced_step:
             depth = max(len(w) for _, w in plan.decodes)
             kinds = drafter_set(s.drafter for s, w in plan.decodes if w)
             self.scheduler.costs.observe(len(plan.decodes), depth, time.perf_counter() - t0, kinds)
@@ -366,19 +371,45 @@ class Engine:
         return spec.widths(self.config.default_tree), spec.tree is None and spec.max_nodes is None
 
     def _propose(self, decodes: list[tuple[Sequence, tuple[int, ...]]]) -> list[TokenTree]:
+        """Each decoding sequence's tree from its drafter; a root alone for plain decoding. A speculating
+        sequence whose grammar forces its next tokens verifies that chain instead (``_forced_chain``)."""
         trees: list[TokenTree | None] = [None] * len(decodes)
         by_drafter: dict[str, list[int]] = {}
+        forced: dict[int, list[int]] = {}
         for i, (seq, widths) in enumerate(decodes):
             if seq.drafter and widths:
+                chain = self._forced_chain(seq, widths) if self.config.forced_chains else []
+                if chain:
+                    forced[i] = chain
                 by_drafter.setdefault(seq.drafter, []).append(i)
             else:
                 trees[i] = TokenTree.root_only(seq.token_ids[-1])
         for name, idx in by_drafter.items():
-            reqs = [DraftRequest(decodes[i][0].request_id, decodes[i][0].token_ids, decodes[i][1],
-                                 decodes[i][0].sampling, decodes[i][0].generator) for i in idx]
+            # a forced sequence asks its drafter for no levels: the drafter's state follows the step as it
+            # does for a lookup-first chain (draft/hybrid.py), and its next proposal catches up
+            reqs = [DraftRequest(decodes[i][0].request_id, decodes[i][0].token_ids,
+                                 () if i in forced else decodes[i][1], decodes[i][0].sampling,
+                                 decodes[i][0].generator) for i in idx]
             for i, tree in zip(idx, self.drafters[name].propose(reqs)):
                 trees[i] = tree
+        self._forced.clear()
+        self._forced_step = bool(forced)
+        for i, chain in forced.items():
+            seq = decodes[i][0]
+            self._forced[seq.request_id] = trees[i]  # the drafter's own (root-only) tree, for its commit
+            trees[i] = TokenTree.from_lists([seq.token_ids[-1], *chain], list(range(-1, len(chain))))
         return trees  # type: ignore[return-value]
+
+    @staticmethod
+    def _forced_chain(seq: Sequence, widths: tuple[int, ...]) -> list[int]:
+        """The tokens the sequence's grammar forces next (llguidance's fast-forward tokens), at most as many as
+        its tree budget holds: a chain the target verifies like any draft. Under the grammar's mask each is the
+        only token its row allows, so verification keeps it (greedy or sampled) unless the target's own
+        tokenization of the forced text differs, where the chain stops and the target's token wins -- lossless
+        either way, with no draft forward (the idea of SGLang's jump-forward decoding, kept verified)."""
+        if seq.matcher is None:
+            return []
+        return list(seq.matcher.compute_ff_tokens())[: sum(widths)]
 
     def _penalty_state(self, seq: Sequence, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not seq.sampling.use_penalties:
@@ -402,9 +433,14 @@ class Engine:
         slots = seq.table.slots(ctx, ctx + tree.num_nodes)
         moves = [(slots[n], slots[d]) for d, n in enumerate(nodes) if n != d]
         seq.num_cached = ctx + len(nodes)
+        own = self._forced.pop(seq.request_id, None)
+        _, parents, depths = tree.host()
+        if own is not None:  # a forced chain: the drafter proposed nothing, and its acceptance saw nothing
+            self.drafters[seq.drafter].commit(seq.request_id, own, nodes[:1])
+            seq.stats.record(tree.num_nodes, parents if len(nodes) > 1 else [], nodes)
+            return moves
         if seq.drafter:
             self.drafters[seq.drafter].commit(seq.request_id, tree, nodes)
-        _, parents, depths = tree.host()
         depth = max(depths)
         # A drafter with nothing to offer (an n-gram lookup without a match) counts as one failed level: the
         # budget prices what offering a tree yields. Counted as no trial at all, a sequence whose lookups
@@ -427,16 +463,25 @@ class Engine:
         if keep > allowed or (keep == allowed and reason is None):
             keep, reason = allowed, "length"
         new = new[:keep]
+        error = None
+        if seq.matcher is not None:  # the grammar sees each kept token; a stop token ends the output anyway
+            for i, t in enumerate(new):
+                if t in seq.stop_ids:
+                    break
+                if not seq.matcher.consume_token(t):  # cannot happen: every token came from a masked row
+                    error = f"grammar: {seq.matcher.get_error()}"
+                    break
+                if seq.matcher.is_stopped():  # complete, admitting nothing more: the output ends here, as it
+                    keep, reason = i + 1, "stop"  # would have in plain decoding (a chain may carry more)
+                    break
+            new = new[:keep]
         seq.output_ids += new
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = "length"
-        if seq.matcher is not None and reason != "stop":  # a stop token ends the output; the grammar need not see it
-            if not seq.matcher.consume_tokens(new):  # cannot happen: every token came from a masked row
-                out = self._finish(seq, "error", error=f"grammar: {seq.matcher.get_error()}")
-                out.new_token_ids = new
-                return out
-            if seq.matcher.is_stopped():  # the grammar is complete and admits nothing more
-                reason = "stop"
+        if error is not None:
+            out = self._finish(seq, "error", error=error)
+            out.new_token_ids = new
+            return out
         if reason is None:
             out = self._output(seq, new)
         else:

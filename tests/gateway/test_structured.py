@@ -4,6 +4,7 @@ keeps the output inside the grammar, under speculation exactly as without, whate
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -144,3 +145,29 @@ def test_structured_output_over_http(tokenizer) -> None:
                       "structured_outputs", "structured_outputs"]
     assert "invalid regex" in out["bad"][2]["message"]
     assert out["freed"]
+
+
+def test_forced_tokens_are_verified_as_a_chain(tokenizer) -> None:
+    """Long property names are forced by the schema: with forced chains a speculating request verifies them
+    several tokens a step, and its output is the plain run's; without them it takes more steps."""
+    schema = {"type": "object", "properties": {"a_rather_long_property_name": {"type": "integer", "maximum": 9},
+                                               "another_quite_long_name": {"type": "boolean"}},
+              "required": ["a_rather_long_property_name", "another_quite_long_name"], "additionalProperties": False}
+    sampling = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True, grammar=compile_grammar("json", schema))
+    runs = {}
+    for name, spec, chains in (("off", SPECS["off"], True), ("ngram", SPECS["ngram"], True),
+                               ("ngram-no-chains", SPECS["ngram"], False)):
+        engine = tiny_engine(vocab=len(tokenizer))
+        engine.config = replace(engine.config, forced_chains=chains)
+        engine.tokenizer = tokenizer
+        engine.add("a", [5, 9, 2], sampling, spec)
+        tokens, stats = [], None
+        while engine.has_work():
+            for out in engine.step():
+                tokens += out.new_token_ids
+                stats = out.stats
+        runs[name] = (tokens, stats)
+    assert runs["ngram"][0] == runs["off"][0] == runs["ngram-no-chains"][0]
+    assert json.loads(tokenizer.decode(runs["off"][0]))["another_quite_long_name"] in (True, False)
+    chained, plain = runs["ngram"][1], runs["ngram-no-chains"][1]
+    assert chained.steps < plain.steps and chained.mean_accepted_length > 1.5
