@@ -286,7 +286,8 @@ class Gateway:
         if req.model is not None and req.model != self.config.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist: this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
-        prompts = [self._encode_chat(req.messages)] if req.is_chat else [self._encode(p) for p in req.prompts]
+        prompts = ([self._encode_chat(req.messages, tools=req.tools)] if req.is_chat
+                   else [self._encode(p) for p in req.prompts])
         request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + uuid.uuid4().hex
         for prompt_ids in prompts:
             self._log_request(request_id, req, prompt_ids)
@@ -348,13 +349,21 @@ class Gateway:
     def _encode(self, prompt: str | list[int]) -> list[int]:
         return prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
-    def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                     tools: tuple[dict[str, Any], ...] = ()) -> list[int]:
+        """The chat template over the messages. Tools go to a template that takes them (``tools`` in its
+        text); for one that does not, they are described in a system turn, as the JSON a call is written in."""
         if not self.chat_template:
             raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
+        extra: dict[str, Any] = {}
+        if tools and "tools" in self.chat_template:
+            extra["tools"] = list(tools)
+        elif tools:
+            messages = _with_tools_turn(messages, tools)
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
-                                                      chat_template=self.chat_template)
+                                                      chat_template=self.chat_template, **extra)
         except Exception as exc:  # noqa: BLE001 -- templates raise their own errors on unsupported turns
             raise ApiError(400, f"messages do not fit the chat template: {exc}", param="messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -385,6 +394,20 @@ def _event_source(gen: Generation | Choices, headers: dict[str, str]) -> EventSo
     return EventSourceResponse(gen.stream(), headers=headers, ping=PING_S, sep="\n",
                                background=BackgroundTask(gen.close), data_sender_callable=on_shutdown,
                                shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
+
+
+def _with_tools_turn(messages: list[dict[str, str]], tools: tuple[dict[str, Any], ...]) -> list[dict[str, str]]:
+    """The messages with the tools described at the end of the system turn (one is added when there is none)."""
+    lines = ["You can call these functions. A call is one JSON object: "
+             '{"name": <function name>, "arguments": <its arguments>}.']
+    for t in tools:
+        fn = t["function"]
+        card = {"name": fn["name"]} | ({"description": fn["description"]} if fn.get("description") else {})
+        lines.append(orjson.dumps(card | {"parameters": fn.get("parameters", {"type": "object"})}).decode())
+    text = "\n".join(lines)
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": messages[0]["content"] + "\n\n" + text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _engine_refusal(message: str, is_chat: bool) -> ApiError:

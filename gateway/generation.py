@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gateway.detok import Decoder, TextAssembler, TokenText
 from gateway.metrics import Metrics, spec_label
 from gateway.protocol import (SSE_DONE, ApiError, GenerateRequest, Shape, error_body, logprobs_body, speculation_report,
-                              sse, usage)
+                              sse, tool_calls, usage)
 from gateway.runner import EngineRunner, Event, Submission
 from gateway.sequence import SpecStats
 from verify.logprobs import TokenLogprob
@@ -52,6 +53,7 @@ class Generation:
         # echo (completions): the prompt's text goes out before the output's, with its tokens' logprobs when
         # asked; output offsets then count from the end of the echoed text
         self.prompt_ids = prompt_ids
+        self.call_id = "call_" + uuid.uuid4().hex[:24]  # a tool call's id, when the choice makes one
         self._echo: tuple[str, list[int]] | None = _echo_text(tokenizer, prompt_ids) if req.echo else None
         self._text_base = len(self._echo[0]) if self._echo else 0
         self.stats = SpecStats()
@@ -199,11 +201,29 @@ class Generation:
         """This choice's stream chunks: role (chat), text, finish. Raises EngineFailure."""
         if self.shape.is_chat:
             yield self.shape.chunk("", role=True, usage=self._chunk_usage(), index=self.index)
+        if self.req.tool_choice is not None:  # a call is whole only at the end: one delta then
+            text = "".join([piece async for piece in self.pieces()])
+            calls, reason = self.tool_calls(text)
+            if calls:
+                yield self.shape.chunk(None, usage=self._chunk_usage(), index=self.index, tool_calls=calls,
+                                       logprobs=self._new_logprobs())
+            elif text:
+                yield self.shape.chunk(text, usage=self._chunk_usage(), index=self.index, logprobs=self._new_logprobs())
+            yield self.shape.chunk(None, reason, usage=self._chunk_usage(), index=self.index)
+            return
         async for text in self.pieces():
             logprobs = self._new_logprobs()
             if text or logprobs:
                 yield self.shape.chunk(text, usage=self._chunk_usage(), index=self.index, logprobs=logprobs)
         yield self.shape.chunk(None, self.finish_reason, usage=self._chunk_usage(), index=self.index)
+
+    def tool_calls(self, text: str) -> tuple[list[dict[str, Any]] | None, str | None]:
+        """The choice's tool calls and finish reason: a call the grammar completed is "tool_calls"; output cut
+        short (max_tokens) stays text with its own reason."""
+        if self.req.tool_choice is None or self.finish_reason != "stop":
+            return None, self.finish_reason
+        calls = tool_calls(text, self.call_id)
+        return calls, "tool_calls" if calls else self.finish_reason
 
     async def collect(self) -> dict[str, Any]:
         """The non-stream body. Raises ApiError when the engine fails the request."""
@@ -321,8 +341,11 @@ async def _collect(owner: Generation | Choices, gens: list[Generation]) -> dict[
     try:
         texts = await asyncio.gather(*tasks)
         status = "200"
-        return owner.shape.response([(t, g.finish_reason, g.logprobs_report()) for t, g in zip(texts, gens)],
-                                    owner.usage())
+        choices = []
+        for t, g in zip(texts, gens):
+            calls, reason = g.tool_calls(t)
+            choices.append((t, reason, g.logprobs_report(), calls))
+        return owner.shape.response(choices, owner.usage())
     except EngineFailure as exc:
         status = str(exc.status)
         raise ApiError(exc.status, f"generation failed: {exc}", type="server_error") from None

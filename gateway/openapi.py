@@ -13,6 +13,7 @@ from gateway.protocol import (
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_SEQUENCES,
+    MAX_TOOLS,
     MAX_MESSAGES,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -108,7 +109,19 @@ def _bodies(max_model_len: int) -> dict[str, Any]:
         "logprobs": {"type": ["boolean", "null"], "description": "each output token's log-probability under the "
                      "target's raw distribution (before bias, penalties and temperature)"},
         "top_logprobs": _num(0, MAX_LOGPROBS, "integer", description="most likely alternatives per token; "
-                             "needs logprobs: true")}}
+                             "needs logprobs: true"),
+        "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS, "items": {
+            "type": "object", "required": ["type", "function"], "properties": {
+                "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+                    "parameters": {"type": "object"}}}}}},
+        "tool_choice": {"oneOf": [{"enum": ["none", "required"]},
+                                  {"type": "object", "required": ["type", "function"], "properties": {
+                                      "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                                                  "properties": {"name": {"type": "string"}}}}},
+                                  {"type": "null"}],
+                        "description": "required or a named function: the output is one call, constrained to the tools' "
+                                       "schemas; auto is refused (no tool-call parser for the model's own format)"}}}
     completion = {"type": "object", "required": ["prompt"], "properties": common | {
         "prompt": prompt,
         "echo": {"type": ["boolean", "null"], "description": "the prompt's text before the output; with logprobs, "

@@ -36,8 +36,11 @@ _PATH = re.compile(r"(?:[A-Za-z]:)?(?:[\\/][\w.\-]+)*[\\/][\w\-]+\.[A-Za-z]\w*"
                    r"|/(?:home|usr|opt|tmp|var|root|work|mnt|srv|etc|proc|private|Users)(?:/[\w.\-]+)+")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields we know and refuse rather than silently ignore: their absence would change what the user gets.
-UNSUPPORTED = {"echo": "echo", "suffix": "suffix", "tools": "tool calling", "functions": "function calling",
+UNSUPPORTED = {"echo": "echo", "suffix": "suffix", "functions": "the legacy functions field (use tools)",
+               "function_call": "the legacy function_call field (use tool_choice)",
                "prompt_logprobs": "prompt_logprobs"}
+MAX_TOOLS = 64
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class ApiError(Exception):
@@ -82,6 +85,8 @@ class GenerateRequest:
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens' logprobs) before the output
+    tools: tuple[dict[str, Any], ...] = ()  # chat: the functions offered, as OpenAI's tool objects
+    tool_choice: str | None = None  # chat: "required" (any one tool) or a tool's name; None: answer in text
 
     @property
     def num_sequences(self) -> int:
@@ -114,6 +119,12 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
     if echo and sampling["logprobs"] is not None:  # the echoed prompt's tokens get logprobs too
         sampling["prompt_logprobs"] = sampling["logprobs"]
     prompts = None if is_chat else _prompts(body)
+    tools, tool_choice = _tools(body) if is_chat else ((), None)
+    if tool_choice is not None:
+        if sampling["grammar"] is not None:
+            raise ApiError(400, "a tool call's arguments follow the tool's schema: give tool_choice or "
+                                "response_format / structured_outputs, not both", param="tool_choice")
+        sampling["grammar"] = compile_grammar("json", tool_call_schema(tools, tool_choice))
     n = _choices(body)
     if prompts is not None and len(prompts) * n > MAX_SEQUENCES:
         raise ApiError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} sequences; at most "
@@ -122,7 +133,7 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
         is_chat=is_chat, model=_get(body, "model", str, None),
         messages=_messages(body) if is_chat else None, prompts=prompts,
         max_tokens=max_tokens, sampling=sampling, speculation=_speculation(body, spec_header),
-        stop=_stop(body), stream=stream, n=n, echo=echo,
+        stop=_stop(body), stream=stream, n=n, echo=echo, tools=tools, tool_choice=tool_choice,
         include_usage=stream and _get(options, "include_usage", bool, False, "stream_options.include_usage"),
         continuous_usage=stream and _get(options, "continuous_usage_stats", bool, False,
                                          "stream_options.continuous_usage_stats"))
@@ -290,6 +301,67 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
+def _tools(body: dict) -> tuple[tuple[dict[str, Any], ...], str | None]:
+    """OpenAI's ``tools`` and ``tool_choice``. A call is made when the choice is "required" or names a tool:
+    the output is then constrained to ``{"name": ..., "arguments": {...}}`` by the tools' schemas (any model,
+    no tool parser). "auto" needs a parser for the model's own tool-call format, which this server does not
+    have: it is refused. "none" (or no tools) answers in text."""
+    raw = _get(body, "tools", list, [])
+    if len(raw) > MAX_TOOLS:
+        raise ApiError(400, f"tools holds at most {MAX_TOOLS} functions, got {len(raw)}", param="tools")
+    tools = []
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]):
+            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                                "with a name of 1-64 letters, digits, _ or -", param=f"tools[{i}]")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                           param=f"tools[{i}].function.parameters")
+        tools.append({"type": "function", "function": {"name": fn["name"], "description": fn.get("description", ""),
+                                                       "parameters": params}})
+    choice = body.get("tool_choice")
+    names = [t["function"]["name"] for t in tools]
+    if choice is None or choice == "none" or (choice == "auto" and not tools):
+        return tuple(tools), None
+    if not tools:
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+    if choice == "auto":
+        raise ApiError(400, "tool_choice \"auto\" needs a parser for this model's own tool-call format, which this "
+                            "server does not have; use \"required\" or name a function", param="tool_choice")
+    if choice == "required":
+        return tuple(tools), "required"
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if name not in names:
+        raise ApiError(400, f"tool_choice must be none, required or {{\"type\": \"function\", \"function\": "
+                            f"{{\"name\": one of {names}}}}}", param="tool_choice")
+    return tuple(tools), name
+
+
+def tool_call_schema(tools: tuple[dict[str, Any], ...], choice: str) -> dict[str, Any]:
+    """The JSON schema a forced tool call's output follows: one named tool, or any of them."""
+    def call(fn: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]}}
+
+    fns = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
+    return call(fns[0]) if len(fns) == 1 else {"anyOf": [call(fn) for fn in fns]}
+
+
+def tool_calls(text: str, call_id: str) -> list[dict[str, Any]] | None:
+    """A constrained output as OpenAI's ``tool_calls`` (arguments as a JSON string); None if it is not one
+    (cut short by max_tokens)."""
+    try:
+        call = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+        return None
+    return [{"id": call_id, "type": "function",
+             "function": {"name": call["name"], "arguments": orjson.dumps(call["arguments"]).decode()}}]
+
+
 def _messages(body: dict) -> list[dict[str, str]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -304,8 +376,29 @@ def _messages(body: dict) -> list[dict[str, str]]:
         role = m.get("role")
         if role not in ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param=f"{where}.role")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)})
+        content = _content(m.get("content"), where)
+        if role == "assistant" and not content and m.get("tool_calls"):  # a call made earlier, as its text
+            content = _calls_text(m["tool_calls"], where)
+        out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
+
+
+def _calls_text(calls: Any, where: str) -> str:
+    """An assistant turn's earlier tool calls as the JSON the model wrote them in."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where}.tool_calls must be an array", param=f"{where}.tool_calls")
+    lines = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"{where}.tool_calls entries need function.name", param=f"{where}.tool_calls")
+        args = fn.get("arguments", "{}")
+        try:
+            args = orjson.loads(args) if isinstance(args, str) else args
+        except orjson.JSONDecodeError:
+            raise ApiError(400, f"{where}.tool_calls arguments must be JSON", param=f"{where}.tool_calls") from None
+        lines.append(orjson.dumps({"name": fn["name"], "arguments": args}).decode())
+    return "\n".join(lines)
 
 
 def _content(content: Any, where: str) -> str:
@@ -450,12 +543,16 @@ class Shape:
         kind = "chat.completion" if self.is_chat else "text_completion"
         return {"id": self.id, "object": kind + suffix, "created": self.created, "model": self.model}
 
-    def response(self, choices: list[tuple[str, str, dict[str, Any] | None]], usage: dict[str, Any]) -> dict[str, Any]:
-        """The non-stream body: ``choices`` is (text, finish_reason, logprobs) per choice, in index order."""
+    def response(self, choices: list[tuple[str, str, dict[str, Any] | None, list[dict[str, Any]] | None]],
+                 usage: dict[str, Any]) -> dict[str, Any]:
+        """The non-stream body: ``choices`` is (text, finish_reason, logprobs, tool_calls) per choice, in index
+        order; with tool calls the message carries them and no content."""
         out = []
-        for index, (text, finish_reason, logprobs) in enumerate(choices):
+        for index, (text, finish_reason, logprobs, calls) in enumerate(choices):
             choice: dict[str, Any] = {"index": index}
-            if self.is_chat:
+            if calls:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            elif self.is_chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
@@ -464,13 +561,15 @@ class Shape:
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
               usage: dict[str, Any] | None | bool = False, index: int = 0,
-              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+              logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """One stream chunk; ``usage=False`` leaves the field out, ``None`` writes null (include_usage)."""
         choice: dict[str, Any] = {"index": index}
         if self.is_chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:  # whole calls in one delta (each with its index, as the stream form asks)
+                delta["tool_calls"] = [{"index": i} | c for i, c in enumerate(tool_calls)]
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

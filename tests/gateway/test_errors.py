@@ -95,7 +95,7 @@ def test_prompt_too_long_is_400(tokenizer) -> None:
     assert check(r, 400, "prompt", "context")["code"] == "context_length_exceeded"
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{}]), ("echo", True), ("prompt_logprobs", 1)])
+@pytest.mark.parametrize("field, value", [("functions", [{}]), ("echo", True), ("prompt_logprobs", 1)])
 def test_unsupported_features_are_refused(tokenizer, field, value) -> None:
     check(post(tokenizer, CHAT | {field: value}), 400, field, "not supported")
 
@@ -107,6 +107,15 @@ def test_unsupported_features_are_refused(tokenizer, field, value) -> None:
     ({"logprobs": 2, "top_logprobs": 2}, "/v1/completions", "top_logprobs", ("chat",)),
     ({"logit_bias": {"a": 1}}, "/v1/chat/completions", "logit_bias", ("token ids",)),
     ({"logit_bias": {"3": True}}, "/v1/chat/completions", "logit_bias", ("[-100, 100]",)),
+    ({"tools": [{}]}, "/v1/chat/completions", "tools[0]", ("function",)),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "/v1/chat/completions", "tools[0]", ("name",)),
+    ({"tool_choice": "required"}, "/v1/chat/completions", "tool_choice", ("needs tools",)),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "/v1/chat/completions",
+     "tool_choice", ("parser",)),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "/v1/chat/completions", "tool_choice", ("f",)),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "/v1/chat/completions", "tool_choice", ("not both",)),
 ])
 def test_bad_logprobs_and_logit_bias_name_the_field(tokenizer, body, path, param, words) -> None:
     base = CHAT if path == "/v1/chat/completions" else {"model": MODEL, "prompt": "Hi"}

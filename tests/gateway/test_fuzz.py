@@ -25,7 +25,7 @@ ANSWER_S = 20.0  # far above any accepted request here: 64 tokens of a tiny mode
 FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stream",
           "stream_options", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "ignore_eos", "n", "best_of", "logprobs", "top_logprobs", "logit_bias", "speculation", "response_format",
-          "echo", "suffix", "tools", "user", "min_p", "structured_outputs", "prompt_logprobs"]
+          "echo", "suffix", "tools", "user", "min_p", "structured_outputs", "prompt_logprobs", "tool_choice"]
 HUGE = [1e308, -1e308, 5e-324, 2**63, 2**64, 2**70, -(2**70), 10**30, 0, -1, 1, 0.5]
 
 
@@ -79,6 +79,11 @@ special = {"stop": st.lists(st.text(max_size=300), max_size=MAX_STOP_STRINGS + 4
                                                                             '{"type": "integer"}']),
                                                            st.lists(st.text(max_size=3), max_size=3), junk),
                                                  max_size=2),
+           "tools": st.one_of(st.just([{"type": "function", "function": {"name": "f"}}]),
+                              st.just([{"type": "function", "function": {"name": "f", "parameters": {
+                                  "type": "object", "properties": {"x": {"type": "integer"}}}}}]), junk),
+           "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required", {"type": "function",
+                                                                                   "function": {"name": "f"}}]), junk),
            "response_format": st.one_of(st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "x"},
                                                          {"type": "json_schema", "json_schema": {"schema": {}}},
                                                          {"type": "json_schema", "json_schema": {"schema": 5}}]),
