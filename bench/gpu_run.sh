@@ -42,6 +42,8 @@
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
 #   bash bench/gpu_run.sh real       bench/engine.py's real pair
 #   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed
+#   bash bench/gpu_run.sh structured bench/structured.py after `model`: JSON-schema output with grammar-forced
+#                                    chains on and off (needs llguidance: its wheel in .whl/)
 # Results go to $OUT (the device tool brings them back). Put the commit in the command text, as the host's
 # checkout names it (BENCH_COMMIT=abc1234 bash bench/gpu_run.sh ...): the device's copy of .git is stale,
 # and `$(git rev-parse HEAD)` inside the command runs there.
@@ -136,6 +138,9 @@ for stage in "$@"; do
     real)
       timeout 560 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" \
         --batches "${BATCHES:-1,4,16,64}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
+    structured)  # bench/results/structured_gpu.json after `model`: JSON-schema output, forced chains on / off
+      timeout "${STRUCTURED_TIMEOUT:-300}" python bench/structured.py --batch 8 --max-tokens 128 \
+        --out "$OUT/structured_gpu.json" 2>&1 | tail -12 ;;
     load)  # bench/results/load_gpu.json: this stage, after `model`, within one call of ~160 s
       python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-auto}" \
         --num-blocks 4096 --max-running 64 --max-waiting 512 --capture-graphs --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
