@@ -33,7 +33,7 @@ from dataclasses import replace
 from draft.base import DraftRequest
 from draft.model_drafter import ModelDrafter
 from draft.ngram import NgramDrafter
-from draft.tree import MAX_TREE_NODES, TokenTree
+from draft.tree import TokenTree, cut_widths, graft_chains
 
 
 class HybridDrafter:
@@ -55,30 +55,12 @@ class HybridDrafter:
                 asks.append(replace(r, widths=()))  # the chain alone: the model gives a root-only tree
                 self.lookup_only += 1
             else:
-                asks.append(replace(r, widths=_cut(r.widths, sum(map(len, c)))))
+                asks.append(replace(r, widths=cut_widths(r.widths, sum(map(len, c)))))
         trees = []
         for r, c, tree in zip(reqs, conts, self.draft.propose(asks)):
             self._model_trees[r.seq_id] = tree
-            trees.append(self._graft(tree, c))
+            trees.append(graft_chains(tree, c))
         return trees
-
-    @staticmethod
-    def _graft(tree: TokenTree, conts: list[list[int]]) -> TokenTree:
-        tokens, parents = list(tree.host()[0]), list(tree.host()[1])  # copies: grafts append to them
-        child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
-        grafted = False
-        for cont in conts:
-            node = 0
-            for tok in cont:
-                if (node, tok) not in child_of:
-                    if len(tokens) >= MAX_TREE_NODES:
-                        break
-                    child_of[(node, tok)] = len(tokens)
-                    tokens.append(tok)
-                    parents.append(node)
-                    grafted = True
-                node = child_of[(node, tok)]
-        return TokenTree.from_lists(tokens, parents) if grafted else tree
 
     def commit(self, seq_id: str, tree: TokenTree, accepted_nodes: list[int]) -> None:
         own = self._model_trees.pop(seq_id, None)
@@ -101,15 +83,3 @@ class HybridDrafter:
         self._model_trees.pop(seq_id, None)
         self.lookup.release(seq_id)
         self.draft.release(seq_id)
-
-
-def _cut(widths: tuple[int, ...], nodes: int) -> tuple[int, ...]:
-    """``widths`` with ``nodes`` fewer nodes, taken from the deepest level first."""
-    w = list(widths)
-    while nodes > 0 and w:
-        take = min(nodes, w[-1])
-        w[-1] -= take
-        nodes -= take
-        if w[-1] == 0:
-            w.pop()
-    return tuple(w)

@@ -128,3 +128,36 @@ def mask_to_bits(mask: torch.Tensor) -> torch.Tensor:
 def causal_bits(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[n] int64 lower-triangular bitmask: token i sees tokens 0..i (a chain / prefill chunk)."""
     return mask_to_bits(torch.ones(n, n, dtype=torch.bool, device=device).tril())
+
+
+def graft_chains(tree: TokenTree, chains: list[list[int]]) -> TokenTree:
+    """``tree`` with each chain of tokens (a continuation of the root) merged in as a trie: where a chain's
+    token is already a child the walk follows it, where it is new a node is appended after the tree's own
+    nodes (so they keep their indices). The tree itself when nothing new was added."""
+    tokens, parents = list(tree.host()[0]), list(tree.host()[1])  # copies: grafts append to them
+    child_of = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if p >= 0}
+    grafted = False
+    for chain in chains:
+        node = 0
+        for tok in chain:
+            if (node, tok) not in child_of:
+                if len(tokens) >= MAX_TREE_NODES:
+                    break
+                child_of[(node, tok)] = len(tokens)
+                tokens.append(tok)
+                parents.append(node)
+                grafted = True
+            node = child_of[(node, tok)]
+    return TokenTree.from_lists(tokens, parents) if grafted else tree
+
+
+def cut_widths(widths: tuple[int, ...], nodes: int) -> tuple[int, ...]:
+    """``widths`` with ``nodes`` fewer nodes, taken from the deepest level first."""
+    w = list(widths)
+    while nodes > 0 and w:
+        take = min(nodes, w[-1])
+        w[-1] -= take
+        nodes -= take
+        if w[-1] == 0:
+            w.pop()
+    return tuple(w)

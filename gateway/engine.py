@@ -23,7 +23,7 @@ import torch
 
 from draft.base import DraftRequest, Drafter
 from draft.params import SpeculationParams
-from draft.tree import MAX_TREE_NODES, TokenTree
+from draft.tree import MAX_TREE_NODES, TokenTree, cut_widths, graft_chains
 from gateway.budget import drafter_set
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import Sequence, SpecStats, Status
@@ -372,32 +372,37 @@ class Engine:
 
     def _propose(self, decodes: list[tuple[Sequence, tuple[int, ...]]]) -> list[TokenTree]:
         """Each decoding sequence's tree from its drafter; a root alone for plain decoding. A speculating
-        sequence whose grammar forces its next tokens verifies that chain instead (``_forced_chain``)."""
+        sequence whose grammar forces its next tokens also verifies that chain (``_forced_chain``)."""
         trees: list[TokenTree | None] = [None] * len(decodes)
         by_drafter: dict[str, list[int]] = {}
         forced: dict[int, list[int]] = {}
+        asked: dict[int, tuple[int, ...]] = {}  # the levels each speculating sequence asks its drafter for
         for i, (seq, widths) in enumerate(decodes):
             if seq.drafter and widths:
                 chain = self._forced_chain(seq, widths) if self.config.forced_chains else []
+                asked[i] = widths
                 if chain:
                     forced[i] = chain
+                    # greedy: the drafter's tree, cut to leave the chain its nodes, with the chain grafted in (as
+                    # the hybrid drafter grafts a lookup); sampled: the chain alone (a sampled tree's children
+                    # come from one distribution). With no levels asked, the drafter's state follows the step as
+                    # after a lookup-first chain (draft/hybrid.py), and its next proposal catches up.
+                    asked[i] = cut_widths(widths, len(chain)) if seq.sampling.is_greedy else ()
                 by_drafter.setdefault(seq.drafter, []).append(i)
             else:
                 trees[i] = TokenTree.root_only(seq.token_ids[-1])
         for name, idx in by_drafter.items():
-            # a forced sequence asks its drafter for no levels: the drafter's state follows the step as it
-            # does for a lookup-first chain (draft/hybrid.py), and its next proposal catches up
-            reqs = [DraftRequest(decodes[i][0].request_id, decodes[i][0].token_ids,
-                                 () if i in forced else decodes[i][1], decodes[i][0].sampling,
+            reqs = [DraftRequest(decodes[i][0].request_id, decodes[i][0].token_ids, asked[i], decodes[i][0].sampling,
                                  decodes[i][0].generator) for i in idx]
             for i, tree in zip(idx, self.drafters[name].propose(reqs)):
                 trees[i] = tree
         self._forced.clear()
         self._forced_step = bool(forced)
         for i, chain in forced.items():
-            seq = decodes[i][0]
-            self._forced[seq.request_id] = trees[i]  # the drafter's own (root-only) tree, for its commit
-            trees[i] = TokenTree.from_lists([seq.token_ids[-1], *chain], list(range(-1, len(chain))))
+            seq, own = decodes[i][0], trees[i]
+            self._forced[seq.request_id] = own  # the drafter's own tree, for its commit
+            trees[i] = graft_chains(own, [chain]) if asked[i] else TokenTree.from_lists(
+                [seq.token_ids[-1], *chain], list(range(-1, len(chain))))
         return trees  # type: ignore[return-value]
 
     @staticmethod
@@ -435,8 +440,9 @@ class Engine:
         seq.num_cached = ctx + len(nodes)
         own = self._forced.pop(seq.request_id, None)
         _, parents, depths = tree.host()
-        if own is not None:  # a forced chain: the drafter proposed nothing, and its acceptance saw nothing
-            self.drafters[seq.drafter].commit(seq.request_id, own, nodes[:1])
+        if own is not None:  # a forced chain: the drafter keeps its own nodes of the path; no acceptance is seen
+            cut = next((i for i, n in enumerate(nodes) if n >= own.num_nodes), len(nodes))
+            self.drafters[seq.drafter].commit(seq.request_id, own, nodes[:cut])
             seq.stats.record(tree.num_nodes, parents if len(nodes) > 1 else [], nodes)
             return moves
         if seq.drafter:

@@ -5,27 +5,27 @@ from __future__ import annotations
 
 import torch
 
-from draft.hybrid import HybridDrafter, _cut
+from draft.hybrid import HybridDrafter
 from draft.ngram import NgramDrafter
 from draft.params import SpeculationParams
-from draft.tree import TokenTree
+from draft.tree import TokenTree, cut_widths, graft_chains
 from engine_util import run_all, tiny_engine
 from verify.sampling import SamplingParams
 
 
 def test_graft_merges_shared_prefixes_and_appends_after_the_model_nodes() -> None:
     model_tree = TokenTree.from_lists([9, 1, 2, 3], [-1, 0, 0, 1])  # 9 -> {1 -> 3, 2}
-    out = HybridDrafter._graft(model_tree, [[1, 3, 5, 6]])
+    out = graft_chains(model_tree, [[1, 3, 5, 6]])
     assert out.tokens.tolist() == [9, 1, 2, 3, 5, 6]
     assert out.parents.tolist() == [-1, 0, 0, 1, 3, 4]  # follows 1 -> 3, then grows 5 -> 6
-    assert HybridDrafter._graft(model_tree, [[2]]) is model_tree  # nothing new: the model's own tree
-    assert HybridDrafter._graft(model_tree, []) is model_tree
+    assert graft_chains(model_tree, [[2]]) is model_tree  # nothing new: the model's own tree
+    assert graft_chains(model_tree, []) is model_tree
 
 
 def test_the_model_tree_is_cut_to_leave_room_for_the_graft() -> None:
-    assert _cut((2, 2, 2, 1), 3) == (2, 2) and _cut((2, 2, 2, 1), 2) == (2, 2, 1)
-    assert _cut((2, 2, 2, 1), 0) == (2, 2, 2, 1)
-    assert _cut((2, 1), 5) == () and _cut((), 2) == ()
+    assert cut_widths((2, 2, 2, 1), 3) == (2, 2) and cut_widths((2, 2, 2, 1), 2) == (2, 2, 1)
+    assert cut_widths((2, 2, 2, 1), 0) == (2, 2, 2, 1)
+    assert cut_widths((2, 1), 5) == () and cut_widths((), 2) == ()
 
 
 def _engine():
