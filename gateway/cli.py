@@ -15,6 +15,7 @@ from gateway.engine import EngineConfig
 from gateway.llm import LLM, LoadConfig, log_stderr
 from gateway.scheduler import SchedulerConfig
 from gateway.serve import add_serve_args, apply_config, cmd_serve
+from verify.grammar import compile_grammar
 from verify.sampling import SamplingParams
 
 
@@ -94,8 +95,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt = f.read()
     if not prompt:
         raise ValueError("prompt is empty")
+    grammar = None
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            grammar = compile_grammar("json", f.read())
+    elif args.regex:
+        grammar = compile_grammar("regex", args.regex)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              seed=args.seed, max_tokens=args.max_tokens)
+                              seed=args.seed, max_tokens=args.max_tokens, grammar=grammar, logprobs=args.logprobs)
     speculation = SpeculationParams(enabled=args.speculation == "on", tree=args.tree)
     llm = load(args)
     llm.chat = not args.raw
@@ -111,7 +118,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "text": g.text, "tokens": len(g.token_ids), "drafted_tokens": st.drafted_tokens,
             "accepted_tokens": st.accepted_tokens, "mean_accepted_length": round(st.mean_accepted_length, 4),
             "steps": st.steps, "tokens_per_s": round(len(g.token_ids) / secs, 3), "finish_reason": g.finish_reason,
-        }).decode())
+        } | ({} if g.logprobs is None else {"logprobs": [
+            {"token_id": e.token_id, "logprob": round(e.logprob, 6), "top": [[t, round(lp, 6)] for t, lp in e.top]}
+            for e in g.logprobs]})).decode())
     else:
         print(g.text)
         print(f"[{len(g.token_ids)} tokens, {st.steps} steps, mean accepted length {st.mean_accepted_length:.2f}, "
@@ -133,6 +142,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--speculation", choices=["on", "off"], default="on")
     g.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with the speculation figures")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's log-probability and its K most likely alternatives")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema")
+    shape.add_argument("--regex", help="constrain the output to this regular expression")
     add_model_args(g)
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", parents=[serve_options()],

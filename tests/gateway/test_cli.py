@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--prompt", "hi", "--gptq-tune-steps", "5"], "needs quantize='gptq'"),
     (["--prompt", "hi", "--quantize", "gptq", "--gptq-tune-steps", "-1"], "gptq_tune_steps must be >= 0"),
     (["--prompt", "hi", "--quantize", "gptq", "--gptq-tune", "codes"], "invalid choice: 'codes'"),
+    (["--prompt", "hi", "--regex", "(a"], "invalid regex"),
+    (["--prompt", "hi", "--logprobs", "21"], "logprobs must be"),
+    (["--prompt", "hi", "--regex", "a", "--json-schema", "s.json"], "not allowed with argument"),
 ])
 def test_bad_input_names_the_problem(argv, message, capsys) -> None:
     try:
@@ -58,3 +61,15 @@ def test_generate_json_on_embedded_model() -> None:
     assert out["mean_accepted_length"] >= 1.2, out
     assert out["mean_accepted_length"] == pytest.approx(
         (out["accepted_tokens"] + out["steps"]) / out["steps"], abs=1e-3)
+
+
+@pytest.mark.slow
+def test_generate_constrained_with_logprobs_on_embedded_model() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway", "generate", "--prompt", "Is the sky blue? Answer yes or no.",
+         "--max-tokens", "8", "--regex", "(yes|no)", "--logprobs", "2", "--json"], cwd=ROOT, capture_output=True,
+        text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["text"] in ("yes", "no") and out["finish_reason"] == "stop"
+    assert len(out["logprobs"]) == out["tokens"] and all(len(e["top"]) == 2 for e in out["logprobs"])
