@@ -34,6 +34,7 @@ from target.model import Transformer
 from verify.accept import AcceptResult, accept_batch
 from verify.grammar import GrammarTokenizer, apply_masks, tree_masks
 from verify.logprobs import TokenLogprob, token_logprobs
+from verify.processing import PenaltyState, process_rows, stripped
 from verify.sampling import SamplingParams, make_generator
 
 
@@ -165,6 +166,7 @@ class Engine:
         seq = Sequence(request_id, list(prompt_ids), sampling, speculation,
                        make_generator(sampling, self.target.device), drafter, priority, stop_ids=stops)
         seq.matcher = matcher
+        seq.verify_sampling = stripped(sampling) if sampling.custom_logits else sampling
         leader = self._seqs.get(prefix_of) if prefix_of is not None else None
         if leader is not None and leader.prompt_ids == seq.prompt_ids:
             seq.prefix_leader = leader
@@ -235,11 +237,14 @@ class Engine:
             logits = runner.forward(batch, self.cache)  # [R, V] float32, on the device
         first = len(plan.prefills)
         decoding = [seq for seq, _ in plan.decodes]
-        raw = logits  # logprobs are the model's, before any grammar
+        raw = logits  # logprobs are the model's, before bias, penalties and any grammar
+        starts = batch.logits_start[first:]
+        if any(seq.sampling.custom_logits for seq in decoding):
+            logits = self._process(logits, starts, decoding, trees)
         if any(seq.matcher is not None for seq in decoding):
-            logits = self._constrain(logits, batch.logits_start[first:], decoding, trees)
-        results = accept_batch(trees, logits, batch.logits_start[first:], [s.sampling for s in decoding],
-                               [s.generator for s in decoding], [self._penalty_state(s, logits.device) for s in decoding])
+            logits = self._constrain(logits, starts, decoding, trees)
+        results = accept_batch(trees, logits, starts, [s.verify_sampling for s in decoding],
+                               [s.generator for s in decoding], [(None, None)] * len(decoding))
         if hidden is not None:
             self._feed_features(plan, batch.query_lens, results, hidden)
         logprobs = self._logprobs(raw, batch.logits_start[first:], decoding, results)
@@ -416,19 +421,18 @@ class Engine:
             return []
         return list(seq.matcher.compute_ff_tokens())[: sum(widths)]
 
-    def _penalty_state(self, seq: Sequence, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not seq.sampling.use_penalties:
-            return None, None
+    def _process(self, logits: torch.Tensor, starts: list[int], decoding: list[Sequence],
+                 trees: list[TokenTree]) -> torch.Tensor:
+        """A copy of ``logits`` with every biased or penalised sequence's tree rows processed in one batched pass
+        (verify/processing.py); acceptance then verifies them in the batched groups."""
+        ks = [k for k, seq in enumerate(decoding) if seq.sampling.custom_logits]
         V = self.target.config.vocab_size
-        prompt_mask = torch.zeros(V, dtype=torch.bool)
-        prompt_mask[seq.prompt_ids] = True
-        # accept() counts the root as an output token; on the first step the root is the prompt's last
-        # token, so take that count back out.
-        before_root = seq.output_ids[:-1] if seq.output_ids else []
-        counts = torch.bincount(torch.tensor(before_root, dtype=torch.int64), minlength=V)
-        if not seq.output_ids:
-            counts[seq.prompt_ids[-1]] -= 1
-        return prompt_mask.to(device), counts.to(device)
+        for k in ks:
+            seq = decoding[k]
+            if seq.penalty is None:
+                seq.penalty = PenaltyState.new(seq.sampling, seq.prompt_ids, seq.output_ids, V, logits.device)
+        return process_rows(logits, [(starts[k], starts[k + 1]) for k in ks], [decoding[k].sampling for k in ks],
+                            [decoding[k].penalty for k in ks], [trees[k] for k in ks])
 
     def _commit(self, seq: Sequence, tree: TokenTree, result: AcceptResult, offered: int) -> list[tuple[int, int]]:
         """Advance the sequence past the accepted path; return the target's KV moves (src, dst). ``offered``:
@@ -482,6 +486,8 @@ class Engine:
                     break
             new = new[:keep]
         seq.output_ids += new
+        if seq.penalty is not None:
+            seq.penalty.emit(new)
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = "length"
         if error is not None:

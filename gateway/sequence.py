@@ -142,6 +142,8 @@ class Sequence:
     prompt_logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     matcher: Any = None  # with sampling.grammar: the llguidance parser state after the emitted tokens
+    penalty: Any = None  # with a bias or penalties: verify.processing.PenaltyState, made at the first decode
+    verify_sampling: Any = None  # what acceptance sees: sampling, less what the step's processing applied
 
     @property
     def token_ids(self) -> list[int]:

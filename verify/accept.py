@@ -78,7 +78,8 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
       (same knobs, draft probabilities or point masses) in one pass (``_stochastic_parallel``); the host
       walks the accepted children.
     - Requests with penalties or a logit bias go through ``accept`` one by one (penalised logits depend on
-      the path).
+      the path). The engine processes those rows for the whole step beforehand (verify/processing.py) and
+      hands their parameters here stripped, so they join the groups above.
     """
     picks: list[torch.Tensor] = []
     at: dict[int, int] = {}  # sequence -> offset of its ids in the host copy

@@ -237,3 +237,34 @@ def test_prompt_logprobs_survive_preemption_once() -> None:
         assert [e.token_id for e in got[rid]] == [e.token_id for e in entries] == ps[int(rid)][1:]
         torch.testing.assert_close(torch.tensor([e.logprob for e in got[rid]]),
                                    torch.tensor([e.logprob for e in entries]), atol=1e-4, rtol=1e-4)
+
+
+def penalised_greedy(engine, prompt: list[int], params: SamplingParams, n: int) -> list[int]:
+    """The definition, one token at a time: the target's logits after prompt + output, bias and penalties
+    applied with the output so far (verify.sampling.apply_penalties), argmax."""
+    from verify.sampling import apply_penalties
+
+    V = engine.target.config.vocab_size
+    mask = torch.zeros(V, dtype=torch.bool)
+    mask[prompt] = True
+    out: list[int] = []
+    for _ in range(n):
+        model, ids = engine.target, prompt + out
+        cache = model.new_cache(-(-len(ids) // 4) + 1, 4)
+        logits = model.forward(build_batch([Segment(cache.new_table(), 0, ids)], cache, "cpu"), cache)  # [1, V]
+        counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=V)
+        out.append(int(apply_penalties(logits, params, mask, counts).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("spec", list(SPEC))
+def test_greedy_penalties_and_bias_follow_their_definition_under_speculation(spec: str) -> None:
+    """Penalties and a bias, processed for every tree row in the step's batched pass, give what decoding one
+    token at a time by the definition gives: each row counts the output before the root plus its own path."""
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=1.8,
+                            frequency_penalty=0.6, presence_penalty=0.5, logit_bias={3: 2.0, 9: -1.0})
+    engine = tiny_engine()
+    got = run_all(engine, [(str(i), p, params, SPEC[spec]) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        assert got[str(i)] == penalised_greedy(engine, prompt, params, 14), (spec, i)
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks

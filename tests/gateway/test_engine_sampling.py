@@ -1,4 +1,5 @@
-"""Sampling through the whole engine (drafter, tree, verifier, commit) follows the target's distribution.
+"""Sampling through the whole engine (drafter, tree, logit processing, verifier, commit) follows the target's
+distribution.
 
 The exact joint distribution of the first two tokens is computed from the target alone; thousands of
 seeded speculative runs on a tiny-vocabulary model are compared with it by a chi-square test."""
@@ -14,17 +15,22 @@ import torch
 from draft.params import SpeculationParams
 from engine_util import tiny_engine
 from target.batch import Segment, build_batch
-from verify.sampling import SamplingParams, process_logits
+from verify.sampling import SamplingParams, apply_penalties, process_logits
 
 PROMPT = [3, 1, 4, 1, 5]
 V = 8
 
 
 def next_probs(engine, ids: list[int], params: SamplingParams) -> torch.Tensor:
+    """The target's processed distribution after ``ids``: bias and penalties (counting what follows PROMPT as
+    generated, PROMPT as the prompt), then temperature, top-k, top-p."""
     model = engine.target
     cache = model.new_cache(8, 4)
     logits = model.forward(build_batch([Segment(cache.new_table(), 0, ids)], cache, "cpu"), cache)
-    return process_logits(logits, params)[0]
+    prompt = torch.zeros(V, dtype=torch.bool)
+    prompt[PROMPT] = True
+    counts = torch.bincount(torch.tensor(ids[len(PROMPT):], dtype=torch.int64), minlength=V)
+    return process_logits(apply_penalties(logits, params, prompt, counts), params)[0]
 
 
 def exact_joint(engine, params: SamplingParams) -> dict[tuple[int, int], float]:
@@ -64,7 +70,10 @@ def _fields(p: SamplingParams) -> dict:
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
     SamplingParams(temperature=0.7, top_p=0.8, top_k=5, max_tokens=2, ignore_eos=True),
-], ids=["t1", "topp-topk"])
+    # processed in the step's batched pass (verify/processing.py), then verified in the batched groups
+    SamplingParams(temperature=0.9, repetition_penalty=1.6, frequency_penalty=0.7, presence_penalty=0.4,
+                   logit_bias={2: 1.5, 6: -2.0}, min_p=0.02, max_tokens=2, ignore_eos=True),
+], ids=["t1", "topp-topk", "penalties-bias-minp"])
 @pytest.mark.parametrize("drafter,tree", [("draft", (2, 1)), ("ngram", (2, 1)), ("self", (3,)), ("cut", (2, 1))])
 def test_speculative_sampling_matches_target_joint(params, drafter, tree) -> None:
     """'cut' drafts over tokens 0, 2, 3, 5, 6 only (a cut head): its q is zero on the rest, which the
