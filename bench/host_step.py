@@ -26,8 +26,12 @@ from pathlib import Path
 
 # "adaptive": requests with no tree of their own, under the server's default verify cap of 64 tokens, so the
 # scheduler trims 48 trees a step to fit 16 draft nodes (cost-blind here: step times do not steer it).
-CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48)]
+# "+penalties": repetition, frequency and presence penalties on every request, over SmolLM2's vocabulary size
+# (their per-step work scales with it).
+CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48), ("plain+penalties", 64),
+           ("tree 2,2,2,1+penalties", 16)]
 VOCAB = 512
+PENALTY_VOCAB = 49152
 
 
 def measure(steps: int) -> dict[str, float]:
@@ -43,15 +47,18 @@ def measure(steps: int) -> dict[str, float]:
 
     torch.set_num_threads(1)
 
-    def rule(batch, cache):
-        rows = batch.logits_indices.shape[0]
-        out = torch.zeros(rows, VOCAB)
-        out[torch.arange(rows), (batch.tokens[batch.logits_indices] * 7 + 1) % VOCAB] = 5.0
-        return out
-
     result = {}
-    for arm, streams in CONFIGS:
-        engine = tiny_engine(num_blocks=8192, page_size=16, max_running=64, vocab=VOCAB, tree=(2, 2, 2, 1))
+    for config, streams in CONFIGS:
+        arm, _, penalties = config.partition("+")
+        V = PENALTY_VOCAB if penalties else VOCAB
+
+        def rule(batch, cache, V=V):
+            rows = batch.logits_indices.shape[0]
+            out = torch.zeros(rows, V)
+            out[torch.arange(rows), (batch.tokens[batch.logits_indices] * 7 + 1) % V] = 5.0
+            return out
+
+        engine = tiny_engine(num_blocks=8192, page_size=16, max_running=64, vocab=V, tree=(2, 2, 2, 1))
         engine.target.forward = rule
         engine.drafters["draft"].model.forward = rule
         spec = {"plain": SpeculationParams(enabled=False), "adaptive": SpeculationParams()}.get(
@@ -60,14 +67,17 @@ def measure(steps: int) -> dict[str, float]:
             sched = engine.scheduler
             sched.config = replace(sched.config, budget=BudgetConfig(max_verify_tokens=64, cost_aware=False))
         sampling = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+        if penalties:
+            sampling = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True, repetition_penalty=1.1,
+                                      frequency_penalty=0.2, presence_penalty=0.1)
         for i in range(streams):
-            engine.add(str(i), [(13 * i + j) % VOCAB for j in range(40)], sampling, spec)
+            engine.add(str(i), [(13 * i + j) % V for j in range(40)], sampling, spec)
         for _ in range(5):  # prefill and first drafts
             engine.step()
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        result[f"{arm}, {streams} streams"] = (time.perf_counter() - t0) / steps
+        result[f"{config}, {streams} streams"] = (time.perf_counter() - t0) / steps
     return result
 
 
