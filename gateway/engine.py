@@ -31,6 +31,7 @@ from target.batch import Segment, build_batch
 from target.graphs import CudaGraphRunner
 from target.kv_cache import KVCache
 from target.model import Transformer
+from verify import processing
 from verify.accept import AcceptResult, accept_batch
 from verify.grammar import GrammarTokenizer, apply_masks, tree_masks
 from verify.logprobs import TokenLogprob, token_logprobs
@@ -239,12 +240,17 @@ class Engine:
         decoding = [seq for seq, _ in plan.decodes]
         raw = logits  # logprobs are the model's, before bias, penalties and any grammar
         starts = batch.logits_start[first:]
-        if any(seq.sampling.custom_logits for seq in decoding):
+        batched = logits.is_cuda or processing.BATCHED_CPU  # bias and penalties for the whole step at once
+        if batched and any(seq.sampling.custom_logits for seq in decoding):
             logits = self._process(logits, starts, decoding, trees)
         if any(seq.matcher is not None for seq in decoding):
             logits = self._constrain(logits, starts, decoding, trees)
-        results = accept_batch(trees, logits, starts, [s.verify_sampling for s in decoding],
-                               [s.generator for s in decoding], [(None, None)] * len(decoding))
+        if batched:
+            results = accept_batch(trees, logits, starts, [s.verify_sampling for s in decoding],
+                                   [s.generator for s in decoding], [(None, None)] * len(decoding))
+        else:  # each biased or penalised sequence processed and verified alone (verify/processing.py says why)
+            results = accept_batch(trees, logits, starts, [s.sampling for s in decoding], [s.generator for s in decoding],
+                                   [self._penalty_state(s, logits.device) for s in decoding])
         if hidden is not None:
             self._feed_features(plan, batch.query_lens, results, hidden)
         logprobs = self._logprobs(raw, batch.logits_start[first:], decoding, results)
@@ -420,6 +426,21 @@ class Engine:
         if seq.matcher is None:
             return []
         return list(seq.matcher.compute_ff_tokens())[: sum(widths)]
+
+    def _penalty_state(self, seq: Sequence, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The per-sequence path's penalty inputs: the prompt's tokens and the counts of tokens generated before
+        the step's root (``accept`` counts the root and each row's path itself)."""
+        if not seq.sampling.use_penalties:
+            return None, None
+        V = self.target.config.vocab_size
+        prompt_mask = torch.zeros(V, dtype=torch.bool)
+        prompt_mask[seq.prompt_ids] = True
+        # on the first step the root is the prompt's last token, which accept() counts: take it back out
+        before_root = seq.output_ids[:-1] if seq.output_ids else []
+        counts = torch.bincount(torch.tensor(before_root, dtype=torch.int64), minlength=V)
+        if not seq.output_ids:
+            counts[seq.prompt_ids[-1]] -= 1
+        return prompt_mask.to(device), counts.to(device)
 
     def _process(self, logits: torch.Tensor, starts: list[int], decoding: list[Sequence],
                  trees: list[TokenTree]) -> torch.Tensor:

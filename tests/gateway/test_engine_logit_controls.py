@@ -10,6 +10,7 @@ import torch
 from draft.params import SpeculationParams
 from engine_util import run_all, tiny_engine
 from target.batch import Segment, build_batch
+from verify import processing
 from verify.logprobs import token_logprobs
 from verify.sampling import SamplingParams
 
@@ -257,10 +258,14 @@ def penalised_greedy(engine, prompt: list[int], params: SamplingParams, n: int) 
     return out
 
 
+@pytest.mark.parametrize("batched", [False, True], ids=["per-sequence", "batched"])
 @pytest.mark.parametrize("spec", list(SPEC))
-def test_greedy_penalties_and_bias_follow_their_definition_under_speculation(spec: str) -> None:
-    """Penalties and a bias, processed for every tree row in the step's batched pass, give what decoding one
-    token at a time by the definition gives: each row counts the output before the root plus its own path."""
+def test_greedy_penalties_and_bias_follow_their_definition_under_speculation(monkeypatch, spec: str,
+                                                                              batched: bool) -> None:
+    """Penalties and a bias, processed per sequence in acceptance (the CPU's path) or for every tree row in
+    the step's batched pass (CUDA's), give what decoding one token at a time by the definition gives: each
+    row counts the output before the root plus its own path."""
+    monkeypatch.setattr(processing, "BATCHED_CPU", batched)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=1.8,
                             frequency_penalty=0.6, presence_penalty=0.5, logit_bias={3: 2.0, 9: -1.0})
     engine = tiny_engine()

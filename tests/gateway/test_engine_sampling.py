@@ -15,6 +15,7 @@ import torch
 from draft.params import SpeculationParams
 from engine_util import tiny_engine
 from target.batch import Segment, build_batch
+from verify import processing
 from verify.sampling import SamplingParams, apply_penalties, process_logits
 
 PROMPT = [3, 1, 4, 1, 5]
@@ -75,9 +76,11 @@ def _fields(p: SamplingParams) -> dict:
                    logit_bias={2: 1.5, 6: -2.0}, min_p=0.02, max_tokens=2, ignore_eos=True),
 ], ids=["t1", "topp-topk", "penalties-bias-minp"])
 @pytest.mark.parametrize("drafter,tree", [("draft", (2, 1)), ("ngram", (2, 1)), ("self", (3,)), ("cut", (2, 1))])
-def test_speculative_sampling_matches_target_joint(params, drafter, tree) -> None:
+def test_speculative_sampling_matches_target_joint(monkeypatch, params, drafter, tree) -> None:
     """'cut' drafts over tokens 0, 2, 3, 5, 6 only (a cut head): its q is zero on the rest, which the
-    verifier's residual must still give their full probability."""
+    verifier's residual must still give their full probability. Penalties and bias take the batched
+    processing pass here (CUDA's path); the per-sequence one has its chi-square in tests/verify."""
+    monkeypatch.setattr(processing, "BATCHED_CPU", True)
     torch.set_num_threads(1)
     engine = tiny_engine(vocab=V, num_blocks=256, max_running=64, draft_noise=0.5, cut_vocab=[0, 2, 3, 5, 6])
     n = 3000
