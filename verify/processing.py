@@ -12,9 +12,10 @@ the sequence is verified in the batched groups like any other (with its penalty 
 
 On the CPU the engine keeps the per-sequence path: there every vocabulary-wide pass is arithmetic, not a
 launch, and the batched pass made more of them. With penalties on every request over a 49,152-token
-vocabulary, host time per step (forwards stubbed, bench/host_step.py) went from 34 to 66 ms at 64 plain
-streams and from 76 to 178 ms at 16 streams of 2,2,2,1 trees. ``BATCHED_CPU = True`` takes this path there
-too (the tests do, to cover it on the CPU).
+vocabulary, time per step (forwards stubbed, one thread) went from 33 to 63 ms at 64 plain streams and from
+76 to 178 ms at 16 streams of 2,2,2,1 trees (bench/results/host_step_penalties_cpu.json). On the GPU, where
+those passes are cheap and each host sync is not, it is unmeasured. ``BATCHED_CPU = True`` takes this path
+on the CPU too (the tests do, to cover it).
 """
 
 from __future__ import annotations
