@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from draft.params import SpeculationParams
-from draft.tree import TokenTree
 from engine_util import run_all, tiny_engine
 from gateway_util import MODEL, pool_is_full, run_app as run
 from verify.grammar import GrammarTokenizer, apply_masks, compile_grammar, tree_masks
