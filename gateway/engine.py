@@ -432,28 +432,24 @@ class Engine:
         the step's root (``accept`` counts the root and each row's path itself)."""
         if not seq.sampling.use_penalties:
             return None, None
-        V = self.target.config.vocab_size
-        prompt_mask = torch.zeros(V, dtype=torch.bool)
-        prompt_mask[seq.prompt_ids] = True
-        # on the first step the root is the prompt's last token, which accept() counts: take it back out
-        before_root = seq.output_ids[:-1] if seq.output_ids else []
-        counts = torch.bincount(torch.tensor(before_root, dtype=torch.int64), minlength=V)
-        if not seq.output_ids:
-            counts[seq.prompt_ids[-1]] -= 1
-        return prompt_mask.to(device), counts.to(device)
+        state = self._penalties_of(seq, device)
+        before_root = state.counts.clone()
+        before_root[seq.token_ids[-1]] -= 1  # the root: the last output, or on the first step the prompt's last
+        return state.prompt, before_root
+
+    def _penalties_of(self, seq: Sequence, device: torch.device) -> PenaltyState:
+        if seq.penalty is None:
+            seq.penalty = PenaltyState.new(seq.sampling, seq.prompt_ids, seq.output_ids, self.target.config.vocab_size,
+                                           device)
+        return seq.penalty
 
     def _process(self, logits: torch.Tensor, starts: list[int], decoding: list[Sequence],
                  trees: list[TokenTree]) -> torch.Tensor:
         """A copy of ``logits`` with every biased or penalised sequence's tree rows processed in one batched pass
         (verify/processing.py); acceptance then verifies them in the batched groups."""
         ks = [k for k, seq in enumerate(decoding) if seq.sampling.custom_logits]
-        V = self.target.config.vocab_size
-        for k in ks:
-            seq = decoding[k]
-            if seq.penalty is None:
-                seq.penalty = PenaltyState.new(seq.sampling, seq.prompt_ids, seq.output_ids, V, logits.device)
         return process_rows(logits, [(starts[k], starts[k + 1]) for k in ks], [decoding[k].sampling for k in ks],
-                            [decoding[k].penalty for k in ks], [trees[k] for k in ks])
+                            [self._penalties_of(decoding[k], logits.device) for k in ks], [trees[k] for k in ks])
 
     def _commit(self, seq: Sequence, tree: TokenTree, result: AcceptResult, offered: int) -> list[tuple[int, int]]:
         """Advance the sequence past the accepted path; return the target's KV moves (src, dst). ``offered``:
