@@ -1,10 +1,11 @@
-"""Structured output on the embedded model: what verified forced chains save.
+"""Structured output on the embedded model: what grammar-aware speculation saves.
 
-A JSON schema forces much of its document (braces, keys, separators). With forced chains on, a speculating
-request verifies the grammar's forced tokens as its tree (gateway/engine.py ``_forced_chain``); off, its
-drafter proposes as usual. One process, greedy, the same prompts per arm: plain decoding, the n-gram drafter
-without chains, with chains. Reports tokens per target step and tokens/s, and whether each arm's tokens equal
-plain decoding's.
+A JSON schema forces much of its document (braces, keys, separators), and forbids much of what a drafter
+proposes. Forced chains verify the grammar's forced tokens as (part of) the tree (gateway/engine.py
+``_forced_chain``); pruning drops the draft nodes the grammar forbids before the target scores them
+(``_prune``). One process, greedy, the same prompts per arm: plain decoding, then the n-gram drafter and the
+shipped draft with these off and on. Reports tokens per target step, verified nodes (the rows the target
+scored), tokens/s, and whether each arm's tokens equal plain decoding's.
 
     python bench/structured.py [--max-tokens 96] [--batch 4] [--out bench/results/structured_cpu.json]
 """
@@ -42,9 +43,11 @@ PROMPTS = ["Describe a famous novel as JSON.", "Give me a book you would recomme
            "A classic science fiction book, in JSON.", "Describe a children's book as JSON.",
            "A history book, as JSON.", "Describe a poetry collection as JSON.",
            "A mystery novel, in JSON.", "Describe a book about cooking as JSON."]
-ARMS = {"plain": (SpeculationParams(enabled=False), True),
-        "ngram": (SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)), False),
-        "ngram+forced": (SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)), True)}
+NGRAM, DRAFT = SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)), SpeculationParams(drafter="draft", tree=(2, 2, 2, 1))
+# arm: (speculation, forced chains, pruning of forbidden nodes)
+ARMS = {"plain": (SpeculationParams(enabled=False), True, True),
+        "ngram": (NGRAM, False, False), "ngram+pruned": (NGRAM, False, True), "ngram+pruned+forced": (NGRAM, True, True),
+        "draft": (DRAFT, False, False), "draft+pruned+forced": (DRAFT, True, True)}
 
 
 def main() -> None:
@@ -53,12 +56,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "structured_cpu.json"))
     args = ap.parse_args()
-    llm = LLM.load(LoadConfig(draft="ngram"), log=lambda m: None)
+    llm = LLM.load(LoadConfig(), log=lambda m: None)  # the shipped draft and the n-gram drafter
     sampling = SamplingParams(temperature=0, max_tokens=args.max_tokens, grammar=compile_grammar("json", SCHEMA))
     llm.generate(PROMPTS[:2], sampling)  # warm-up: the grammar tokenizer, first-use costs
     rows, tokens_by_arm = [], {}
-    for name, (spec, chains) in ARMS.items():
-        llm.engine.config = replace(llm.engine.config, forced_chains=chains)
+    for name, (spec, chains, pruning) in ARMS.items():
+        llm.engine.config = replace(llm.engine.config, forced_chains=chains, grammar_pruning=pruning)
         gens, seconds = [], 0.0
         for lo in range(0, len(PROMPTS), args.batch):
             t0 = time.perf_counter()
@@ -69,11 +72,12 @@ def main() -> None:
         tokens_by_arm[name] = [g.token_ids for g in gens]
         valid = sum(_parses(g.text) for g in gens)
         rows.append({"arm": name, "tokens": tokens, "target_steps": steps, "tokens_per_step": round(tokens / steps, 3),
+                     "verified_nodes": sum(g.stats.verified_nodes for g in gens),
                      "tokens_per_s": round(tokens / seconds, 1), "valid_json": valid,
                      "same_tokens_as_plain": tokens_by_arm[name] == tokens_by_arm["plain"]})
         print(rows[-1], flush=True)
     base = next(r for r in rows if r["arm"] == "ngram")
-    forced = next(r for r in rows if r["arm"] == "ngram+forced")
+    forced = next(r for r in rows if r["arm"] == "ngram+pruned+forced")
     device = llm.engine.target.device
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")

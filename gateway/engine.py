@@ -33,7 +33,7 @@ from target.kv_cache import KVCache
 from target.model import Transformer
 from verify import processing
 from verify.accept import AcceptResult, accept_batch
-from verify.grammar import GrammarTokenizer, apply_masks, tree_masks
+from verify.grammar import GrammarTokenizer, allowed_nodes, apply_masks, tree_masks
 from verify.logprobs import TokenLogprob, token_logprobs
 from verify.processing import PenaltyState, process_rows, stripped
 from verify.sampling import SamplingParams, make_generator
@@ -69,6 +69,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay captured graphs for decode / verify / draft steps on CUDA
     capture_at_start: bool = False  # capture (and tune) every graph when the engine is built, not on first use
     forced_chains: bool = True  # a grammar's forced tokens become the speculating sequence's tree (_forced_chain)
+    grammar_pruning: bool = True  # greedy constrained trees lose the nodes their grammar forbids (_prune)
 
 
 class Engine:
@@ -101,7 +102,10 @@ class Engine:
         if config.capture_at_start:
             self.capture_graphs()
         self._seqs: dict[str, Sequence] = {}
-        self._forced: dict[str, TokenTree] = {}  # this step's grammar-forced sequences -> their drafter's tree
+        # this step's sequences whose verified tree is not their drafter's own (a grammar-forced chain grafted in,
+        # forbidden nodes dropped): the drafter's tree, each verified node's index in it (-1: not the
+        # drafter's), and whether the step was forced
+        self._own: dict[str, tuple[TokenTree, list[int], bool]] = {}
         self._forced_step = False
         self.num_steps = 0
         self.num_preemptions = 0
@@ -407,14 +411,30 @@ class Engine:
                                  decodes[i][0].generator) for i in idx]
             for i, tree in zip(idx, self.drafters[name].propose(reqs)):
                 trees[i] = tree
-        self._forced.clear()
+        self._own.clear()
         self._forced_step = bool(forced)
         for i, chain in forced.items():
             seq, own = decodes[i][0], trees[i]
-            self._forced[seq.request_id] = own  # the drafter's own tree, for its commit
             trees[i] = graft_chains(own, [chain]) if asked[i] else TokenTree.from_lists(
                 [seq.token_ids[-1], *chain], list(range(-1, len(chain))))
+            index = list(range(own.num_nodes)) if asked[i] else [0]  # grafted nodes come after the drafter's
+            self._own[seq.request_id] = (own, index + [-1] * (trees[i].num_nodes - len(index)), True)
+        for i, (seq, _) in enumerate(decodes):
+            if (self.config.grammar_pruning and seq.matcher is not None and seq.sampling.is_greedy
+                    and trees[i].num_nodes > 1):
+                trees[i] = self._prune(seq, trees[i])
         return trees  # type: ignore[return-value]
+
+    def _prune(self, seq: Sequence, tree: TokenTree) -> TokenTree:
+        """A greedy constrained sequence's tree without the nodes its grammar forbids (verify/grammar.py)."""
+        tokens, parents, _ = tree.host()
+        keep = allowed_nodes(seq.matcher, tokens, parents)
+        if len(keep) == len(tokens):
+            return tree
+        at = {old: new for new, old in enumerate(keep)}
+        own, index, forced = self._own.get(seq.request_id, (tree, list(range(len(tokens))), False))
+        self._own[seq.request_id] = (own, [index[k] for k in keep], forced)
+        return TokenTree.from_lists([tokens[k] for k in keep], [-1] + [at[parents[k]] for k in keep[1:]])
 
     @staticmethod
     def _forced_chain(seq: Sequence, widths: tuple[int, ...]) -> list[int]:
@@ -459,15 +479,18 @@ class Engine:
         slots = seq.table.slots(ctx, ctx + tree.num_nodes)
         moves = [(slots[n], slots[d]) for d, n in enumerate(nodes) if n != d]
         seq.num_cached = ctx + len(nodes)
-        own = self._forced.pop(seq.request_id, None)
         _, parents, depths = tree.host()
-        if own is not None:  # a forced chain: the drafter keeps its own nodes of the path; no acceptance is seen
-            cut = next((i for i, n in enumerate(nodes) if n >= own.num_nodes), len(nodes))
-            self.drafters[seq.drafter].commit(seq.request_id, own, nodes[:cut])
-            seq.stats.record(tree.num_nodes, parents if len(nodes) > 1 else [], nodes)
-            return moves
-        if seq.drafter:
-            self.drafters[seq.drafter].commit(seq.request_id, tree, nodes)
+        own = self._own.pop(seq.request_id, None)
+        if own is None:
+            if seq.drafter:
+                self.drafters[seq.drafter].commit(seq.request_id, tree, nodes)
+        else:  # the drafter keeps the path's nodes that are its own, up to the first that is not
+            own_tree, index, forced = own
+            path = [index[n] for n in nodes]
+            self.drafters[seq.drafter].commit(seq.request_id, own_tree, path[: path.index(-1) if -1 in path else None])
+            if forced:  # a forced chain says nothing of the drafter: no acceptance is observed
+                seq.stats.record(tree.num_nodes, parents if len(nodes) > 1 else [], nodes)
+                return moves
         depth = max(depths)
         # A drafter with nothing to offer (an n-gram lookup without a match) counts as one failed level: the
         # budget prices what offering a tree yields. Counted as no trial at all, a sequence whose lookups

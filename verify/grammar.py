@@ -10,6 +10,11 @@ the output is exactly what constrained plain decoding would give, whatever the d
 token the grammar forbids has probability zero under its parent's masked row and is never accepted; its
 subtree's rows get its parent's mask (any valid mask serves: rows that cannot be accepted are never read).
 
+For greedy requests the engine first drops the forbidden nodes from the tree (``allowed_nodes``): they could
+never be accepted, and a verified node costs the target a row. Sampled trees keep them: their children are
+successive draws from one draft distribution, and leaving some out would change what the multi-candidate
+verification's residuals are taken against.
+
 Logprobs stay the raw ones (see verify/logprobs.py): they describe the model, not the constraint.
 llguidance is imported only when a request carries a grammar.
 """
@@ -104,6 +109,26 @@ def tree_masks(matcher: Any, tokens: list[int], parents: list[int], words: int) 
 
     fill(0)
     return out
+
+
+def allowed_nodes(matcher: Any, tokens: list[int], parents: list[int]) -> list[int]:
+    """The nodes whose whole path the grammar admits, in node order (the root always; a forbidden node takes
+    its subtree with it). Leaves the matcher where it started."""
+    n = len(tokens)
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[parents[i]].append(i)
+    keep = [0]
+
+    def walk(i: int) -> None:
+        for c in children[i]:
+            if matcher.try_consume_tokens([tokens[c]]) == 1:
+                keep.append(c)
+                walk(c)
+                matcher.rollback(1)
+
+    walk(0)
+    return sorted(keep)
 
 
 def _copy_down(out: torch.Tensor, children: list[list[int]], node: int, source: int) -> None:

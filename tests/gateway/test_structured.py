@@ -12,7 +12,7 @@ import torch
 from draft.params import SpeculationParams
 from engine_util import run_all, tiny_engine
 from gateway_util import MODEL, pool_is_full, run_app as run
-from verify.grammar import GrammarTokenizer, apply_masks, compile_grammar, tree_masks
+from verify.grammar import GrammarTokenizer, allowed_nodes, apply_masks, compile_grammar, tree_masks
 from verify.sampling import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -170,3 +170,36 @@ def test_forced_tokens_are_verified_as_a_chain(tokenizer) -> None:
     assert json.loads(tokenizer.decode(runs["off"][0]))["another_quite_long_name"] in (True, False)
     chained, plain = runs["ngram"][1], runs["ngram-no-chains"][1]
     assert chained.steps < plain.steps and chained.mean_accepted_length > 1.5
+
+
+def test_allowed_nodes_drop_forbidden_subtrees(tokenizer, grammar_tok) -> None:
+    m = grammar_tok.matcher(compile_grammar("choice", ["cat", "car", "dog"]))
+    t = {c: tokenizer.convert_tokens_to_ids(c) for c in ["c", "a", "t", "x", "o", "d"]}
+    tokens = [0, t["c"], t["x"], t["a"], t["t"], t["o"], t["d"], t["o"]]
+    parents = [-1, 0, 0, 1, 3, 2, 0, 6]  # c-a-t, x-o (x forbidden), d-o
+    assert allowed_nodes(m, tokens, parents) == [0, 1, 3, 4, 6, 7]
+    assert m.validate_tokens([t["c"], t["a"], t["t"]]) == 3  # the matcher is where it was
+
+
+@pytest.mark.parametrize("drafter", ["draft", "ngram"])
+def test_greedy_trees_lose_their_forbidden_nodes_and_nothing_else(tokenizer, drafter: str) -> None:
+    """Pruning forbidden nodes leaves the output as it was and verifies fewer nodes."""
+    sampling = sampled_or_greedy(0.0)
+    prompts = [[5, 9, 2, 5, 9, 2], [40, 41, 7, 7, 7]]
+    runs = {}
+    for prune in (True, False):
+        engine = tiny_engine(vocab=len(tokenizer))
+        engine.config = replace(engine.config, grammar_pruning=prune)
+        engine.tokenizer = tokenizer
+        outs, nodes = {}, 0
+        for i, p in enumerate(prompts):
+            engine.add(str(i), p, sampling, SPECS[drafter])
+        while engine.has_work():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    nodes += out.stats.verified_nodes
+        runs[prune] = (outs, nodes)
+        assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] < runs[False][1]
