@@ -86,7 +86,10 @@ class ModelDrafter:
         for r in reqs:
             self._cached[r.seq_id] = len(r.token_ids)
         trees: list[TokenTree | None] = [None] * len(reqs)
-        greedy = [i for i, r in enumerate(reqs) if r.sampling.is_greedy and self.device_loop]
+        for i, r in enumerate(reqs):
+            if not r.widths:  # no levels this step (a grammar-forced or lookup-first chain): the catch-up alone
+                trees[i] = TokenTree.root_only(r.token_ids[-1])
+        greedy = [i for i, r in enumerate(reqs) if trees[i] is None and r.sampling.is_greedy and self.device_loop]
         if greedy:
             # One loop for every greedy sequence, grown to the union template W (elementwise max of their
             # widths); each tree is then cut to its own widths on the host. One replay and one host copy

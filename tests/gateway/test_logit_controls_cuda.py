@@ -84,3 +84,15 @@ def test_structured_output_with_graphs_and_speculation(target) -> None:
     for tokens in eager.values():
         doc = json.loads(tok.decode(tokens, skip_special_tokens=True))
         assert set(doc) == {"a", "b"} and isinstance(doc["b"], bool)
+
+
+def test_sampled_structured_output_with_the_device_tree_loop(target) -> None:
+    """Sampled constrained requests: forced chains ask the drafter's device loop for no levels some steps
+    (a root-only proposal), and every output still parses."""
+    tok = make_tokenizer()
+    s = SamplingParams(temperature=0.9, seed=5, max_tokens=30, ignore_eos=True, grammar=compile_grammar("json", SCHEMA))
+    eng = engine(target, True)
+    got = run_all(eng, [(str(i), p, s, SpeculationParams()) for i, p in enumerate([[5, 9, 2], [40, 41, 7], [3]])])
+    for tokens in got.values():
+        assert set(json.loads(tok.decode(tokens, skip_special_tokens=True))) == {"a", "b"}
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
