@@ -46,8 +46,8 @@ from gateway.generation import Choices, Generation
 from gateway.guard import ApiKeyMiddleware, read_body
 from gateway.metrics import CONTENT_TYPE, Metrics, spec_label
 from gateway.openapi import openapi_schema
-from gateway.protocol import (ApiError, GenerateRequest, Shape, error_body, parse_detokenize, parse_request,
-                              parse_tokenize)
+from gateway.protocol import (AUTO_CALL, ApiError, GenerateRequest, Shape, error_body, parse_detokenize,
+                              parse_request, parse_tokenize)
 from gateway.runner import EngineRunner, ShuttingDown, Submission
 from gateway.stats import StatsStore
 from verify.sampling import SamplingParams
@@ -286,7 +286,7 @@ class Gateway:
         if req.model is not None and req.model != self.config.model_name:
             raise ApiError(404, f"model {req.model!r} does not exist: this server serves {self.config.model_name!r}",
                            param="model", code="model_not_found")
-        prompts = ([self._encode_chat(req.messages, tools=req.tools)] if req.is_chat
+        prompts = ([self._encode_chat(req.messages, tools=req.tools, tool_choice=req.tool_choice)] if req.is_chat
                    else [self._encode(p) for p in req.prompts])
         request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + uuid.uuid4().hex
         for prompt_ids in prompts:
@@ -350,7 +350,7 @@ class Gateway:
         return prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
 
     def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                     tools: tuple[dict[str, Any], ...] = ()) -> list[int]:
+                     tools: tuple[dict[str, Any], ...] = (), tool_choice: str | None = None) -> list[int]:
         """The chat template over the messages. Tools go to a template that takes them (``tools`` in its
         text); for one that does not, they are described in a system turn, as the JSON a call is written in."""
         if not self.chat_template:
@@ -359,7 +359,7 @@ class Gateway:
         if tools and "tools" in self.chat_template:
             extra["tools"] = list(tools)
         elif tools:
-            messages = _with_tools_turn(messages, tools)
+            messages = _with_tools_turn(messages, tools, tool_choice)
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
@@ -396,10 +396,18 @@ def _event_source(gen: Generation | Choices, headers: dict[str, str]) -> EventSo
                                shutdown_event=shutdown, shutdown_grace_period=SHUTDOWN_GRACE_S)
 
 
-def _with_tools_turn(messages: list[dict[str, str]], tools: tuple[dict[str, Any], ...]) -> list[dict[str, str]]:
-    """The messages with the tools described at the end of the system turn (one is added when there is none)."""
-    lines = ["You can call these functions. A call is one JSON object: "
-             '{"name": <function name>, "arguments": <its arguments>}.']
+def _with_tools_turn(messages: list[dict[str, str]], tools: tuple[dict[str, Any], ...],
+                     choice: str | None) -> list[dict[str, str]]:
+    """The messages with the tools described at the end of the system turn (one is added when there is none),
+    and how a call is written: bare JSON when a call is required, between ``AUTO_CALL``'s tags when the
+    model may choose."""
+    call = '{"name": <function name>, "arguments": <its arguments>}'
+    if choice == "auto":
+        open_tag, close_tag = AUTO_CALL
+        how = f"To call one, reply with {open_tag}{call}{close_tag} and nothing else; otherwise reply as usual."
+    else:
+        how = f"A call is one JSON object: {call}."
+    lines = [f"You can call these functions. {how}"]
     for t in tools:
         fn = t["function"]
         card = {"name": fn["name"]} | ({"description": fn["description"]} if fn.get("description") else {})

@@ -201,17 +201,28 @@ class Generation:
         """This choice's stream chunks: role (chat), text, finish. Raises EngineFailure."""
         if self.shape.is_chat:
             yield self.shape.chunk("", role=True, usage=self._chunk_usage(), index=self.index)
-        if self.req.tool_choice is not None:  # a call is whole only at the end: one delta then
-            text = "".join([piece async for piece in self.pieces()])
-            calls, reason = self.tool_calls(text)
-            if calls:
-                yield self.shape.chunk(None, usage=self._chunk_usage(), index=self.index, tool_calls=calls,
-                                       logprobs=self._new_logprobs())
-            elif text:
-                yield self.shape.chunk(text, usage=self._chunk_usage(), index=self.index, logprobs=self._new_logprobs())
-            yield self.shape.chunk(None, reason, usage=self._chunk_usage(), index=self.index)
-            return
-        async for text in self.pieces():
+        pieces = self.pieces()
+        if self.req.tool_choice is not None:
+            # A call is whole only at the end: it goes out as one delta then. Under "auto" a reply that does not
+            # open with the call's tag is text (the grammar keeps the two apart by the first character), and
+            # streams as text from there.
+            held = ""
+            async for text in pieces:
+                held += text
+                if self.req.tool_choice == "auto" and held and not held.startswith("<"):
+                    break
+            else:
+                calls, reason = self.tool_calls(held)
+                if calls:
+                    yield self.shape.chunk(None, usage=self._chunk_usage(), index=self.index, tool_calls=calls,
+                                           logprobs=self._new_logprobs())
+                elif held:
+                    yield self.shape.chunk(held, usage=self._chunk_usage(), index=self.index,
+                                           logprobs=self._new_logprobs())
+                yield self.shape.chunk(None, reason, usage=self._chunk_usage(), index=self.index)
+                return
+            yield self.shape.chunk(held, usage=self._chunk_usage(), index=self.index, logprobs=self._new_logprobs())
+        async for text in pieces:
             logprobs = self._new_logprobs()
             if text or logprobs:
                 yield self.shape.chunk(text, usage=self._chunk_usage(), index=self.index, logprobs=logprobs)
@@ -222,7 +233,7 @@ class Generation:
         short (max_tokens) stays text with its own reason."""
         if self.req.tool_choice is None or self.finish_reason != "stop":
             return None, self.finish_reason
-        calls = tool_calls(text, self.call_id)
+        calls = tool_calls(text, self.call_id, tagged=self.req.tool_choice == "auto")
         return calls, "tool_calls" if calls else self.finish_reason
 
     async def collect(self) -> dict[str, Any]:

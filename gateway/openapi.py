@@ -115,13 +115,14 @@ def _bodies(max_model_len: int) -> dict[str, Any]:
                 "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
                     "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
                     "parameters": {"type": "object"}}}}}},
-        "tool_choice": {"oneOf": [{"enum": ["none", "required"]},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]},
                                   {"type": "object", "required": ["type", "function"], "properties": {
                                       "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
                                                                                   "properties": {"name": {"type": "string"}}}}},
                                   {"type": "null"}],
-                        "description": "required or a named function: the output is one call, constrained to the tools' "
-                                       "schemas; auto is refused (no tool-call parser for the model's own format)"}}}
+                        "description": "auto (the default with tools): text, or one call written "
+                                       "<tool_call>{...}</tool_call>; required or a named function: one call. Calls "
+                                       "are constrained to the tools' schemas"}}}
     completion = {"type": "object", "required": ["prompt"], "properties": common | {
         "prompt": prompt,
         "echo": {"type": ["boolean", "null"], "description": "the prompt's text before the output; with logprobs, "

@@ -16,7 +16,7 @@ import orjson
 from draft.params import SpeculationParams, check_widths, parse_tree
 from gateway.sequence import SpecStats
 from gateway.stats import Arm
-from verify.grammar import GRAMMAR_KINDS, compile_grammar
+from verify.grammar import GRAMMAR_KINDS, JSON_STYLE, compile_grammar
 from verify.logprobs import TokenLogprob
 from verify.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -86,7 +86,7 @@ class GenerateRequest:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens' logprobs) before the output
     tools: tuple[dict[str, Any], ...] = ()  # chat: the functions offered, as OpenAI's tool objects
-    tool_choice: str | None = None  # chat: "required" (any one tool) or a tool's name; None: answer in text
+    tool_choice: str | None = None  # chat: "auto", "required" (any one tool) or a tool's name; None: text only
 
     @property
     def num_sequences(self) -> int:
@@ -124,7 +124,7 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
         if sampling["grammar"] is not None:
             raise ApiError(400, "a tool call's arguments follow the tool's schema: give tool_choice or "
                                 "response_format / structured_outputs, not both", param="tool_choice")
-        sampling["grammar"] = compile_grammar("json", tool_call_schema(tools, tool_choice))
+        sampling["grammar"] = tool_grammar(tools, tool_choice)
     n = _choices(body)
     if prompts is not None and len(prompts) * n > MAX_SEQUENCES:
         raise ApiError(400, f"{len(prompts)} prompts x n={n} is {len(prompts) * n} sequences; at most "
@@ -302,10 +302,11 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def _tools(body: dict) -> tuple[tuple[dict[str, Any], ...], str | None]:
-    """OpenAI's ``tools`` and ``tool_choice``. A call is made when the choice is "required" or names a tool:
-    the output is then constrained to ``{"name": ..., "arguments": {...}}`` by the tools' schemas (any model,
-    no tool parser). "auto" needs a parser for the model's own tool-call format, which this server does not
-    have: it is refused. "none" (or no tools) answers in text."""
+    """OpenAI's ``tools`` and ``tool_choice`` (default "auto" when tools are given). "required" or a tool's
+    name: the output is one call, ``{"name": ..., "arguments": {...}}`` under the tools' schemas. "auto": the
+    model answers in text or makes one call written ``<tool_call>{...}</tool_call>`` (the Hermes form many
+    chat models are trained on), the call again under the schemas (``AUTO_CALL``). "none": text only.
+    Any model, no per-model parser: the grammar guarantees the call's shape."""
     raw = _get(body, "tools", list, [])
     if len(raw) > MAX_TOOLS:
         raise ApiError(400, f"tools holds at most {MAX_TOOLS} functions, got {len(raw)}", param="tools")
@@ -321,37 +322,55 @@ def _tools(body: dict) -> tuple[tuple[dict[str, Any], ...], str | None]:
                            param=f"tools[{i}].function.parameters")
         tools.append({"type": "function", "function": {"name": fn["name"], "description": fn.get("description", ""),
                                                        "parameters": params}})
-    choice = body.get("tool_choice")
+    choice = body.get("tool_choice", "auto" if tools else None)
     names = [t["function"]["name"] for t in tools]
-    if choice is None or choice == "none" or (choice == "auto" and not tools):
+    if choice is None or choice == "none":
         return tuple(tools), None
     if not tools:
         raise ApiError(400, "tool_choice needs tools", param="tool_choice")
-    if choice == "auto":
-        raise ApiError(400, "tool_choice \"auto\" needs a parser for this model's own tool-call format, which this "
-                            "server does not have; use \"required\" or name a function", param="tool_choice")
-    if choice == "required":
-        return tuple(tools), "required"
+    if choice in ("auto", "required"):
+        return tuple(tools), choice
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if name not in names:
-        raise ApiError(400, f"tool_choice must be none, required or {{\"type\": \"function\", \"function\": "
+        raise ApiError(400, f"tool_choice must be none, auto, required or {{\"type\": \"function\", \"function\": "
                             f"{{\"name\": one of {names}}}}}", param="tool_choice")
     return tuple(tools), name
 
 
+AUTO_CALL = ("<tool_call>", "</tool_call>")  # how a call is written when the model chooses to make one
+
+
 def tool_call_schema(tools: tuple[dict[str, Any], ...], choice: str) -> dict[str, Any]:
-    """The JSON schema a forced tool call's output follows: one named tool, or any of them."""
+    """The JSON schema a call follows: one named tool, or any of them ("required", "auto")."""
     def call(fn: dict[str, Any]) -> dict[str, Any]:
         return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                 "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]}}
 
-    fns = [t["function"] for t in tools if choice == "required" or t["function"]["name"] == choice]
+    fns = [t["function"] for t in tools if choice in ("required", "auto") or t["function"]["name"] == choice]
     return call(fns[0]) if len(fns) == 1 else {"anyOf": [call(fn) for fn in fns]}
 
 
-def tool_calls(text: str, call_id: str) -> list[dict[str, Any]] | None:
-    """A constrained output as OpenAI's ``tool_calls`` (arguments as a JSON string); None if it is not one
-    (cut short by max_tokens)."""
+def tool_grammar(tools: tuple[dict[str, Any], ...], choice: str) -> str:
+    """The request's grammar for ``tool_choice``: the call's schema alone, or for "auto" (Lark) either a tagged
+    call or text that does not start with "<" (the one character a reply gives up to keep the two apart)."""
+    schema = tool_call_schema(tools, choice)
+    if choice != "auto":
+        return compile_grammar("json", schema)
+    schema = schema | {"x-guidance": JSON_STYLE}
+    open_tag, close_tag = AUTO_CALL
+    lark = (f"start: call | text\ncall: {orjson.dumps(open_tag).decode()} %json {orjson.dumps(schema).decode()} "
+            f"{orjson.dumps(close_tag).decode()}\ntext: /[^<][^\\x00]*/\n")
+    return compile_grammar("grammar", lark)
+
+
+def tool_calls(text: str, call_id: str, tagged: bool = False) -> list[dict[str, Any]] | None:
+    """A finished output as OpenAI's ``tool_calls`` (arguments as a JSON string); None when it is not a call
+    (text, for "auto"; or cut short by max_tokens). ``tagged``: the call is inside ``AUTO_CALL``'s tags."""
+    if tagged:
+        open_tag, close_tag = AUTO_CALL
+        if not (text.startswith(open_tag) and text.endswith(close_tag)):
+            return None
+        text = text[len(open_tag) : -len(close_tag)]
     try:
         call = orjson.loads(text)
     except orjson.JSONDecodeError:

@@ -1,5 +1,6 @@
-"""Tool calls with tool_choice "required" or a named function: the output is constrained to a call of the
-offered tools (their parameters' schemas), answered in OpenAI's tool_calls shape, stream and non-stream."""
+"""Tool calls: with tool_choice "required" or a named function the output is one call of the offered tools
+(their parameters' schemas); with "auto" (the default when tools are given) the model writes text or one
+tagged call. Answered in OpenAI's tool_calls shape, stream and non-stream."""
 
 from __future__ import annotations
 
@@ -75,3 +76,38 @@ def test_tools_reach_the_prompt(tokenizer) -> None:
     plain, with_tools = run(tokenizer, go)
     text = tokenizer.decode(with_tools)
     assert len(with_tools) > len(plain) and '"name":"w"' in text and "You can call these functions" in text
+
+
+def test_auto_tool_choice_answers_in_text_or_with_a_call(tokenizer) -> None:
+    """A logit bias on "<" picks the branch (the grammar keeps text from starting with it): strongly for, a
+    tagged call under the tools' schema; strongly against, text. Streams agree with bodies."""
+    lt = str(tokenizer.convert_tokens_to_ids("<"))
+    body = CHAT | {"tools": [TIME]}  # no tool_choice: "auto"
+
+    async def go(client, app):
+        out = {}
+        for name, bias in (("call", 100), ("text", -100)):
+            b = body | {"logit_bias": {lt: bias}, "max_tokens": 90}
+            out[name] = (await client.post("/v1/chat/completions", json=b)).json()
+            out[name + "_stream"] = (await client.post("/v1/chat/completions", json=b | {"stream": True})).text
+        out["freed"] = pool_is_full(app.state.gateway.engine)
+        return out
+
+    out = run(tokenizer, go)
+    call = out["call"]["choices"][0]
+    assert call["finish_reason"] == "tool_calls", call
+    (tc,) = call["message"]["tool_calls"]
+    assert tc["function"]["name"] == "time" and json.loads(tc["function"]["arguments"])["zone"] in ("UTC", "CET")
+    text = out["text"]["choices"][0]
+    assert "tool_calls" not in text["message"] and text["message"]["content"]
+    assert not text["message"]["content"].startswith("<") and text["finish_reason"] in ("length", "stop")
+    for name in ("call", "text"):
+        chunks = [c for c in events(out[name + "_stream"]) if c != "[DONE]" and c["choices"]]
+        deltas = [c["choices"][0]["delta"] for c in chunks]
+        if name == "call":
+            (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+            assert calls[0]["function"] == tc["function"]
+        else:
+            assert "".join(d.get("content") or "" for d in deltas) == text["message"]["content"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == out[name]["choices"][0]["finish_reason"]
+    assert out["freed"]
