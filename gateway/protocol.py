@@ -120,6 +120,8 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
         sampling["prompt_logprobs"] = sampling["logprobs"]
     prompts = None if is_chat else _prompts(body)
     tools, tool_choice = _tools(body) if is_chat else ((), None)
+    if sampling["grammar"] is not None and body.get("tool_choice") is None:
+        tool_choice = None  # a response format and tools with no choice given: the format wins, no call
     if tool_choice is not None:
         if sampling["grammar"] is not None:
             raise ApiError(400, "a tool call's arguments follow the tool's schema: give tool_choice or "

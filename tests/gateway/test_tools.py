@@ -90,10 +90,13 @@ def test_auto_tool_choice_answers_in_text_or_with_a_call(tokenizer) -> None:
             b = body | {"logit_bias": {lt: bias}, "max_tokens": 90}
             out[name] = (await client.post("/v1/chat/completions", json=b)).json()
             out[name + "_stream"] = (await client.post("/v1/chat/completions", json=b | {"stream": True})).text
+        out["format"] = (await client.post("/v1/chat/completions", json=body | {
+            "response_format": {"type": "json_object"}, "ignore_eos": False})).json()
         out["freed"] = pool_is_full(app.state.gateway.engine)
         return out
 
     out = run(tokenizer, go)
+    assert isinstance(json.loads(out["format"]["choices"][0]["message"]["content"]), dict)  # no choice: the format
     call = out["call"]["choices"][0]
     assert call["finish_reason"] == "tool_calls", call
     (tc,) = call["message"]["tool_calls"]
