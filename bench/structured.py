@@ -43,10 +43,12 @@ PROMPTS = ["Describe a famous novel as JSON.", "Give me a book you would recomme
            "A classic science fiction book, in JSON.", "Describe a children's book as JSON.",
            "A history book, as JSON.", "Describe a poetry collection as JSON.",
            "A mystery novel, in JSON.", "Describe a book about cooking as JSON."]
-NGRAM, DRAFT = SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)), SpeculationParams(drafter="draft", tree=(2, 2, 2, 1))
+NGRAM = SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1))
+DRAFT = SpeculationParams(drafter="draft", tree=(2, 2, 2, 1))
 # arm: (speculation, forced chains, pruning of forbidden nodes)
 ARMS = {"plain": (SpeculationParams(enabled=False), True, True),
-        "ngram": (NGRAM, False, False), "ngram+pruned": (NGRAM, False, True), "ngram+pruned+forced": (NGRAM, True, True),
+        "ngram": (NGRAM, False, False), "ngram+pruned": (NGRAM, False, True),
+        "ngram+pruned+forced": (NGRAM, True, True),
         "draft": (DRAFT, False, False), "draft+pruned+forced": (DRAFT, True, True)}
 
 

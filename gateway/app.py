@@ -42,7 +42,7 @@ from draft.params import SpeculationParams
 from gateway.audit import AuditConfig, Auditor
 from gateway.detok import TokenText
 from gateway.engine import Engine, QueueFull
-from gateway.generation import Choices, Generation
+from gateway.generation import Choices, Generation, echo_text
 from gateway.guard import ApiKeyMiddleware, read_body
 from gateway.metrics import CONTENT_TYPE, Metrics, spec_label
 from gateway.openapi import openapi_schema
@@ -222,9 +222,9 @@ class Gateway:
 
     async def tokenizer_info(self, request: Request) -> Response:
         tok = self.tokenizer
-        return json_response({"tokenizer_class": type(tok).__name__, "eos_token": getattr(tok, "eos_token", None),
-                              "bos_token": getattr(tok, "bos_token", None), "pad_token": getattr(tok, "pad_token", None),
-                              "chat_template": self.chat_template, "model_max_length": self.max_model_len})
+        specials = {name: getattr(tok, name, None) for name in ("eos_token", "bos_token", "pad_token")}
+        return json_response({"tokenizer_class": type(tok).__name__, **specials, "chat_template": self.chat_template,
+                              "model_max_length": self.max_model_len})
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, is_chat=True)
@@ -288,6 +288,9 @@ class Gateway:
                            param="model", code="model_not_found")
         prompts = ([self._encode_chat(req.messages, tools=req.tools, tool_choice=req.tool_choice)] if req.is_chat
                    else [self._encode(p) for p in req.prompts])
+        echoes: list[tuple[str, list[int]] | None] = [None] * len(prompts)
+        if req.echo:  # before anything is submitted: nothing to take back if the client leaves meanwhile
+            echoes = list(await asyncio.gather(*(asyncio.to_thread(echo_text, self.tokenizer, p) for p in prompts)))
         request_id = ("chatcmpl-" if req.is_chat else "cmpl-") + uuid.uuid4().hex
         for prompt_ids in prompts:
             self._log_request(request_id, req, prompt_ids)
@@ -309,7 +312,8 @@ class Gateway:
                 self.runner.abort(sub.request_id)
             raise
         gens = [Generation(self.runner, sub, req, shape, self.tokenizer, prompt_ids, arrival, self.metrics, route,
-                           index=i, token_text=self.token_text) for i, (sub, prompt_ids) in enumerate(subs)]
+                           index=i, token_text=self.token_text, echo=echoes[i // req.n])
+                for i, (sub, prompt_ids) in enumerate(subs)]
         return gens[0] if total == 1 else Choices(gens)
 
     async def _submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,

@@ -253,7 +253,8 @@ class Engine:
             results = accept_batch(trees, logits, starts, [s.verify_sampling for s in decoding],
                                    [s.generator for s in decoding], [(None, None)] * len(decoding))
         else:  # each biased or penalised sequence processed and verified alone (verify/processing.py says why)
-            results = accept_batch(trees, logits, starts, [s.sampling for s in decoding], [s.generator for s in decoding],
+            results = accept_batch(trees, logits, starts, [s.sampling for s in decoding],
+                                   [s.generator for s in decoding],
                                    [self._penalty_state(s, logits.device) for s in decoding])
         if hidden is not None:
             self._feed_features(plan, batch.query_lens, results, hidden)

@@ -39,7 +39,8 @@ class Generation:
 
     def __init__(self, runner: EngineRunner, sub: Submission, req: GenerateRequest, shape: Shape,
                  tokenizer: Decoder, prompt_ids: list[int], arrival: float, metrics: Metrics, route: str,
-                 index: int = 0, token_text: TokenText | None = None) -> None:
+                 index: int = 0, token_text: TokenText | None = None,
+                 echo: tuple[str, list[int]] | None = None) -> None:
         self.runner, self.sub, self.req, self.shape, self.metrics = runner, sub, req, shape, metrics
         self.route, self.arrival, self.index = route, arrival, index
         self.label = spec_label(sub.is_speculative)
@@ -54,7 +55,9 @@ class Generation:
         # asked; output offsets then count from the end of the echoed text
         self.prompt_ids = prompt_ids
         self.call_id = "call_" + uuid.uuid4().hex[:24]  # a tool call's id, when the choice makes one
-        self._echo: tuple[str, list[int]] | None = _echo_text(tokenizer, prompt_ids) if req.echo else None
+        if req.echo and echo is None:  # the app computes it off the event loop (echo_text) and hands it in
+            echo = echo_text(tokenizer, prompt_ids)
+        self._echo: tuple[str, list[int]] | None = echo if req.echo else None
         self._text_base = len(self._echo[0]) if self._echo else 0
         self.stats = SpecStats()
         self.completion_tokens = 0
@@ -391,10 +394,11 @@ async def _stream(owner: Generation | Choices, chunks: AsyncIterator[dict[str, A
         owner.close(status)
 
 
-def _echo_text(tokenizer: Decoder, prompt_ids: list[int]) -> tuple[str, list[int]]:
+def echo_text(tokenizer: Decoder, prompt_ids: list[int]) -> tuple[str, list[int]]:
     """The prompt's text as the output's detokenizer writes text (special tokens skipped), and where each
     prompt token's text starts in it: one token at a time through ``TextAssembler``, so a window of
-    neighbours decodes each piece, as for the output."""
+    neighbours decodes each piece, as for the output. One decode per token: the app runs it in a worker
+    thread, as a long prompt would hold up every stream on the event loop."""
     assembler = TextAssembler(tokenizer, [])
     offsets = []
     for i, token in enumerate(prompt_ids):

@@ -69,7 +69,8 @@ def _common(max_model_len: int) -> dict[str, Any]:
             {"type": "object", "required": ["type", "json_schema"], "properties": {
                 "type": {"const": "json_schema"},
                 "json_schema": {"type": "object", "required": ["schema"], "properties": {
-                    "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}},
+                    "name": {"type": "string"}, "schema": {"type": "object"},
+                    "strict": {"type": ["boolean", "null"]}}}}},
             {"type": "null"}], "description": "structured output: every token keeps the output inside the schema"},
         "structured_outputs": {"type": ["object", "null"], "minProperties": 1, "maxProperties": 1,
                                "additionalProperties": False, "properties": {
