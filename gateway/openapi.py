@@ -12,14 +12,15 @@ from typing import Any
 from gateway.protocol import (
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
-    MAX_SEQUENCES,
-    MAX_TOOLS,
     MAX_MESSAGES,
+    MAX_SEQUENCES,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
     REPETITION_PENALTY_RANGE,
     ROLES,
+    TOOL_NAME,
 )
 from verify.sampling import MAX_LOGPROBS
 
@@ -114,7 +115,7 @@ def _bodies(max_model_len: int) -> dict[str, Any]:
         "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS, "items": {
             "type": "object", "required": ["type", "function"], "properties": {
                 "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
-                    "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+                    "name": {"type": "string", "pattern": TOOL_NAME.pattern}, "description": {"type": "string"},
                     "parameters": {"type": "object"}}}}}},
         "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]},
                                   {"type": "object", "required": ["type", "function"], "properties": {

@@ -40,7 +40,7 @@ UNSUPPORTED = {"echo": "echo", "suffix": "suffix", "functions": "the legacy func
                "function_call": "the legacy function_call field (use tool_choice)",
                "prompt_logprobs": "prompt_logprobs"}
 MAX_TOOLS = 64
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class ApiError(Exception):
@@ -315,7 +315,7 @@ def _tools(body: dict) -> tuple[tuple[dict[str, Any], ...], str | None]:
     tools = []
     for i, t in enumerate(raw):
         fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]):
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not TOOL_NAME.match(fn["name"]):
             raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
                                 "with a name of 1-64 letters, digits, _ or -", param=f"tools[{i}]")
         params = fn.get("parameters", {"type": "object"})

@@ -92,52 +92,49 @@ class GrammarTokenizer:
 def tree_masks(matcher: Any, tokens: list[int], parents: list[int], words: int) -> torch.Tensor:
     """[N, words] int32 bitmasks, row i the tokens allowed after node i's path (root = the matcher's state).
     Leaves the matcher where it started."""
-    n = len(tokens)
-    out = torch.empty(n, words, dtype=torch.int32)
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i in range(1, n):
-        children[parents[i]].append(i)
-    row_bytes = words * 4
+    out = torch.empty(len(tokens), words, dtype=torch.int32)
 
-    def fill(i: int) -> None:
-        matcher.unsafe_compute_mask_ptr(out[i].data_ptr(), row_bytes)
-        for c in children[i]:
-            if matcher.try_consume_tokens([tokens[c]]) == 1:
-                fill(c)
-                matcher.rollback(1)
-            else:  # forbidden here: never accepted, so its subtree's rows are never read
-                _copy_down(out, children, c, i)
+    def admitted(i: int) -> None:
+        matcher.unsafe_compute_mask_ptr(out[i].data_ptr(), words * 4)
 
-    fill(0)
+    def forbidden(i: int, ancestor: int) -> None:  # never accepted, so its row is never read: any valid row serves
+        out[i] = out[ancestor]
+
+    _walk(matcher, tokens, parents, admitted, forbidden)
     return out
 
 
 def allowed_nodes(matcher: Any, tokens: list[int], parents: list[int]) -> list[int]:
     """The nodes whose whole path the grammar admits, in node order (the root always; a forbidden node takes
     its subtree with it). Leaves the matcher where it started."""
-    n = len(tokens)
-    children: list[list[int]] = [[] for _ in range(n)]
-    for i in range(1, n):
-        children[parents[i]].append(i)
-    keep = [0]
-
-    def walk(i: int) -> None:
-        for c in children[i]:
-            if matcher.try_consume_tokens([tokens[c]]) == 1:
-                keep.append(c)
-                walk(c)
-                matcher.rollback(1)
-
-    walk(0)
+    keep: list[int] = []
+    _walk(matcher, tokens, parents, keep.append, lambda i, ancestor: None)
     return sorted(keep)
 
 
-def _copy_down(out: torch.Tensor, children: list[list[int]], node: int, source: int) -> None:
-    stack = [node]
-    while stack:
-        i = stack.pop()
-        out[i] = out[source]
-        stack += children[i]
+def _walk(matcher: Any, tokens: list[int], parents: list[int], admitted, forbidden) -> None:
+    """Depth-first over the tree with the matcher in each node's state: ``admitted(i)`` for every node whose path
+    the grammar admits (parents before children), ``forbidden(i, ancestor)`` for every node of a forbidden
+    subtree, with its nearest admitted ancestor. Each token is consumed on the way down, rolled back on the way
+    up."""
+    children: list[list[int]] = [[] for _ in tokens]
+    for i in range(1, len(tokens)):
+        children[parents[i]].append(i)
+
+    def visit(i: int) -> None:
+        admitted(i)
+        for c in children[i]:
+            if matcher.try_consume_tokens([tokens[c]]) == 1:
+                visit(c)
+                matcher.rollback(1)
+            else:
+                stack = [c]
+                while stack:
+                    j = stack.pop()
+                    forbidden(j, i)
+                    stack += children[j]
+
+    visit(0)
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import SamplingParams, tree_path_counts
+from verify.sampling import SamplingParams, penalise, tree_path_counts
 
 BATCHED_CPU = False  # see the module's docstring
 
@@ -90,13 +90,8 @@ def process_rows(logits: torch.Tensor, spans: list[tuple[int, int]], params: lis
         x = x + table.index_select(0, per_seq)
     knobs = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
                          device=dev).index_select(0, per_seq)  # [n, 3]
-    rep, freq, pres = knobs[:, :1], knobs[:, 1:2], knobs[:, 2:]
-    is_output = c > 0
-    seen = is_output | torch.stack([s.prompt for s in states]).index_select(0, per_seq)
-    penalised = torch.where(x > 0, x / rep, x * rep)  # rep = 1: x itself
-    x = torch.where(seen, penalised, x)
-    x = x - freq * c - pres * is_output
-    out[rows] = x
+    prompt = torch.stack([s.prompt for s in states]).index_select(0, per_seq)  # [n, V]
+    out[rows] = penalise(x, c, prompt, knobs[:, :1], knobs[:, 1:2], knobs[:, 2:])  # neutral knobs leave x as is
     return out
 
 

@@ -137,16 +137,29 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_mask: t
         counts = counts + output_counts
     if path_counts is not None:
         counts = counts + path_counts  # [N, V]
+    return penalise(out, counts, prompt_mask, params.repetition_penalty, params.frequency_penalty,
+                    params.presence_penalty)
+
+
+def penalise(out: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor | None,
+             repetition: float | torch.Tensor, frequency: float | torch.Tensor,
+             presence: float | torch.Tensor) -> torch.Tensor:
+    """The three penalties on float32 logits ``out`` [N, V], given each row's output counts [N or 1, V] and
+    the prompt's tokens ([V] or [N, V] bool, or None). The knobs are numbers (one request: neutral ones are
+    skipped) or [N, 1] tensors (a row each: verify/processing.py); both give the same values."""
     is_output = counts > 0  # [N or 1, V]
-    if params.repetition_penalty != 1:
+    if not _neutral(repetition, 1.0):
         is_seen = is_output if prompt_mask is None else is_output | prompt_mask
-        penalised = torch.where(out > 0, out / params.repetition_penalty, out * params.repetition_penalty)
-        out = torch.where(is_seen, penalised, out)
-    if params.frequency_penalty != 0:
-        out = out - params.frequency_penalty * counts
-    if params.presence_penalty != 0:
-        out = out - params.presence_penalty * is_output
+        out = torch.where(is_seen, torch.where(out > 0, out / repetition, out * repetition), out)
+    if not _neutral(frequency, 0.0):
+        out = out - frequency * counts
+    if not _neutral(presence, 0.0):
+        out = out - presence * is_output
     return out
+
+
+def _neutral(knob: float | torch.Tensor, value: float) -> bool:
+    return not isinstance(knob, torch.Tensor) and knob == value
 
 
 def tree_path_counts(tree: TokenTree, vocab_size: int) -> torch.Tensor:
