@@ -77,7 +77,7 @@ for stage in "$@"; do
         --lr 6e-4 --top-k 64 --seed 0 --corpus .cache/corpus.json 2>&1 | grep -v "it/s\]$" | tail -12
       mkdir -p "$OUT/feature_draft" && cp .cache/feature_draft/* "$OUT/feature_draft/" ;;
     fdrafts) sweep_beside_shipped .cache/feature_draft ;;
-    profile) timeout 300 python bench/step_profile.py --batches 1,16 --tokens 64 --trees "${TREES:-1/2,2,2,1}" \
+    profile) timeout 300 python bench/step_profile.py --batches 1,16 --tokens 64 --trees "${TREES:-1/2,2,2,1}" ${PROFILE_ARGS:---host-trees} \
                --out "$OUT/step_profile.json" 2>&1 | grep -v '^{' | tail -10 ;;
     synthetic) timeout 300 python bench/engine.py --synthetic --profile --out "$OUT/engine_synthetic.json" 2>&1 \
                  | grep -v '^ \|^{\|^}' | tail -40 ;;

@@ -11,6 +11,9 @@ Two passes per arm:
 1. untimed phases: wall time per step, as the engine runs it (the GPU runs ahead of the host);
 2. timed phases: every phase wrapped in ``torch.cuda.synchronize()``, so each figure is host time plus
    the device work it launched. The sum exceeds pass 1 by the overlap the syncs remove.
+
+``--host-trees`` adds, after each tree arm, the same tree with its nodes copied to the host before the
+target's batch is built (``EngineConfig.defer_trees=False``): pass 1's A/B of deferred trees.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import datetime
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -114,7 +118,10 @@ def run_steps(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, 
     return steps, emitted, time.perf_counter() - t0
 
 
-def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, prompt: list[int]) -> dict:
+def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, prompt: list[int],
+                defer: bool = True) -> dict:
+    """``defer``: greedy trees stay on the device until the acceptance's host copy (EngineConfig.defer_trees)."""
+    engine.config = replace(engine.config, defer_trees=defer)
     run_steps(engine, batch, spec, 16, prompt)  # warm-up: graphs, tuning
     steps, emitted, secs = run_steps(engine, batch, spec, tokens, prompt)
     row = {"steps": steps, "tokens": emitted, "ms_per_step": round(1e3 * secs / steps, 3),
@@ -127,6 +134,7 @@ def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int
             timer.wrap(inner, "_forward", "  draft forward")
             timer.wrap(inner, "_catch_up", "  draft catch-up (batch + forward)")
             timer.wrap(inner.loop, "grow", "  draft tree loop (one host copy)")
+            timer.wrap(inner.loop, "grow_on_device", "  draft tree loop (no host copy)")
             timer.wrap(inner, "flush", "  draft flush (KV compaction)")
     timer.wrap(model_drafter_mod, "expand_all", "  draft top-k + host copy")
     timer.wrap(model_drafter_mod, "build_batch", "  draft build_batch")
@@ -215,6 +223,8 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--target-layers", type=int, default=30)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--host-trees", action="store_true",
+                    help="also run every tree with its nodes copied to the host before the target's batch (A/B)")
     ap.add_argument("--out", default=str(HERE / "results" / "step_profile.json"))
     args = ap.parse_args()
     if args.plot:
@@ -234,12 +244,15 @@ def main() -> None:
            "forward": forward_times(engine, drafter), "rows": []}
     log(json.dumps(res["forward"]))
     prompt = [(i * 7919) % 40000 + 100 for i in range(200)]
-    arms = [("off", SpeculationParams(enabled=False))] + [
-        (f"draft {t}", SpeculationParams(drafter="draft", tree=tuple(int(x) for x in t.split(","))))
-        for t in args.trees.split("/")]
+    arms = [("off", SpeculationParams(enabled=False), True)]
+    for t in args.trees.split("/"):
+        spec = SpeculationParams(drafter="draft", tree=tuple(int(x) for x in t.split(",")))
+        arms.append((f"draft {t}", spec, True))
+        if args.host_trees:  # the same tree copied to the host before the target's batch is built
+            arms.append((f"draft {t} host", spec, False))
     for b in (int(x) for x in args.batches.split(",")):
-        for name, spec in arms:
-            row = {"batch": b, "arm": name} | profile_arm(engine, b, spec, args.tokens, prompt)
+        for name, spec, defer in arms:
+            row = {"batch": b, "arm": name} | profile_arm(engine, b, spec, args.tokens, prompt, defer)
             res["rows"].append(row)
             log(json.dumps(row))
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

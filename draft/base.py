@@ -26,6 +26,9 @@ class DraftRequest:
     widths: tuple[int, ...]  # draft nodes per depth, already fitted to the sequence's budget
     sampling: SamplingParams
     generator: torch.Generator
+    # The caller takes the tree deferred (``TokenTree.deferred``): its nodes may stay on the device, for the
+    # target's batch to read there and the caller's host copy of the step to resolve.
+    defer: bool = False
 
     @property
     def context_len(self) -> int:

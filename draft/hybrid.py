@@ -55,11 +55,12 @@ class HybridDrafter:
                 asks.append(replace(r, widths=()))  # the chain alone: the model gives a root-only tree
                 self.lookup_only += 1
             else:
-                asks.append(replace(r, widths=cut_widths(r.widths, sum(map(len, c)))))
+                # a graft walks the model's tree on the host: only a tree with none may come back deferred
+                asks.append(replace(r, widths=cut_widths(r.widths, sum(map(len, c))), defer=r.defer and not c))
         trees = []
         for r, c, tree in zip(reqs, conts, self.draft.propose(asks)):
             self._model_trees[r.seq_id] = tree
-            trees.append(graft_chains(tree, c))
+            trees.append(graft_chains(tree, c) if c else tree)
         return trees
 
     def commit(self, seq_id: str, tree: TokenTree, accepted_nodes: list[int]) -> None:

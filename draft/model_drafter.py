@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from draft.base import DraftRequest, TreeBuilder, expand_all
-from draft.tree import MAX_TREE_NODES, TokenTree, mask_to_bits
+from draft.tree import MAX_TREE_NODES, TokenTree, mask_to_bits, template_depths
 from draft.tree_loop import GreedyTreeLoop
 from draft.vocab import full_vocab
 from target.batch import Segment, build_batch
@@ -97,17 +97,27 @@ class ModelDrafter:
             depth = max(len(reqs[i].widths) for i in greedy)
             W = tuple(max(reqs[i].widths[d] if d < len(reqs[i].widths) else 0 for i in greedy) for d in range(depth))
             W = self.loop.cover(len(greedy), W)
-            grown = self.loop.grow(logits[greedy], [reqs[i].context_len for i in greedy],
-                                   [self._tables[reqs[i].seq_id] for i in greedy], W,
-                                   None if roots is None else roots[greedy])
-            for i, (tokens, parents, cum) in zip(greedy, grown):
-                tokens[0] = reqs[i].token_ids[-1]
-                if reqs[i].widths == W:
-                    self._fed.pop(reqs[i].seq_id, None)
-                else:
-                    tokens, parents, kept = prune_tree(tokens, parents, cum, W, reqs[i].widths)
-                    self._fed[reqs[i].seq_id] = kept
-                trees[i] = TokenTree.from_lists(tokens, parents)
+            tables = [self._tables[reqs[i].seq_id] for i in greedy]
+            ctxs = [reqs[i].context_len for i in greedy]
+            root_h = None if roots is None else roots[greedy]
+            if all(reqs[i].defer and reqs[i].widths == W[: len(reqs[i].widths)] for i in greedy):
+                # Every tree is the grown one or its first levels: no host copy here. The target's batch
+                # reads the nodes on the device, and the caller's host copy of the step brings them back.
+                rows, bits = self.loop.grow_on_device(logits[greedy], ctxs, tables, W, root_h)
+                for g, i in enumerate(greedy):
+                    n = 1 + sum(reqs[i].widths)
+                    self._fed.pop(reqs[i].seq_id, None)  # a tree's first levels keep the loop's node numbers
+                    trees[i] = TokenTree.deferred(reqs[i].token_ids[-1], template_depths(reqs[i].widths),
+                                                  rows[:, g, 1:n], bits[g, 1:n])
+            else:
+                for i, (tokens, parents, cum) in zip(greedy, self.loop.grow(logits[greedy], ctxs, tables, W, root_h)):
+                    tokens[0] = reqs[i].token_ids[-1]
+                    if reqs[i].widths == W:
+                        self._fed.pop(reqs[i].seq_id, None)
+                    else:
+                        tokens, parents, kept = prune_tree(tokens, parents, cum, W, reqs[i].widths)
+                        self._fed[reqs[i].seq_id] = kept
+                    trees[i] = TokenTree.from_lists(tokens, parents)
         sampled: dict[tuple[int, ...], list[int]] = {}  # by widths: a sampled tree cannot be grown wider and cut
         for i, r in enumerate(reqs):
             if trees[i] is None and not r.sampling.is_greedy and self.device_loop:

@@ -30,25 +30,45 @@ class TokenTree:
     never does, which saves a tensor per sequence per step). ``draft_probs`` lives where the draft
     scored them."""
 
-    lists: tuple[list[int], list[int], list[int]]  # tokens, parents, depths; tokens[0] is the root
+    lists: tuple[list[int], list[int], list[int]] | None  # tokens, parents, depths; tokens[0] is the root
     draft_probs: torch.Tensor | None = None  # [N, V] float32, the draft's distribution of each node's children
     device: torch.device | str = "cpu"  # where ``tokens`` / ``parents`` / ``depths`` are built
     _rows: torch.Tensor | None = None  # [3, N] int64, built lazily
+    pending: DeviceNodes | None = None  # a deferred tree's nodes, still on the device (``deferred``)
 
     def __post_init__(self) -> None:
-        n = len(self.lists[0])
+        n = self.num_nodes
         if n < 1 or n > MAX_TREE_NODES:
             raise ValueError(f"a tree has 1..{MAX_TREE_NODES} nodes, got {n}")
-        if len(self.lists[1]) != n or len(self.lists[2]) != n:
+        if self.lists is not None and (len(self.lists[1]) != n or len(self.lists[2]) != n):
             raise ValueError("tokens, parents and depths must all have N entries")
 
     @property
     def num_nodes(self) -> int:
-        return len(self.lists[0])
+        return len(self.lists[0]) if self.lists is not None else len(self.pending.depths)
 
     def host(self) -> tuple[list[int], list[int], list[int]]:
         """(tokens, parents, depths) as Python lists, shared: read them, never change them."""
+        if self.lists is None:
+            raise RuntimeError("a deferred tree's nodes are on the device until the step's host copy resolves it")
         return self.lists
+
+    @staticmethod
+    def deferred(root: int, depths: list[int], rows: torch.Tensor, bits: torch.Tensor) -> "TokenTree":
+        """A tree grown on the device whose tokens and parents the host has not read: the target's batch takes
+        them from the device, and the step's one host copy (``verify.accept.accept_batch``) brings them back
+        with the target's verdict and calls ``resolve``. ``depths``: every node's depth, known from the
+        template the tree was grown to; ``rows`` ``[2, N - 1]`` int64: tokens and parents of nodes 1..N-1;
+        ``bits`` ``[N - 1]`` int64: their ancestor bits (``ancestor_bits``' format)."""
+        return TokenTree(None, pending=DeviceNodes(root, depths, rows, bits))
+
+    def resolve(self, tokens: list[int], parents: list[int]) -> None:
+        """Fill a deferred tree's host lists from nodes 1..N-1's tokens and parents, read back from its rows."""
+        p = self.pending
+        if p is None or len(tokens) != len(p.depths) - 1 or len(parents) != len(tokens):
+            raise ValueError("resolve takes the N - 1 non-root tokens and parents of a deferred tree")
+        self.lists = ([p.root, *tokens], [-1, *parents], p.depths)
+        self.pending = None
 
     def _tensor(self) -> torch.Tensor:
         if self._rows is None:
@@ -113,6 +133,21 @@ class TokenTree:
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
         return path[::-1]
+
+
+@dataclass(slots=True)
+class DeviceNodes:
+    """What a deferred tree holds until it is resolved (``TokenTree.deferred``)."""
+
+    root: int
+    depths: list[int]  # every node's, the root's 0 first
+    rows: torch.Tensor  # [2, N - 1] int64 on the device: tokens and parents of nodes 1..N-1
+    bits: torch.Tensor  # [N - 1] int64 on the device: their ancestor bits
+
+
+def template_depths(widths: tuple[int, ...]) -> list[int]:
+    """Each node's depth in a tree grown level by level to ``widths`` (BFS order), the root's first."""
+    return [0] + [d + 1 for d, w in enumerate(widths) for _ in range(w)]
 
 
 def mask_to_bits(mask: torch.Tensor) -> torch.Tensor:

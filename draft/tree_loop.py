@@ -14,7 +14,8 @@ for host-built trees.
 
 On CUDA the whole loop -- every level's top-k, bit gathers and draft forward -- is one CUDA graph per
 (batch bucket, widths): a step replays it after copying in the root logits, positions, slots and block
-tables, then reads tokens and parents back once. Elsewhere the same code runs eagerly.
+tables, then reads tokens and parents back once -- or, with ``grow_on_device``, hands them on to the target's
+batch without reading them (``TokenTree.deferred``). Elsewhere the same code runs eagerly.
 
 Sampled trees (``grow_sampled``) run the same loop with the host builder's sampled rule
 (``draft.base._expand_sampled``): each frontier node's share of the level's width by largest remainder of
@@ -91,7 +92,9 @@ class GreedyTreeLoop:
         self.graphs = graphs and self.device.type == "cuda"
         self.buckets = tuple(sorted(buckets))
         self._plans: dict[tuple[int, tuple[int, ...]], _Plan] = {}
-        self._graphs: dict[tuple[int, tuple[int, ...]], tuple[torch.cuda.CUDAGraph, _Inputs, torch.Tensor]] = {}
+        # (batch bucket, widths) -> the graph, its static inputs and its outputs (``_levels``')
+        self._graphs: dict[tuple[int, tuple[int, ...]],
+                           tuple[torch.cuda.CUDAGraph, _Inputs, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.replays = 0
         # A feature draft (Transformer.fc) feeds each node with its parent's feature (the root's comes from
@@ -110,31 +113,44 @@ class GreedyTreeLoop:
         ``ctxs[g]`` the root's position;
         ``widths`` is not empty. ``root_hidden`` [G, hidden]: a feature draft's features at the roots.
         The tables get slots for every node."""
+        out, _ = self._run(root_logits, ctxs, tables, widths, root_hidden)
+        tokens, parents, cum = out.tolist()  # the loop's one host copy
+        return [([int(t) for t in tok], [int(p) for p in par], c) for tok, par, c in zip(tokens, parents, cum)]
+
+    def grow_on_device(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable],
+                       widths: tuple[int, ...], root_hidden: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``grow`` with no host copy: ``[2, G, N]`` int64 tokens and parents (node 0's token left 0) and
+        ``[G, N]`` int64 ancestor bits in the target's format (bit ``i`` = node ``i``, the root's included),
+        on the device and the caller's own (a graph's outputs are overwritten by its next replay)."""
+        out, bits = self._run(root_logits, ctxs, tables, widths, root_hidden)
+        return out[:2].long(), target_bits(bits)
+
+    def _run(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable], widths: tuple[int, ...],
+             root_hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loop over ``G`` sequences: ``_levels``' outputs, views of a graph's when it replayed one."""
         G = len(ctxs)
         ctx, slot_t, bt, cols = self._prepare(ctxs, tables, widths, root_hidden)
         B = next((b for b in self.buckets if b >= G), None)
         if not self.graphs or B is None or cols > self.max_blocks:
-            out = self._levels(self._plan(G, widths), _Inputs(root_logits, ctx, slot_t, bt, root_hidden))
-        else:
-            graph, static, out_all = self._graph(B, widths)
-            scratch = self.cache.scratch_block
-            static.root_logits[:G].copy_(root_logits)
-            static.root_logits[G:].zero_()
-            static.ctx[:G].copy_(ctx)
-            static.ctx[G:].fill_(-1)
-            static.slots[:G].copy_(slot_t)
-            static.slots[G:].fill_(scratch * self.cache.page_size)
-            static.block_tables[:G, :cols].copy_(bt)
-            static.block_tables[:G, cols:].fill_(scratch)
-            static.block_tables[G:].fill_(scratch)
-            if static.root_hidden is not None:
-                static.root_hidden[:G].copy_(root_hidden)
-                static.root_hidden[G:].zero_()
-            graph.replay()
-            self.replays += 1
-            out = out_all[:, :G]
-        tokens, parents, cum = out.tolist()  # the loop's one host copy
-        return [([int(t) for t in tok], [int(p) for p in par], c) for tok, par, c in zip(tokens, parents, cum)]
+            return self._levels(self._plan(G, widths), _Inputs(root_logits, ctx, slot_t, bt, root_hidden))
+        graph, static, (out_all, bits_all) = self._graph(B, widths)
+        scratch = self.cache.scratch_block
+        static.root_logits[:G].copy_(root_logits)
+        static.root_logits[G:].zero_()
+        static.ctx[:G].copy_(ctx)
+        static.ctx[G:].fill_(-1)
+        static.slots[:G].copy_(slot_t)
+        static.slots[G:].fill_(scratch * self.cache.page_size)
+        static.block_tables[:G, :cols].copy_(bt)
+        static.block_tables[:G, cols:].fill_(scratch)
+        static.block_tables[G:].fill_(scratch)
+        if static.root_hidden is not None:
+            static.root_hidden[:G].copy_(root_hidden)
+            static.root_hidden[G:].zero_()
+        graph.replay()
+        self.replays += 1
+        return out_all[:, :G], bits_all[:G]
 
     def grow_sampled(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable],
                      widths: tuple[int, ...], sampling: list[SamplingParams], generators: list[torch.Generator],
@@ -227,7 +243,8 @@ class GreedyTreeLoop:
 
     def _levels(self, plan: _Plan, x: _Inputs, smp: _Sampled | None = None):
         """[3, B, N] float64: tokens, parents (exact in float64) and cumulative log-probabilities, so one
-        host copy reads all three. Device ops only: capturable. Sampled (``smp``): [4, B, N], each node's
+        host copy reads all three; and [B, N] int64 ancestor bits (bit ``i - 1`` = node ``i``, none for the
+        root: the feeds' format). Device ops only: capturable. Sampled (``smp``): [4, B, N], each node's
         validity fourth, and the frontier nodes' q rows [B, R, V]."""
         B, N = x.ctx.shape[0], plan.levels[-1][1]
         V = self.model.config.vocab_size
@@ -280,7 +297,7 @@ class GreedyTreeLoop:
             node_h[:, new_lo:new_hi] = hidden.view(B, n, -1)[:, new_lo - 1 : new_hi - 1]
         if smp is not None:
             return torch.stack((tok.double(), par.double(), cum.double(), valid.double())), q_rows
-        return torch.stack((tok.double(), par.double(), cum.double()))
+        return torch.stack((tok.double(), par.double(), cum.double())), bits
 
     def _sampled_level(self, front: torch.Tensor, smp: _Sampled, lo: int, hi: int, new_lo: int, new_hi: int,
                        w: int, tok: torch.Tensor, par: torch.Tensor, cum: torch.Tensor, valid: torch.Tensor,
@@ -334,6 +351,14 @@ class GreedyTreeLoop:
             out = self._levels(plan, static)
         self._graphs[key] = (graph, static, out)
         return self._graphs[key]
+
+
+def target_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The loop's ancestor bits (bit ``i - 1`` for node ``i``, none for the root) in the target's format (bit
+    ``i`` for node ``i``, the root's bit 0 in every node's): a left shift and the root's bit. Node 63's bit
+    is int64's sign bit, set by hand rather than shifted into (a signed overflow)."""
+    shifted = ((bits & ((1 << 62) - 1)) << 1) | 1
+    return torch.where((bits >> 62) != 0, shifted | -(1 << 63), shifted)
 
 
 def covering_template(held: list[tuple[int, ...]], widths: tuple[int, ...]) -> tuple[int, ...] | None:

@@ -70,6 +70,7 @@ class EngineConfig:
     capture_at_start: bool = False  # capture (and tune) every graph when the engine is built, not on first use
     forced_chains: bool = True  # a grammar's forced tokens become the speculating sequence's tree (_forced_chain)
     grammar_pruning: bool = True  # greedy constrained trees lose the nodes their grammar forbids (_prune)
+    defer_trees: bool = True  # greedy trees grown on the device stay there until the acceptance's host copy
 
 
 class Engine:
@@ -225,11 +226,16 @@ class Engine:
         segments = [Segment(s.table, s.num_cached, s.token_ids[s.num_cached : s.num_cached + n],
                             logits="all" if self._scores_prompt(s) else "none") for s, n in plan.prefills]
         for (seq, _), tree in zip(plan.decodes, trees):
+            ctx = seq.num_cached
+            if tree.pending is not None:  # grown on the device: the batch takes its nodes from there
+                p, pad = tree.pending, [0] * (tree.num_nodes - 1)
+                segments.append(Segment(seq.table, ctx, [p.root, *pad], positions=[ctx + d for d in p.depths],
+                                        mask_bits=[1, *pad], logits="all", device_tail=(p.rows[0], p.bits)))
+                continue
             tokens, _, depths = tree.host()
             if len(tokens) == 1:  # plain decoding: causal defaults, no mask
-                segments.append(Segment(seq.table, seq.num_cached, tokens, logits="all"))
+                segments.append(Segment(seq.table, ctx, tokens, logits="all"))
                 continue
-            ctx = seq.num_cached
             segments.append(Segment(seq.table, ctx, tokens, positions=[ctx + d for d in depths],
                                     mask_bits=tree.ancestor_bit_list(), logits="all"))
         batch = build_batch(segments, self.cache, self.target.device)
@@ -408,8 +414,13 @@ class Engine:
             else:
                 trees[i] = TokenTree.root_only(seq.token_ids[-1])
         for name, idx in by_drafter.items():
+            # A tree that nothing reads on the host before the target scores it (no grammar, no forced chain, no
+            # bias or penalties) may stay on the device until the acceptance's host copy: then a speculative
+            # step copies to the host once, as a plain step does.
             reqs = [DraftRequest(decodes[i][0].request_id, decodes[i][0].token_ids, asked[i], decodes[i][0].sampling,
-                                 decodes[i][0].generator) for i in idx]
+                                 decodes[i][0].generator, defer=self.config.defer_trees and i not in forced
+                                 and decodes[i][0].matcher is None and not decodes[i][0].sampling.custom_logits)
+                    for i in idx]
             for i, tree in zip(idx, self.drafters[name].propose(reqs)):
                 trees[i] = tree
         self._own.clear()

@@ -80,7 +80,12 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
     - Requests with penalties or a logit bias go through ``accept`` one by one (penalised logits depend on
       the path). The engine processes those rows for the whole step beforehand (verify/processing.py) and
       hands their parameters here stripped, so they join the groups above.
+    - Deferred greedy trees (``TokenTree.deferred``: grown on the device and scored by the target from
+      there) ride the same host copy, which resolves them (``TokenTree.resolve``) before they are walked.
     """
+    deferred = [k for k, t in enumerate(trees) if t.pending is not None]  # nodes still on the device
+    if any(not params[k].is_greedy or params[k].custom_logits for k in deferred):
+        raise ValueError("a deferred tree is verified greedily, with no bias or penalties")
     picks: list[torch.Tensor] = []
     at: dict[int, int] = {}  # sequence -> offset of its ids in the host copy
     size = 0
@@ -129,7 +134,14 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
             off += t.num_nodes
         picks.append(decided)
         size += 3 * R
+    for k in deferred:
+        rows = trees[k].pending.rows  # [2, N - 1]: its tokens and parents ride the same copy
+        picks += [rows[0], rows[1]]
     ids = torch.cat(picks).tolist() if picks else []  # the step's one host copy
+    for k in reversed(deferred):  # their pieces sit at the copy's end, in order
+        n = trees[k].num_nodes - 1
+        trees[k].resolve(ids[-2 * n : -n], ids[-n:])
+        del ids[-2 * n :]
     results = []
     for k, tree in enumerate(trees):
         n = tree.num_nodes

@@ -1,5 +1,7 @@
 """The device-side greedy tree loop grows exactly the trees the host builder grows, and keeps the pool whole."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -263,3 +265,50 @@ def test_sampled_loop_replays_the_runners_graphs_cuda():
     assert [len(v) for v in out.values()] == [24, 24]
     assert fed and drafter.graphs.replays >= before + len(fed) and drafter.loop.replays == 0
     assert drafter.cache.pool.num_free == drafter.cache.pool.num_blocks
+
+
+def _resolved(tree):
+    """A deferred tree resolved from its device rows, as the step's host copy does."""
+    tok, par = tree.pending.rows.tolist()
+    bits = tree.pending.bits.tolist()
+    tree.resolve(tok, par)
+    return bits
+
+
+@pytest.mark.parametrize("widths", [(2, 2, 1), (9, 9, 9, 9, 9, 9, 9)])
+def test_deferred_trees_equal_host_trees_and_carry_the_targets_bits(widths):
+    """Deferred requests get the loop's trees without a host copy; resolved they equal the host path's trees,
+    and their device bits are ``ancestor_bits``' (the 63-node template puts node 63 on int64's sign bit).
+    Requests asking for the first levels of the union template are its prefixes, deferred too."""
+    engine = tiny_engine(num_blocks=256, page_size=4, vocab=512)
+    drafter = engine.drafters["draft"]
+    gen = torch.Generator()
+    shapes = [widths, widths[:2], widths[:1], widths]
+    reqs = [DraftRequest(f"s{i}", [(5 * j + i) % 500 + 3 for j in range(6 + 2 * i)], w,
+                         SamplingParams(temperature=0), gen, defer=True) for i, w in enumerate(shapes)]
+    free = drafter.cache.pool.num_free
+    got = {}
+    for defer in (True, False):
+        got[defer] = drafter.propose([replace(r, defer=defer) for r in reqs])
+        for r in reqs:
+            drafter.release(r.seq_id)
+        assert drafter.cache.pool.num_free == free
+    for a, b, w in zip(got[True], got[False], shapes):
+        assert a.pending is not None and b.pending is None
+        assert a.num_nodes == b.num_nodes == 1 + sum(w)
+        bits = _resolved(a)
+        assert a.host() == b.host()
+        assert bits == b.ancestor_bits()[1:].tolist()
+
+
+def test_a_tree_cut_from_the_union_is_built_on_the_host():
+    """A request whose widths are not the first levels of the union template is cut from it by cumulative
+    log-probability on the host: its step copies the trees back, deferred or not."""
+    engine = tiny_engine(num_blocks=128, page_size=4, vocab=512)
+    drafter = engine.drafters["draft"]
+    gen = torch.Generator()
+    reqs = [DraftRequest("a", list(range(3, 20)), (3, 2), SamplingParams(temperature=0), gen, defer=True),
+            DraftRequest("b", list(range(5, 30)), (1, 2), SamplingParams(temperature=0), gen, defer=True)]
+    trees = drafter.propose(reqs)
+    assert all(t.pending is None for t in trees)
+    assert [t.num_nodes for t in trees] == [6, 4]

@@ -35,3 +35,32 @@ def test_fields_hold_the_segments_and_start_16_byte_aligned(lens: list[int]) -> 
     fields = [b.tokens, b.positions, b.slot_mapping, b.logits_indices, b.context_lens, b.query_start,
               b.block_tables] + ([b.mask_bits] if b.mask_bits is not None else [])
     assert all(f.data_ptr() % 16 == 0 and f.is_contiguous() for f in fields)
+
+
+def test_device_tails_land_in_their_rows() -> None:
+    """A deferred tree's nodes come from the device (``Segment.device_tail``): the batch holds exactly what
+    the same segments with host lists hold, whatever sits around them."""
+    cache = KVCache(num_layers=1, num_blocks=32, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+                    device="cpu")
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 1, 7, 3]
+    toks = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in lens]
+    bits = [torch.randint(-2**63, 2**63 - 1, (n,), generator=g, dtype=torch.int64).tolist() for n in lens]
+    batches = []
+    for deferred in (False, True):
+        segs = []
+        for i, n in enumerate(lens):
+            t = cache.new_table()
+            tail = n - 1 if i != 1 else 0  # a root alone has no device nodes
+            seg = Segment(t, 2 * i, toks[i], mask_bits=bits[i], logits="all")
+            if deferred and tail:
+                seg.tokens = toks[i][:1] + [0] * tail  # placeholders, overwritten from the device
+                seg.mask_bits = bits[i][:1] + [-1] * tail
+                seg.device_tail = (torch.tensor(toks[i][1:]), torch.tensor(bits[i][1:]))
+            segs.append(seg)
+        batches.append(build_batch(segs, cache, "cpu"))
+    host, dev = batches
+    assert dev.tokens.tolist() == host.tokens.tolist() == [t for ts in toks for t in ts]
+    assert dev.mask_bits.tolist() == host.mask_bits.tolist() == [b for bs in bits for b in bs]
+    assert dev.positions.tolist() == host.positions.tolist()
+    assert dev.logits_indices.tolist() == host.logits_indices.tolist()

@@ -84,3 +84,42 @@ def test_a_zero_probability_draft_token_is_named_by_the_parallel_path_too() -> N
     with pytest.raises(ValueError, match="zero probability"):
         accept_batch([tree], torch.zeros(2, V), [0, 2], [SamplingParams(temperature=1.0, seed=0)],
                      [make_generator(SamplingParams(seed=0))], [(None, None)])
+
+
+def _deferred(tree: TokenTree) -> TokenTree:
+    """``tree`` as a drafter's device loop hands it over: nodes on the device, host lists unread."""
+    tokens, parents, depths = tree.host()
+    rows = torch.tensor([tokens[1:], parents[1:]], dtype=torch.int64)
+    return TokenTree.deferred(tokens[0], depths, rows, tree.ancestor_bits()[1:])
+
+
+def test_deferred_trees_resolve_in_the_one_host_copy() -> None:
+    """Deferred greedy trees among every other kind: resolved from the step's copy, verified as if built on the
+    host, and every other sequence's result unchanged."""
+    g = torch.Generator().manual_seed(1)
+    trees, params = _trees(g), _params()
+    starts = [0]
+    for t in trees:
+        starts.append(starts[-1] + t.num_nodes)
+    for trial in range(10):
+        logits = torch.randn(starts[-1], V, generator=g) * 3
+        logits[starts[0], trees[0].host()[0][1]] += 20 * (trial % 2)  # some walks go deep
+        logits[starts[1], 1] += 20 * (trial % 3 == 0)
+        results = []
+        for defer in (False, True):
+            ts = [_deferred(t) if defer and k < 2 else t for k, t in enumerate(trees)]
+            gens = [make_generator(p, "cpu") for p in params]
+            results.append(accept_batch(ts, logits, starts, params, gens, _penalties(ts)))
+            if defer:
+                assert all(t.pending is None for t in ts) and [t.host() for t in ts[:2]] == [t.host() for t in trees[:2]]
+        assert [(r.accepted_nodes, r.tokens) for r in results[0]] == [(r.accepted_nodes, r.tokens) for r in results[1]]
+
+
+def test_a_deferred_tree_is_verified_greedily_only() -> None:
+    tree = TokenTree.from_lists([7, 1, 2], [-1, 0, 1])
+    logits = torch.randn(3, V)
+    for p in (SamplingParams(temperature=0.7, seed=0), SamplingParams(temperature=0, repetition_penalty=1.2)):
+        with pytest.raises(ValueError, match="deferred tree is verified greedily"):
+            accept_batch([_deferred(tree)], logits, [0, 3], [p], [make_generator(p, "cpu")], [(None, None)])
+    with pytest.raises(RuntimeError, match="deferred tree"):
+        _deferred(tree).host()

@@ -1,0 +1,116 @@
+"""Deferred draft trees (draft/tree.py ``TokenTree.deferred``): a greedy tree grown on the device goes into the
+target's batch from there, and the acceptance's host copy brings it back. The engine's output, acceptance and
+pools are those of trees copied to the host first, and a speculative step copies device data to the host
+once, as a plain step does."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import replace
+
+import pytest
+import torch
+
+from draft.hybrid import HybridDrafter
+from draft.ngram import NgramDrafter
+from draft.params import SpeculationParams
+from draft.tree_loop import GreedyTreeLoop
+from engine_util import tiny_engine
+from verify.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(n):
+        base = torch.randint(0, 64, (3 + i % 5,), generator=g).tolist()
+        out.append(base * 3 if i % 3 == 0 else base)  # repeats: the hybrid's lookup finds some
+    return out
+
+
+def _engine(defer: bool):
+    eng = tiny_engine(max_running=6)
+    eng.config = replace(eng.config, defer_trees=defer)
+    eng.drafters["hybrid"] = HybridDrafter("hybrid", eng.drafters["draft"], NgramDrafter())
+    return eng
+
+
+def _run(eng, reqs) -> tuple[dict[str, list[int]], dict[str, tuple[int, int, int]]]:
+    for rid, prompt, sampling, spec in reqs:
+        eng.add(rid, prompt, sampling, spec)
+    tokens: dict[str, list[int]] = {rid: [] for rid, *_ in reqs}
+    stats = {}
+    while eng.has_work():
+        for o in eng.step():
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                assert o.error is None, o.error
+                stats[o.request_id] = (o.stats.steps, o.stats.drafted_tokens, o.stats.accepted_tokens)
+    return tokens, stats
+
+
+@pytest.mark.parametrize("spec", [SpeculationParams(drafter="draft", tree=(2, 2, 1)),
+                                  SpeculationParams(drafter="self", tree=(1, 1, 1, 1)),
+                                  SpeculationParams(drafter="exact", tree=(3, 2)),
+                                  SpeculationParams(drafter="hybrid", tree=(2, 1, 1)),
+                                  SpeculationParams(drafter="draft")])  # the adaptive budget: cuts and probes
+def test_deferred_trees_change_nothing_but_the_copies(spec, monkeypatch) -> None:
+    """Greedy speculating requests among plain and sampled ones (which keep host trees), more requests than
+    running slots: every token and every acceptance count as with host trees, and the pools end whole."""
+    grown = []
+    on_device = GreedyTreeLoop.grow_on_device
+    monkeypatch.setattr(GreedyTreeLoop, "grow_on_device", lambda self, *a: grown.append(1) or on_device(self, *a))
+    ps = _prompts(10)
+    sampled = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=3)
+    reqs = [(str(i), p, sampled if i == 4 else GREEDY, spec if i % 5 != 2 else SpeculationParams(enabled=False))
+            for i, p in enumerate(ps)]
+    runs = {}
+    for defer in (True, False):
+        grown.clear()
+        eng = _engine(defer)
+        runs[defer] = _run(eng, reqs)
+        assert bool(grown) == defer  # deferred steps happened, and only when asked for
+        assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+        for d in eng.drafters.values():
+            if hasattr(d, "cache"):
+                assert d.cache.pool.num_free == d.cache.pool.num_blocks
+    assert runs[True] == runs[False]
+
+
+def test_a_speculative_step_copies_to_the_host_once(monkeypatch) -> None:
+    """Count every read of tensor data into Python during greedy speculative steps, outside the CPU attention
+    references (kernels/, which read context lengths on the host and never run on CUDA): one a step with
+    deferred trees -- the acceptance's -- where trees copied first made two (one in a step that drafts
+    nothing, near max_tokens)."""
+    reads: list[int] = []
+    counting = [False]
+
+    def counted(name):
+        orig = getattr(torch.Tensor, name)
+
+        def read(self, *a, **k):
+            if counting[0] and not any("/kernels/" in f.filename for f in traceback.extract_stack(limit=12)):
+                reads.append(1)
+            return orig(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        counted(name)
+    per_step = {}
+    for defer in (True, False):
+        eng = _engine(defer)
+        for i, p in enumerate(_prompts(4)):
+            eng.add(str(i), p, GREEDY, SpeculationParams(drafter="draft", tree=(2, 2, 1)))
+        eng.step()  # prefill
+        eng.step()  # the first step feeds the draft its prompt
+        per_step[defer] = []
+        while eng.has_work():
+            reads.clear()
+            counting[0] = True
+            eng.step()
+            counting[0] = False
+            per_step[defer].append(len(reads))
+    assert set(per_step[True]) == {1}
+    assert per_step[False].count(2) >= len(per_step[False]) - 1 and set(per_step[False]) <= {1, 2}
