@@ -50,7 +50,8 @@ def rule(batch, cache):
 
 engine = tiny_engine(vocab=V, num_blocks=8192, page_size=16, max_running=128)
 engine.target.forward = rule
-uvicorn.run(make_app(tok, engine=engine), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+uvicorn.run(make_app(tok, engine=engine), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
+            loop=sys.argv[2], http=sys.argv[3])
 """
 
 
@@ -81,9 +82,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(tree: Path, port: int) -> subprocess.Popen:
+def serve(tree: Path, port: int, stack: str = "auto/auto") -> subprocess.Popen:
+    """The stub server from ``tree`` on ``port``; ``stack``: uvicorn's event loop and HTTP protocol, "LOOP/HTTP"."""
     env = {**os.environ, "PYTHONPATH": f"{tree}:{tree / 'tests'}:{tree / 'tests' / 'gateway'}"}
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], cwd=tree, env=env,
+    loop, http = stack.split("/")
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), loop, http], cwd=tree, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     import httpx
 
@@ -103,38 +106,47 @@ def serve(tree: Path, port: int) -> subprocess.Popen:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--refs", default="HEAD", help="commits to compare, comma-separated")
+    ap.add_argument("--stacks", default="auto/auto",
+                    help="uvicorn event loops and HTTP protocols to compare, LOOP/HTTP comma-separated "
+                         "(asyncio/h11, uvloop/httptools; auto/auto takes what is installed)")
     ap.add_argument("--streams", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    refs, levels = args.refs.split(","), [int(s) for s in args.streams.split(",")]
-    best: dict[str, dict[int, tuple[float, float]]] = {ref: {} for ref in refs}  # (tokens/s, chunks/s)
+    refs, stacks, levels = args.refs.split(","), args.stacks.split(","), [int(s) for s in args.streams.split(",")]
+    # an arm is a ref, or a ref and a server stack when stacks are compared
+    arms = [(ref, stack) for ref in refs for stack in stacks]
+    name = {arm: arm[0] if len(stacks) == 1 else f"{arm[0]}:{arm[1]}" for arm in arms}
+    best: dict[str, dict[int, tuple[float, float]]] = {name[arm]: {} for arm in arms}  # (tokens/s, chunks/s)
     with worktrees(refs) as trees:
         for rep in range(args.reps):
-            for ref in refs:
+            for ref, stack in arms:
+                ref_name = name[ref, stack]
                 port = free_port()
-                proc = serve(trees[ref], port)
+                proc = serve(trees[ref], port, stack)
                 try:
                     for n in levels:
                         rate = asyncio.run(stream_load(port, n, args.tokens))
-                        best[ref][n] = max(best[ref].get(n, (0.0, 0.0)), rate)
-                        print(f"rep {rep} {ref} {n} streams: {rate[0]:.0f} tokens/s, {rate[1]:.0f} chunks/s", flush=True)
+                        best[ref_name][n] = max(best[ref_name].get(n, (0.0, 0.0)), rate)
+                        print(f"rep {rep} {ref_name} {n} streams: {rate[0]:.0f} tokens/s, {rate[1]:.0f} chunks/s",
+                              flush=True)
                 finally:
                     proc.kill()
                     proc.wait()
-    rows = [{"streams": n, **{f"tokens_per_s_{ref}": round(best[ref][n][0]) for ref in refs},
-             **{f"chunks_per_s_{ref}": round(best[ref][n][1]) for ref in refs}} for n in levels]
-    if len(refs) == 2:
+    names = [name[arm] for arm in arms]
+    rows = [{"streams": n, **{f"tokens_per_s_{a}": round(best[a][n][0]) for a in names},
+             **{f"chunks_per_s_{a}": round(best[a][n][1]) for a in names}} for n in levels]
+    if len(names) == 2:
         for row in rows:
-            row["tokens_ratio_last_over_first"] = round(row[f"tokens_per_s_{refs[1]}"] / row[f"tokens_per_s_{refs[0]}"], 2)
+            row["tokens_ratio_last_over_first"] = round(row[f"tokens_per_s_{names[1]}"] / row[f"tokens_per_s_{names[0]}"], 2)
     for row in rows:
         print(row)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "device": f"cpu ({platform.machine()}, {os.cpu_count()} cpus; server, client and engine share them)",
             "date": datetime.date.today().isoformat(), "commit": short("HEAD"),
-            "refs": {ref: short(ref) for ref in refs}, "reps": args.reps,
+            "refs": {ref: short(ref) for ref in refs}, "stacks": stacks, "reps": args.reps,
             "tokens_per_stream": args.tokens, "command": "python bench/gateway_host.py " + " ".join(sys.argv[1:]),
             "notes": __doc__.split("\n\n", 1)[1].strip(), "rows": rows}, indent=2) + "\n")
 
