@@ -48,11 +48,46 @@ def rule(batch, cache):
     return out
 
 
-engine = tiny_engine(vocab=V, num_blocks=8192, page_size=16, max_running=128)
-engine.target.forward = rule
-uvicorn.run(make_app(tok, engine=engine), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
-            loop=sys.argv[2], http=sys.argv[3])
+if sys.argv[4] == "process":  # the engine in a process of its own (gateway/engine_proc.py)
+    from gateway.engine_proc import ProcessRunner
+    from gateway_host import stub_engine
+    from gateway_util import make_process_app
+    app = make_process_app(ProcessRunner(stub_engine))
+else:
+    engine = tiny_engine(vocab=V, num_blocks=8192, page_size=16, max_running=128)
+    engine.target.forward = rule
+    app = make_app(tok, engine=engine)
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", loop=sys.argv[2], http=sys.argv[3])
 """
+
+
+class _Rule:
+    """The stub forward: logits that make token ``7 t + 1`` (past the specials) follow ``t``."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def __call__(self, batch, cache):
+        import torch
+
+        rows = batch.logits_indices.shape[0]
+        out = torch.zeros(rows, self.vocab)
+        out[torch.arange(rows), (batch.tokens[batch.logits_indices] * 7 + 1) % (self.vocab - 10) + 10] = 5.0
+        return out
+
+
+def stub_engine():
+    """SERVER's engine, built in an engine process (``--stacks .../process``): a factory it can import."""
+    import torch
+    from engine_util import tiny_engine
+    from gateway_util import CHAT_TEMPLATE, MODEL, make_tokenizer
+
+    torch.set_num_threads(1)
+    tok = make_tokenizer()
+    engine = tiny_engine(vocab=len(tok), num_blocks=8192, page_size=16, max_running=128)
+    engine.target.forward = _Rule(len(tok))
+    engine.tokenizer = tok
+    return engine, {"tokenizer": tok, "chat_template": CHAT_TEMPLATE, "model_name": MODEL, "device": "cpu"}
 
 
 async def stream_load(port: int, streams: int, tokens: int) -> tuple[float, float]:
@@ -83,10 +118,12 @@ def free_port() -> int:
 
 
 def serve(tree: Path, port: int, stack: str = "auto/auto") -> subprocess.Popen:
-    """The stub server from ``tree`` on ``port``; ``stack``: uvicorn's event loop and HTTP protocol, "LOOP/HTTP"."""
-    env = {**os.environ, "PYTHONPATH": f"{tree}:{tree / 'tests'}:{tree / 'tests' / 'gateway'}"}
-    loop, http = stack.split("/")
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), loop, http], cwd=tree, env=env,
+    """The stub server from ``tree`` on ``port``; ``stack``: uvicorn's event loop and HTTP protocol, and where the
+    engine runs: "LOOP/HTTP" (a thread of the server) or "LOOP/HTTP/process" (a process of its own)."""
+    env = {**os.environ, "PYTHONPATH": f"{tree}:{tree / 'tests'}:{tree / 'tests' / 'gateway'}:{tree / 'bench'}"}
+    loop, http, *where = stack.split("/")
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port), loop, http, where[0] if where else "thread"],
+                            cwd=tree, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     import httpx
 
@@ -108,7 +145,8 @@ def main() -> None:
     ap.add_argument("--refs", default="HEAD", help="commits to compare, comma-separated")
     ap.add_argument("--stacks", default="auto/auto",
                     help="uvicorn event loops and HTTP protocols to compare, LOOP/HTTP comma-separated "
-                         "(asyncio/h11, uvloop/httptools; auto/auto takes what is installed)")
+                         "(asyncio/h11, uvloop/httptools; auto/auto takes what is installed); LOOP/HTTP/process "
+                         "runs the engine in a process of its own (serve --engine-process)")
     ap.add_argument("--streams", default="1,16,64")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--reps", type=int, default=3)

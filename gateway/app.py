@@ -42,6 +42,7 @@ from draft.params import SpeculationParams
 from gateway.audit import AuditConfig, Auditor
 from gateway.detok import TokenText
 from gateway.engine import Engine, QueueFull
+from gateway.engine_proc import ProcessRunner
 from gateway.generation import Choices, Generation, echo_text
 from gateway.guard import ApiKeyMiddleware, read_body
 from gateway.metrics import CONTENT_TYPE, Metrics, spec_label
@@ -85,7 +86,15 @@ def error_response(exc: ApiError) -> Response:
 class Gateway:
     """The routes' state: one runner, one tokenizer, one metrics registry, one stats store, one auditor."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, chat_template: str | None, config: ServerConfig) -> None:
+    def __init__(self, engine: Engine | None, tokenizer: Any, chat_template: str | None, config: ServerConfig,
+                 runner: ProcessRunner | None = None) -> None:
+        """``engine``, stepped by a thread of this process; or ``runner``, an engine in a process of its own
+        (gateway/engine_proc.py), whose ``EngineInfo`` stands in for the engine here."""
+        if runner is not None:
+            if config.audit.fraction > 0:
+                raise ValueError("the audit replays requests in the engine's thread: it needs the engine in the "
+                                 "server's process (no engine process)")
+            engine = runner.engine
         self.engine, self.tokenizer, self.chat_template, self.config = engine, tokenizer, chat_template, config
         self.token_text = TokenText(tokenizer) if tokenizer is not None else None  # logprobs' token strings
         if engine.tokenizer is None:  # an engine built without one (tests): structured output walks this one
@@ -94,7 +103,9 @@ class Gateway:
         self.stats = StatsStore()
         self.auditor = Auditor(config.audit, decode=tokenizer.decode if tokenizer is not None else None,
                                metrics=self.metrics)
-        self.runner = EngineRunner(engine, self.metrics, self.stats, self.auditor)
+        if runner is not None:
+            runner.attach(self.metrics, self.stats)
+        self.runner = runner if runner is not None else EngineRunner(engine, self.metrics, self.stats, self.auditor)
         self.max_model_len = engine.max_model_len  # a constant: safe to read off the engine thread
         self.is_ready = False
         self.is_draining = False  # set on SIGTERM: new generation requests get 503
@@ -450,9 +461,11 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 DASHBOARD_HTML = resources.files("gateway").joinpath("static/dashboard.html").read_bytes()
 
 
-def create_app(engine: Engine, tokenizer: Any, chat_template: str | None, config: ServerConfig) -> Starlette:
-    """The ASGI app. The engine must not be stepped by anyone else once the app's lifespan starts."""
-    gw = Gateway(engine, tokenizer, chat_template, config)
+def create_app(engine: Engine | None, tokenizer: Any, chat_template: str | None, config: ServerConfig,
+               runner: ProcessRunner | None = None) -> Starlette:
+    """The ASGI app over ``engine`` (stepped by the app's engine thread: nobody else may step it once the
+    lifespan starts) or over ``runner``, an engine in its own process (gateway/engine_proc.py)."""
+    gw = Gateway(engine, tokenizer, chat_template, config, runner)
     routes = [
         Route("/v1/chat/completions", gw.chat, methods=["POST"]),
         Route("/v1/completions", gw.completions, methods=["POST"]),

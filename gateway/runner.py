@@ -68,7 +68,8 @@ class Submission:
 
 @dataclass(slots=True)
 class _Live:
-    events: asyncio.Queue[Event]
+    request_id: str
+    events: asyncio.Queue[Event] | None  # None in an engine process: the events cross a pipe (engine_proc.py)
     is_speculative: bool
     arm: Arm
     record: bool  # user traffic: observed in metrics and stats, offered to the audit
@@ -181,15 +182,29 @@ class EngineRunner:
         try:
             seq = self.engine.add(request_id, prompt_ids, sampling, speculation, prefix_of=prefix_of)
         except Exception as exc:  # noqa: BLE001 -- ValueError / QueueFull go back to the caller as they are
-            self._to_loop(_settle, future, None, exc)
+            self._settled(future, request_id, None, exc)
             return
         arm = self.labeller.arm(seq.drafter, speculation.tree, speculation.max_nodes)
-        live = _Live(asyncio.Queue(), seq.drafter is not None, arm, record)
+        live = _Live(request_id, self._queue(), seq.drafter is not None, arm, record)
         if record and self.auditor is not None and self.auditor.wants(live.is_speculative, sampling):
             live.audit = (list(prompt_ids), sampling, [])
         self._live[request_id] = live
-        sub = Submission(request_id, live.events, live.is_speculative, len(prompt_ids), arm)
-        self._to_loop(_settle, future, sub, None)
+        self._settled(future, request_id, Submission(request_id, live.events, live.is_speculative, len(prompt_ids),
+                                                     arm), None)
+
+    # The engine side's three ways out, which an engine process (engine_proc.py) sends down a pipe instead.
+
+    def _queue(self) -> asyncio.Queue[Event] | None:
+        """A new request's event queue (the event loop's)."""
+        return asyncio.Queue()
+
+    def _settled(self, future: Any, request_id: str, sub: Submission | None, exc: BaseException | None) -> None:
+        """An add's outcome, to the waiting ``submit``."""
+        self._to_loop(_settle, future, sub, exc)
+
+    def _send(self, batch: list[tuple[_Live, Event]]) -> None:
+        """A step's events, one hand-off to the event loop."""
+        self._to_loop(_put_all, [(live.events, event) for live, event in batch])
 
     def _abort(self, request_id: str) -> None:
         try:
@@ -225,7 +240,7 @@ class EngineRunner:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         self._publish_load()  # before the events: a client that saw its last token sees its blocks freed
         now = time.monotonic()
-        batch: list[tuple[asyncio.Queue, Event]] = []
+        batch: list[tuple[_Live, Event]] = []
         for out in outputs:
             if self._replay is not None and out.request_id == self._replay.engine_id:
                 self._replay_output(out)
@@ -237,9 +252,8 @@ class EngineRunner:
             if live.record:
                 self._observe(live, stats.since(live.stats), out.new_token_ids, now)
             live.stats = stats
-            batch.append((live.events, Event(list(out.new_token_ids), out.finished, out.finish_reason, stats,
-                                             out.error, out.completion_tokens, now, out.logprobs,
-                                             out.prompt_logprobs)))
+            batch.append((live, Event(list(out.new_token_ids), out.finished, out.finish_reason, stats, out.error,
+                                      out.completion_tokens, now, out.logprobs, out.prompt_logprobs)))
             if out.finished:
                 del self._live[out.request_id]
                 self._busy_at = now
@@ -247,24 +261,15 @@ class EngineRunner:
                     prompt_ids, sampling, tokens = live.audit
                     self.auditor.offer(out.request_id, prompt_ids, sampling, tokens, out.finish_reason)
         if batch:
-            self._to_loop(_put_all, batch)
+            self._send(batch)
 
     def _observe(self, live: _Live, delta: SpecStats, new_tokens: list[int], now: float) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_step(live.arm, delta)
-        if self.stats is not None and (delta.steps or new_tokens):
-            self.stats.observe_step(live.arm, delta, len(new_tokens), now)
+        observe_step(self.metrics, self.stats, live.arm, delta, new_tokens, now)
         if live.audit is not None:
             live.audit[2].extend(new_tokens)
 
     def _publish_load(self) -> None:
-        pool = self.engine.cache.pool
-        sched = self.engine.scheduler
-        waiting, running, used = len(sched.waiting), len(sched.running), pool.num_blocks - pool.num_free
-        if self.metrics is not None:
-            self.metrics.observe_engine(waiting, running, used, pool.num_free)
-        if self.stats is not None:
-            self.stats.observe_load(waiting, running, used, pool.num_blocks, time.monotonic())
+        observe_load(self.metrics, self.stats, engine_load(self.engine))
 
     # --- the audit's replays (engine thread) --------------------------------------------------------
 
@@ -317,13 +322,36 @@ class EngineRunner:
             self._inbox.clear()
         for kind, payload in commands:
             if kind == "add":
-                self._to_loop(_settle, payload[0], None, ShuttingDown("the server is shutting down"))
+                self._settled(payload[0], payload[1], None, ShuttingDown("the server is shutting down"))
         if self._replay is not None:
             self.engine.abort(self._replay.engine_id)
             self._replay = None
         outputs = self._fail_all("the server is shutting down", reason="abort")
         self._deliver(outputs)
         self._publish_load()
+
+
+def observe_step(metrics: Metrics | None, stats: StatsStore | None, arm: Arm, delta: SpecStats, new_tokens: list[int],
+                 now: float) -> None:
+    """One request's step into the metrics and the stats store (wherever its events are delivered)."""
+    if metrics is not None:
+        metrics.observe_step(arm, delta)
+    if stats is not None and (delta.steps or new_tokens):
+        stats.observe_step(arm, delta, len(new_tokens), now)
+
+
+def engine_load(engine: Engine) -> tuple[int, int, int, int]:
+    """Waiting and running sequences, used and total KV blocks."""
+    pool, sched = engine.cache.pool, engine.scheduler
+    return len(sched.waiting), len(sched.running), pool.num_blocks - pool.num_free, pool.num_blocks
+
+
+def observe_load(metrics: Metrics | None, stats: StatsStore | None, load: tuple[int, int, int, int]) -> None:
+    waiting, running, used, blocks = load
+    if metrics is not None:
+        metrics.observe_engine(waiting, running, used, blocks - used)
+    if stats is not None:
+        stats.observe_load(waiting, running, used, blocks, time.monotonic())
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import signal
@@ -21,6 +22,7 @@ import uvicorn
 
 from gateway.app import ServerConfig, create_app
 from gateway.audit import AuditConfig
+from gateway.engine_proc import ProcessRunner
 
 GRACEFUL_SHUTDOWN_S = 5  # open streams are cancelled on SIGTERM; this bounds anything that lingers
 
@@ -42,6 +44,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-tokens", type=int, default=4, help="tokens generated before /health says ready")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--config", default=None, help="JSON or TOML file of option values (flags override it)")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own, so that its steps and the streams' Python do not "
+                        "share one interpreter lock (gateway/engine_proc.py); not with --audit-fraction")
 
 
 def read_config(path: str, options: argparse.ArgumentParser) -> dict[str, Any]:
@@ -93,19 +98,39 @@ def run_app(app: Any, host: str, port: int, log_level: str = "info") -> None:
         DrainingServer(config, app.state.gateway.drain).run()
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def serve_engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """Load the models (the engine process's factory with --engine-process): the engine, and what the server
+    needs besides it."""
     from gateway.cli import load  # the CLI owns model flags -> LoadConfig / EngineConfig
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    loaded = load(args).loaded
+    engine = loaded.engine
+    if engine.tokenizer is None:  # structured output walks the tokenizer's vocabulary in the engine
+        engine.tokenizer = loaded.checkpoint.tokenizer
+    return engine, {"tokenizer": loaded.checkpoint.tokenizer, "chat_template": loaded.checkpoint.chat_template,
+                    "model_name": loaded.model_name, "device": str(engine.target.device)}
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     audit = AuditConfig(fraction=args.audit_fraction, log_prompts=args.audit_log_prompts)  # checked before loading
-    llm = load(args)
-    loaded = llm.loaded
-    device = str(loaded.engine.target.device)
-    config = ServerConfig(model_name=args.served_model_name or loaded.model_name, api_key=args.api_key,
+    if args.engine_process and audit.fraction > 0:
+        raise ValueError("--audit-fraction needs the engine in the server's process: drop --engine-process")
+    engine, runner = None, None
+    if args.engine_process:
+        runner = ProcessRunner(functools.partial(serve_engine, args))
+        tokenizer, chat_template = runner.extras["tokenizer"], runner.extras["chat_template"]
+        model_name, device = runner.extras["model_name"], runner.extras["device"]
+    else:
+        engine, extras = serve_engine(args)
+        tokenizer, chat_template, model_name, device = (extras[k] for k in ("tokenizer", "chat_template",
+                                                                              "model_name", "device"))
+    config = ServerConfig(model_name=args.served_model_name or model_name, api_key=args.api_key,
                           warmup_tokens=args.warmup_tokens, device=device, max_body_bytes=args.max_body_bytes,
                           max_in_flight=args.max_in_flight, log_prompts=args.log_prompts,
                           audit=audit)
-    app = create_app(loaded.engine, loaded.checkpoint.tokenizer, loaded.checkpoint.chat_template, config)
+    app = create_app(engine, tokenizer, chat_template, config, runner=runner)
     print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1 ({device}); "
           "/health says ready after warm-up", file=sys.stderr)
     run_app(app, args.host, args.port, args.log_level)

@@ -32,6 +32,24 @@ def make_app(tokenizer: Any, engine: Engine | None = None, **config: Any):
     return create_app(engine, tokenizer, CHAT_TEMPLATE, ServerConfig(model_name=MODEL, warmup_tokens=2, **config))
 
 
+def tiny_engine_process(fail: str | None = None, **engine_kw: Any) -> tuple[Engine, dict[str, Any]]:
+    """An engine process's factory (gateway/engine_proc.py): make_app's engine and what the server needs besides.
+    Module-level, so a ``functools.partial`` of it pickles into the spawned process. ``fail``: raise instead."""
+    if fail is not None:
+        raise RuntimeError(fail)
+    tok = make_tokenizer()
+    engine = tiny_engine(vocab=len(tok), num_blocks=engine_kw.pop("num_blocks", 128), **engine_kw)
+    engine.tokenizer = tok
+    return engine, {"tokenizer": tok, "chat_template": CHAT_TEMPLATE, "model_name": MODEL, "device": "cpu"}
+
+
+def make_process_app(runner, **config: Any):
+    """The app over an engine process (``ProcessRunner``), configured as ``make_app``'s."""
+    extras = runner.extras
+    return create_app(None, extras["tokenizer"], extras["chat_template"],
+                      ServerConfig(model_name=MODEL, warmup_tokens=2, **config), runner=runner)
+
+
 @contextlib.asynccontextmanager
 async def asgi_client(app) -> AsyncIterator[httpx.AsyncClient]:
     """The app's lifespan (runner thread, warm-up) around an in-process client; for finite responses only."""

@@ -1,0 +1,130 @@
+"""The engine in a process of its own (gateway/engine_proc.py): the server's answers equal those of the engine
+thread, requests are aborted and failed across the pipe, and nothing is left open when the process goes."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+
+import orjson
+import pytest
+
+from draft.params import SpeculationParams
+from gateway.engine_proc import ProcessRunner
+from gateway.runner import ShuttingDown
+from gateway.audit import AuditConfig
+from gateway_util import asgi_client, make_app, make_process_app, make_tokenizer, tiny_engine_process
+from verify.sampling import SamplingParams
+
+BODIES = [
+    {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 12, "temperature": 0,
+     "ignore_eos": True},
+    {"model": "tiny", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 10, "temperature": 0,
+     "ignore_eos": True, "speculation": {"enabled": False}},
+    {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0.9,
+     "seed": 4, "n": 2, "ignore_eos": True, "speculation": {"drafter": "draft", "tree": [2, 1]}},
+]
+
+
+async def _answers(client) -> list:
+    out = []
+    for body in BODIES:
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        out.append([(c["message"]["content"], c["finish_reason"]) for c in r.json()["choices"]])
+        streamed = await client.post("/v1/chat/completions", json=body | {"stream": True, "n": 1})
+        lines = [ln[6:] for ln in streamed.text.splitlines() if ln.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        out.append("".join(c["choices"][0]["delta"].get("content") or "" for c in map(orjson.loads, lines[:-1])
+                           if c["choices"]))
+    r = await client.post("/v1/chat/completions", json=BODIES[0] | {"max_tokens": 10**6})
+    out.append((r.status_code, r.json()["error"]["message"]))  # Engine.add's refusal, from across the pipe
+    return out
+
+
+def test_answers_equal_the_engine_threads() -> None:
+    """Greedy and seeded sampled answers, streamed and whole, and a refusal: the same from an engine process
+    as from the engine thread; its metrics and stats are fed from the events, and its pools end whole."""
+    async def main(app):
+        async with asgi_client(app) as client:
+            got = await _answers(client)
+            models = (await client.get("/v1/models")).json()
+            metrics = (await client.get("/metrics")).text
+            stats = (await client.get("/v1/stats")).json()
+        return got, models, metrics, stats
+
+    want = asyncio.run(main(make_app(make_tokenizer())))
+    runner = ProcessRunner(functools.partial(tiny_engine_process))
+    got = asyncio.run(main(make_process_app(runner)))
+    assert not runner.process.is_alive() and runner.process.exitcode == 0  # the lifespan's shutdown stopped it
+    assert got[:2] == want[:2]  # answers, /v1/models
+    fed = ("specgate_accepted_length_count", "specgate_generation_tokens_total")  # per-step series, from the events
+    lines = [sorted(ln for ln in m.splitlines() if ln.startswith(fed)) for m in (got[2], want[2])]
+    assert lines[0] == lines[1] and len(lines[0]) >= 3
+    for stats in (got[3], want[3]):
+        assert stats["queue"] == {"waiting": 0, "running": 0} and stats["kv"]["used_blocks"] == 0
+        assert stats["kv"]["total_blocks"] == 128
+    assert got[3]["arms"].keys() == want[3]["arms"].keys()
+
+
+def test_abort_and_shutdown_cross_the_pipe() -> None:
+    runner = ProcessRunner(functools.partial(tiny_engine_process))
+
+    async def main():
+        app = make_process_app(runner)
+        async with asgi_client(app):
+            long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            a = await runner.submit("a", [5, 6, 7], long, SpeculationParams(enabled=False))
+            b = await runner.submit("b", [5, 6, 8], long, SpeculationParams(drafter="draft"))
+            await a.events.get()
+            runner.abort("a")
+            while not (ev := await a.events.get()).finished:
+                pass
+            assert ev.finish_reason == "abort"
+            # the lifespan's end shuts the engine process down: b ends aborted, not cut off
+        while not (ev := await b.events.get()).finished:
+            pass
+        assert ev.finish_reason == "abort" and ev.error == "the server is shutting down"
+        with pytest.raises(ShuttingDown):
+            await runner.submit("c", [1, 2], long, SpeculationParams())
+
+    asyncio.run(main())
+    assert runner.process.exitcode == 0
+
+
+def test_a_dead_engine_process_fails_open_requests_and_health() -> None:
+    runner = ProcessRunner(functools.partial(tiny_engine_process))
+
+    async def main():
+        app = make_process_app(runner)
+        async with asgi_client(app) as client:
+            sub = await runner.submit("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10**4, ignore_eos=True),
+                                      SpeculationParams())
+            await sub.events.get()
+            os.kill(runner.process.pid, signal.SIGKILL)
+            while not (ev := await sub.events.get()).finished:
+                pass
+            assert ev.finish_reason == "error" and ev.error == "the engine process exited"
+            health = await client.get("/health")
+            assert health.status_code == 503 and "engine failed" in health.json()["status"]
+            r = await client.post("/v1/chat/completions", json=BODIES[0])
+            assert r.status_code == 503
+
+    asyncio.run(main())
+
+
+def test_an_engine_that_cannot_start_is_named() -> None:
+    with pytest.raises(RuntimeError, match="failed to start: RuntimeError: no such model"):
+        ProcessRunner(functools.partial(tiny_engine_process, fail="no such model"))
+
+
+def test_the_audit_needs_the_engine_thread() -> None:
+    runner = ProcessRunner(functools.partial(tiny_engine_process))
+    try:
+        with pytest.raises(ValueError, match="audit"):
+            make_process_app(runner, audit=AuditConfig(fraction=0.5))
+    finally:
+        runner.shutdown()
+    assert runner.process.exitcode == 0
