@@ -2,7 +2,8 @@
 # What one session ran on the lent GPU (the device tool), stage by stage:
 #   bash bench/gpu_run.sh setup      install the wheels the GPU image lacks (carried in .whl/)
 #   bash bench/gpu_run.sh tests      the CUDA-only tests
-#   bash bench/gpu_run.sh profile    bench/step_profile.py: where a step's time goes (SmolLM2 shapes, random weights)
+#   bash bench/gpu_run.sh profile    bench/step_profile.py: where a step's time goes (SmolLM2 shapes, random weights;
+#                                    each tree also with host-copied trees: the deferred trees' A/B)
 #   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair, with the per-kernel profile and the INT4 picks
 #   bash bench/gpu_run.sh probe      bench/kernels/decode_probe.py (L2 flush modes, short-context splits) and attn_layout.py
 #   bash bench/gpu_run.sh int4       the INT4 matmul: CUDA tests, then bench/results/int4_matmul.json
@@ -41,7 +42,8 @@
 #   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
 #   bash bench/gpu_run.sh real       bench/engine.py's real pair
-#   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed
+#   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed (the engine in
+#                                    its own process, serve's default; SERVE_ARGS=--engine-thread for the engine thread)
 #   bash bench/gpu_run.sh structured bench/structured.py after `model`: JSON-schema output with grammar-forced
 #                                    chains on and off (needs llguidance: its wheel in .whl/)
 # Results go to $OUT (the device tool brings them back). Put the commit in the command text, as the host's
@@ -142,7 +144,7 @@ for stage in "$@"; do
       timeout "${STRUCTURED_TIMEOUT:-300}" python bench/structured.py --batch 8 --max-tokens 128 \
         --out "$OUT/structured_gpu.json" 2>&1 | tail -12 ;;
     load)  # bench/results/load_gpu.json: this stage, after `model`, within one call of ~160 s
-      python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-auto}" \
+      python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-auto}" ${SERVE_ARGS:-} \
         --num-blocks 4096 --max-running 64 --max-waiting 512 --capture-graphs --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
       server=$!
       for _ in $(seq 150); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
@@ -159,7 +161,7 @@ for stage in "$@"; do
       kill $server; wait $server 2>/dev/null; tail -5 "$OUT/serve.log"
       # the same load with speculation off everywhere: the reference for the off arm's per-token latency
       # in a speculating batch (the load issue allows it 5% more)
-      python -m gateway serve --device cuda --dtype bfloat16 --draft none --num-blocks 4096 --max-running 64 \
+      python -m gateway serve --device cuda --dtype bfloat16 --draft none ${SERVE_ARGS:-} --num-blocks 4096 --max-running 64 \
         --max-waiting 512 --capture-graphs --port 8124 --log-level warning > "$OUT/serve_off.log" 2>&1 &
       server=$!
       for _ in $(seq 120); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done

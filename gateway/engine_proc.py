@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -106,6 +107,9 @@ class _ChildRunner(EngineRunner):
 
 def _child_main(factory: Callable[[], tuple[Engine, dict[str, Any]]], commands, out) -> None:
     """The engine process: build, say ready (or why not), then serve commands until told to stop."""
+    # A terminal's Ctrl-C reaches the whole process group: the server drains and tells this process to stop
+    # (or closes the pipe); a KeyboardInterrupt here would cut the streams short instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine, extras = factory()
     except BaseException as exc:  # noqa: BLE001 -- the server reports it and exits

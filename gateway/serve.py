@@ -44,9 +44,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-tokens", type=int, default=4, help="tokens generated before /health says ready")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--config", default=None, help="JSON or TOML file of option values (flags override it)")
-    p.add_argument("--engine-process", action="store_true",
-                   help="run the engine in a process of its own, so that its steps and the streams' Python do not "
-                        "share one interpreter lock (gateway/engine_proc.py); not with --audit-fraction")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--engine-process", dest="engine_process", action="store_true", default=True,
+                       help="run the engine in a process of its own (the default), so that its steps and the "
+                            "streams' Python do not share one interpreter lock (gateway/engine_proc.py)")
+    where.add_argument("--engine-thread", dest="engine_process", action="store_false",
+                       help="run the engine in a thread of the server's process (the audit needs it)")
 
 
 def read_config(path: str, options: argparse.ArgumentParser) -> dict[str, Any]:
@@ -115,10 +118,10 @@ def serve_engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     audit = AuditConfig(fraction=args.audit_fraction, log_prompts=args.audit_log_prompts)  # checked before loading
-    if args.engine_process and audit.fraction > 0:
-        raise ValueError("--audit-fraction needs the engine in the server's process: drop --engine-process")
     engine, runner = None, None
-    if args.engine_process:
+    if args.engine_process and audit.fraction > 0:  # its replays run between the engine's steps, in its thread
+        print("the audit runs the engine in the server's process (--engine-thread)", file=sys.stderr)
+    elif args.engine_process:
         runner = ProcessRunner(functools.partial(serve_engine, args))
         tokenizer, chat_template = runner.extras["tokenizer"], runner.extras["chat_template"]
         model_name, device = runner.extras["model_name"], runner.extras["device"]

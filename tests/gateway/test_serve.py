@@ -63,12 +63,13 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_serve_command_drains_on_signal_with_a_stream_open(model_dir: Path, sig: signal.Signals) -> None:
+@pytest.mark.parametrize("engine", ["--engine-thread", "--engine-process"])
+def test_serve_command_drains_on_signal_with_a_stream_open(model_dir: Path, sig: signal.Signals, engine: str) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "gateway", "serve", "--model", str(model_dir), "--quantize", "none",
-           "--port", str(port), "--num-blocks", "64", "--log-level", "warning"]
+           "--port", str(port), "--num-blocks", "64", "--log-level", "warning", engine]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_healthy(url, proc)
