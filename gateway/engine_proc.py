@@ -113,6 +113,7 @@ def _child_main(factory: Callable[[], tuple[Engine, dict[str, Any]]], commands, 
     try:
         engine, extras = factory()
     except BaseException as exc:  # noqa: BLE001 -- the server reports it and exits
+        log.exception("the engine could not be built")  # the whole traceback, on the server's stderr
         out.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     out.send(("ready", EngineInfo.of(engine), extras))
@@ -223,6 +224,13 @@ class ProcessRunner:
         arrive while the loop runs) and exits."""
         self._stopping = True
         self._post(("shutdown", None))
+        if self._loop is None or self._loop.is_closed():  # no loop reads the pipe: drain it here
+            try:
+                while not self._stopped.is_set() and self._out.poll(timeout):
+                    if self._out.recv()[0] == "stopped":
+                        self._stopped.set()
+            except (EOFError, OSError):
+                pass
         self._stopped.wait(timeout)
         self.process.join(timeout)
         if self.process.is_alive():
