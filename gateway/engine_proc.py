@@ -199,6 +199,8 @@ class ProcessRunner:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         loop.add_reader(self._out.fileno(), self._readable)
+        # the process's end, whatever else may hold its pipe open: its sentinel becomes readable when it exits
+        loop.add_reader(self.process.sentinel, self._readable)
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      speculation: SpeculationParams, record: bool = True,
@@ -245,10 +247,19 @@ class ProcessRunner:
                 pass
 
     def _readable(self) -> None:
+        if self._stopped.is_set():
+            return
         try:
             while self._out.poll():
-                self._dispatch(self._out.recv())
+                msg = self._out.recv()
+                try:
+                    self._dispatch(msg)
+                except Exception:  # noqa: BLE001 -- one bad message must not stop the others' delivery
+                    log.exception("engine message %r could not be delivered", msg[0])
         except (EOFError, OSError):
+            self._lost()
+            return
+        if not self.process.is_alive() and not self._stopped.is_set():  # exited with its pipe still open
             self._lost()
 
     def _dispatch(self, msg: tuple) -> None:
@@ -309,4 +320,5 @@ class ProcessRunner:
     def _closed(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._out.fileno())
+            self._loop.remove_reader(self.process.sentinel)
         self._stopped.set()

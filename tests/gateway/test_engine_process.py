@@ -44,6 +44,11 @@ async def _answers(client) -> list:
     return out
 
 
+async def _next(sub):
+    """A submission's next event, or a failure rather than a hang."""
+    return await asyncio.wait_for(sub.events.get(), timeout=60)
+
+
 def test_answers_equal_the_engine_threads() -> None:
     """Greedy and seeded sampled answers, streamed and whole, and a refusal: the same from an engine process
     as from the engine thread; its metrics and stats are fed from the events, and its pools end whole."""
@@ -78,13 +83,13 @@ def test_abort_and_shutdown_cross_the_pipe() -> None:
             long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
             a = await runner.submit("a", [5, 6, 7], long, SpeculationParams(enabled=False))
             b = await runner.submit("b", [5, 6, 8], long, SpeculationParams(drafter="draft"))
-            await a.events.get()
+            assert not (await _next(a)).finished
             runner.abort("a")
-            while not (ev := await a.events.get()).finished:
+            while not (ev := await _next(a)).finished:
                 pass
             assert ev.finish_reason == "abort"
             # the lifespan's end shuts the engine process down: b ends aborted, not cut off
-        while not (ev := await b.events.get()).finished:
+        while not (ev := await _next(b)).finished:
             pass
         assert ev.finish_reason == "abort" and ev.error == "the server is shutting down"
         with pytest.raises(ShuttingDown):
@@ -102,9 +107,10 @@ def test_a_dead_engine_process_fails_open_requests_and_health() -> None:
         async with asgi_client(app) as client:
             sub = await runner.submit("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10**4, ignore_eos=True),
                                       SpeculationParams())
-            await sub.events.get()
+            first = await _next(sub)
+            assert not first.finished, first.error  # the engine process is alive and stepping
             os.kill(runner.process.pid, signal.SIGKILL)
-            while not (ev := await sub.events.get()).finished:
+            while not (ev := await _next(sub)).finished:
                 pass
             assert ev.finish_reason == "error" and ev.error == "the engine process exited"
             health = await client.get("/health")
