@@ -56,6 +56,12 @@ class Event:
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., on the first event, when asked
 
+    def __reduce__(self):
+        # positional: dataclasses' slots state calls fields() per object, which made unpickling the larger
+        # part of an engine process's message (gateway/engine_proc.py)
+        return Event, (self.token_ids, self.finished, self.finish_reason, self.stats, self.error,
+                       self.completion_tokens, self.time, self.logprobs, self.prompt_logprobs)
+
 
 @dataclass(slots=True)
 class Submission:

@@ -33,6 +33,11 @@ class SpecStats:
     verified_nodes: int = 0  # tree nodes the target scored in decode steps, roots included
     accepted_by_rank: list[int] = field(default_factory=list)  # accepted drafts that were their parent's r-th child
 
+    def __reduce__(self):
+        # positional, not dataclasses' slots state: an engine process sends one per event (gateway/engine_proc.py)
+        return SpecStats, (self.steps, self.drafted_tokens, self.accepted_tokens, self.accepted_by_depth,
+                           self.verified_nodes, self.accepted_by_rank)
+
     def record(self, num_nodes: int, parents: list[int], nodes: list[int]) -> None:
         """One decode step: a tree of ``num_nodes`` nodes (``parents`` as in ``TokenTree``; may be empty when
         nothing was accepted) was verified and ``nodes`` (root first) is the accepted path."""
