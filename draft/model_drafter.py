@@ -14,7 +14,7 @@ import torch
 
 from draft.base import DraftRequest, TreeBuilder, expand_all
 from draft.tree import MAX_TREE_NODES, TokenTree, mask_to_bits, template_depths
-from draft.tree_loop import GreedyTreeLoop
+from draft.tree_loop import GreedyTreeLoop, is_narrowing
 from draft.vocab import full_vocab
 from target.batch import Segment, build_batch
 from target.graphs import CudaGraphRunner
@@ -100,13 +100,16 @@ class ModelDrafter:
             tables = [self._tables[reqs[i].seq_id] for i in greedy]
             ctxs = [reqs[i].context_len for i in greedy]
             root_h = None if roots is None else roots[greedy]
-            if all(reqs[i].defer and reqs[i].widths == W[: len(reqs[i].widths)] for i in greedy):
-                # Every tree is the grown one or its first levels: no host copy here. The target's batch
-                # reads the nodes on the device, and the caller's host copy of the step brings them back.
-                rows, bits = self.loop.grow_on_device(logits[greedy], ctxs, tables, W, root_h)
+            if all(reqs[i].defer and is_narrowing(reqs[i].widths, W) for i in greedy):
+                # Every tree is the grown one's first levels, the last perhaps narrower (the budget's depth cuts,
+                # probes, the verify cap's trims): cut on the device, no host copy here. The target's batch reads
+                # the nodes there, and the caller's host copy of the step brings them back.
+                rows, bits = self.loop.grow_on_device(logits[greedy], ctxs, tables, W, root_h,
+                                                      [reqs[i].widths for i in greedy])
                 for g, i in enumerate(greedy):
                     n = 1 + sum(reqs[i].widths)
-                    self._fed.pop(reqs[i].seq_id, None)  # a tree's first levels keep the loop's node numbers
+                    # the nodes the draft fed (all but the deepest level) keep the loop's numbers: no map needed
+                    self._fed.pop(reqs[i].seq_id, None)
                     trees[i] = TokenTree.deferred(reqs[i].token_ids[-1], template_depths(reqs[i].widths),
                                                   rows[:, g, 1:n], bits[g, 1:n])
             else:

@@ -119,12 +119,40 @@ class GreedyTreeLoop:
 
     def grow_on_device(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable],
                        widths: tuple[int, ...], root_hidden: torch.Tensor | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       cuts: list[tuple[int, ...]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``grow`` with no host copy: ``[2, G, N]`` int64 tokens and parents (node 0's token left 0) and
         ``[G, N]`` int64 ancestor bits in the target's format (bit ``i`` = node ``i``, the root's included),
-        on the device and the caller's own (a graph's outputs are overwritten by its next replay)."""
+        on the device and the caller's own (a graph's outputs are overwritten by its next replay).
+
+        ``cuts[g]``: the widths sequence ``g`` asked for, each ``widths``' first levels but the last, which may
+        be narrower (``is_narrowing``): its first ``1 + sum(cuts[g])`` nodes are then that tree, the last
+        level's best nodes by cumulative log-probability in their order -- what ``prune_tree`` keeps."""
         out, bits = self._run(root_logits, ctxs, tables, widths, root_hidden)
-        return out[:2].long(), target_bits(bits)
+        rows, bits = out[:2].long(), target_bits(bits)
+        narrowed: dict[int, list[tuple[int, int]]] = {}  # level -> (sequence, nodes kept there)
+        for g, w in enumerate(cuts or ()):
+            if w[-1] < widths[len(w) - 1]:
+                narrowed.setdefault(len(w), []).append((g, w[-1]))
+        for level, keep in narrowed.items():
+            self._keep_best(rows, bits, out[2], self._plan(len(ctxs), widths).levels[level], keep)
+        return rows, bits
+
+    def _keep_best(self, rows: torch.Tensor, bits: torch.Tensor, cum: torch.Tensor, span: tuple[int, int],
+                   keep: list[tuple[int, int]]) -> None:
+        """In place: move the best ``k`` nodes of level ``span`` = [lo, hi) by cumulative log-probability (ties
+        to the earlier node, as a stable sort) to the level's front, in their order, for each (sequence, k) of
+        ``keep``; their ancestor bits follow their new indices. Their parents lie above the level: unmoved."""
+        lo, hi = span
+        g = torch.tensor([q for q, _ in keep], device=self.device)
+        k = torch.tensor([n for _, n in keep], device=self.device)
+        idx = torch.arange(hi - lo, device=self.device)
+        order = cum[g, lo:hi].float().sort(dim=1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, idx.expand_as(order))
+        front = ((rank >= k[:, None]).long() * (hi - lo) + idx).argsort(dim=1) + lo  # kept first, in index order
+        moved = rows[:, g].gather(2, front.expand(2, -1, -1))  # [2, r, hi - lo]
+        rows[:, g, lo:hi] = moved
+        own = target_bits(torch.tensor([1 << (i - 1) for i in range(lo, hi)], device=self.device)) ^ 1  # bit i
+        bits[g, lo:hi] = bits[g].gather(1, moved[1]) | own
 
     def _run(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable], widths: tuple[int, ...],
              root_hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,6 +379,13 @@ class GreedyTreeLoop:
             out = self._levels(plan, static)
         self._graphs[key] = (graph, static, out)
         return self._graphs[key]
+
+
+def is_narrowing(asked: tuple[int, ...], widths: tuple[int, ...]) -> bool:
+    """``asked`` is ``widths``' first levels, the last of them possibly narrower: a tree ``grow_on_device`` cuts
+    from the grown one on the device (``cuts``), node for node as ``prune_tree`` would."""
+    n = len(asked)
+    return 0 < n <= len(widths) and asked[:-1] == widths[: n - 1] and asked[-1] <= widths[n - 1]
 
 
 def target_bits(bits: torch.Tensor) -> torch.Tensor:

@@ -275,16 +275,19 @@ def _resolved(tree):
     return bits
 
 
-@pytest.mark.parametrize("widths", [(2, 2, 1), (9, 9, 9, 9, 9, 9, 9)])
-def test_deferred_trees_equal_host_trees_and_carry_the_targets_bits(widths):
-    """Deferred requests get the loop's trees without a host copy; resolved they equal the host path's trees,
-    and their device bits are ``ancestor_bits``' (the 63-node template puts node 63 on int64's sign bit).
-    Requests asking for the first levels of the union template are its prefixes, deferred too."""
+@pytest.mark.parametrize("shapes", [
+    [(2, 2, 1), (2, 2), (2,), (2, 2, 1)],  # the union template and its first levels
+    [(9,) * 7, (9, 9), (9,), (9,) * 7],  # 63 nodes: node 63's bit is int64's sign bit
+    [(3, 3, 2), (3, 1), (2,), (3, 3, 1), (1,)],  # last levels narrower: cut on the device
+    [(4, 4, 4, 4), (4, 4, 4, 1), (4, 4, 2), (4, 4, 4, 3)],
+])
+def test_deferred_trees_equal_host_trees_and_carry_the_targets_bits(shapes):
+    """Deferred requests get the loop's trees without a host copy; resolved they equal the host path's trees
+    (``prune_tree`` for the narrower ones), and their device bits are ``ancestor_bits``'."""
     engine = tiny_engine(num_blocks=256, page_size=4, vocab=512)
     drafter = engine.drafters["draft"]
     gen = torch.Generator()
-    shapes = [widths, widths[:2], widths[:1], widths]
-    reqs = [DraftRequest(f"s{i}", [(5 * j + i) % 500 + 3 for j in range(6 + 2 * i)], w,
+    reqs = [DraftRequest(f"s{i}", [(5 * j + 3 * i) % 500 + 3 for j in range(6 + 2 * i)], w,
                          SamplingParams(temperature=0), gen, defer=True) for i, w in enumerate(shapes)]
     free = drafter.cache.pool.num_free
     got = {}
@@ -302,8 +305,8 @@ def test_deferred_trees_equal_host_trees_and_carry_the_targets_bits(widths):
 
 
 def test_a_tree_cut_from_the_union_is_built_on_the_host():
-    """A request whose widths are not the first levels of the union template is cut from it by cumulative
-    log-probability on the host: its step copies the trees back, deferred or not."""
+    """A request whose widths are narrower above its last level than the union template's is cut from it by
+    cumulative log-probability on the host: its step copies the trees back, deferred or not."""
     engine = tiny_engine(num_blocks=128, page_size=4, vocab=512)
     drafter = engine.drafters["draft"]
     gen = torch.Generator()
