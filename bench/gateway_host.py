@@ -177,7 +177,8 @@ def main() -> None:
              **{f"chunks_per_s_{a}": round(best[a][n][1]) for a in names}} for n in levels]
     if len(names) == 2:
         for row in rows:
-            row["tokens_ratio_last_over_first"] = round(row[f"tokens_per_s_{names[1]}"] / row[f"tokens_per_s_{names[0]}"], 2)
+            first, last = (row[f"tokens_per_s_{a}"] for a in names)
+            row["tokens_ratio_last_over_first"] = round(last / first, 2)
     for row in rows:
         print(row)
     if args.out:

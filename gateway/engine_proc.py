@@ -34,7 +34,7 @@ from typing import Any, Callable
 from draft.params import SpeculationParams
 from gateway.engine import Engine, EngineConfig
 from gateway.metrics import Metrics
-from gateway.runner import (Event, EngineRunner, ShuttingDown, Submission, _Live, engine_load, observe_load,
+from gateway.runner import (Event, EngineRunner, ShuttingDown, Submission, _Live, added, engine_load, observe_load,
                             observe_step)
 from gateway.sequence import SpecStats
 from gateway.stats import StatsStore
@@ -211,11 +211,7 @@ class ProcessRunner:
         future: asyncio.Future[Submission] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, record)
         self._post(("add", (request_id, prompt_ids, sampling, speculation, record, prefix_of)))
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self.abort(request_id)  # the add may have landed; nobody will read its events
-            raise
+        return await added(future, request_id, self.abort)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (idempotent, any thread)."""

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from draft.params import SpeculationParams
 from gateway.audit import REPLAY_PRIORITY, Auditor, Replay
@@ -116,11 +116,7 @@ class EngineRunner:
         ``prefix_of``: as ``Engine.add``'s (a sibling choice reuses that request's prompt KV)."""
         future: asyncio.Future[Submission] = asyncio.get_running_loop().create_future()
         self._post("add", (future, request_id, prompt_ids, sampling, speculation, record, prefix_of))
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self.abort(request_id)  # the add may have landed; nobody will read its events
-            raise
+        return await added(future, request_id, self.abort)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (idempotent, any thread); its blocks free before the next step."""
@@ -335,6 +331,16 @@ class EngineRunner:
         outputs = self._fail_all("the server is shutting down", reason="abort")
         self._deliver(outputs)
         self._publish_load()
+
+
+async def added(future: asyncio.Future[Submission], request_id: str, abort: Callable[[str], None]) -> Submission:
+    """An add's outcome. A caller cancelled while waiting aborts the request: the add may have landed, and
+    nobody will read its events."""
+    try:
+        return await future
+    except asyncio.CancelledError:
+        abort(request_id)
+        raise
 
 
 def observe_step(metrics: Metrics | None, stats: StatsStore | None, arm: Arm, delta: SpecStats, new_tokens: list[int],

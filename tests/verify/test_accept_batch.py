@@ -39,12 +39,18 @@ def _penalties(trees: list[TokenTree]) -> list[tuple[torch.Tensor | None, torch.
     return [(None, None)] * (len(trees) - 1) + [(prompt, counts)]
 
 
-def test_batch_equals_one_by_one_for_every_path() -> None:
-    g = torch.Generator().manual_seed(0)
-    trees, params = _trees(g), _params()
+def _starts(trees: list[TokenTree]) -> list[int]:
+    """Each tree's first row in a step's logits, and the end."""
     starts = [0]
     for t in trees:
         starts.append(starts[-1] + t.num_nodes)
+    return starts
+
+
+def test_batch_equals_one_by_one_for_every_path() -> None:
+    g = torch.Generator().manual_seed(0)
+    trees, params = _trees(g), _params()
+    starts = _starts(trees)
     for trial in range(20):
         logits = torch.randn(starts[-1], V, generator=g) * 3
         # plant agreement so greedy walks go deep on some trials
@@ -98,9 +104,7 @@ def test_deferred_trees_resolve_in_the_one_host_copy() -> None:
     host, and every other sequence's result unchanged."""
     g = torch.Generator().manual_seed(1)
     trees, params = _trees(g), _params()
-    starts = [0]
-    for t in trees:
-        starts.append(starts[-1] + t.num_nodes)
+    starts = _starts(trees)
     for trial in range(10):
         logits = torch.randn(starts[-1], V, generator=g) * 3
         logits[starts[0], trees[0].host()[0][1]] += 20 * (trial % 2)  # some walks go deep
