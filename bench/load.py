@@ -134,6 +134,7 @@ def summarize(results: list[Result], arm: str, wall_s: float) -> dict:
         "first_error": next((r.error for r in mine if r.error), None),
         "tokens": tokens, "share_tokens_per_s": round(tokens / wall_s, 3),  # this arm's part of the level's
         "request_tokens_per_s": percentiles([r.tokens / r.e2e_s for r in ok]),  # what one client sees
+        "request_rates": [round(r.tokens / r.e2e_s, 3) for r in ok],  # each request's, for ab_rows' interval
         "mean_accepted_length": round(sum(lengths) / len(lengths), 4) if lengths else None,
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_s": percentiles([x for r in ok for x in r.itl_s]),
@@ -198,11 +199,29 @@ async def bench(args: argparse.Namespace) -> dict:
     return report
 
 
+def ratio_interval(on: list[float], off: list[float], draws: int = 2000, seed: int = 0) -> list[float] | None:
+    """A 95% interval for p50(on) / p50(off): each arm's requests resampled with replacement, ``draws``
+    times (percentile bootstrap, seeded). With 8 requests an arm, one run's ratio alone says little: the
+    H200 read 1.037 and 0.936 for the same level in two runs (load_gpu.json, load_gpu_871c0a3.json)."""
+    if not on or not off:
+        return None
+    rng = random.Random(seed)
+
+    def p50(v: list[float]) -> float:
+        v = sorted(v)
+        return v[max(0, math.ceil(0.5 * len(v)) - 1)]  # the nearest rank, as ``percentiles``
+
+    ratios = sorted(p50(rng.choices(on, k=len(on))) / p50(rng.choices(off, k=len(off))) for _ in range(draws))
+    return [round(ratios[int(0.025 * draws)], 3), round(ratios[int(0.975 * draws) - 1], 3)]
+
+
 def ab_rows(levels: list[dict]) -> list[dict]:
     """The on/off table per level: one client's tokens/s (p50 over requests of tokens / end-to-end time;
     the arms share batches, so their ratio is speculation's gain at that load, first-token waits included),
     p50 time per output token and its off/on ratio (the decode speed-up alone, which a few first-token
-    stalls cannot sway at small request counts), p99 time to first token. ``ratio_mean`` is the same
+    stalls cannot sway at small request counts), p99 time to first token. ``ratio_ci95``: a bootstrap interval
+    for ``ratio`` over the arms' requests (``ratio_interval``), so that a level's verdict says whether its
+    requests settle it. ``ratio_mean`` is the same
     ratio over mean rates: when a level queues for admission, the rates split into requests that waited
     and requests that did not, and the p50 can fall on either side in either arm (the H200 at a5ef89b:
     0.485 at concurrency 64 by p50, 0.95 by means, equal TPOT -- load_gpu_a5ef89b.json)."""
@@ -215,6 +234,8 @@ def ab_rows(levels: list[dict]) -> list[dict]:
         a, b = on["request_tokens_per_s"]["p50"], off["request_tokens_per_s"]["p50"]
         rows.append({"concurrency": level["concurrency"], "spec_tok_s": a, "nospec_tok_s": b,
                      "ratio": round(a / b, 3) if a and b else None,
+                     # None for files written before the requests' rates were kept
+                     "ratio_ci95": ratio_interval(on.get("request_rates", []), off.get("request_rates", [])),
                      "ratio_mean": (round(on["request_tokens_per_s"]["mean"] / off["request_tokens_per_s"]["mean"], 3)
                                     if on["request_tokens_per_s"]["mean"] and off["request_tokens_per_s"]["mean"] else None),
                      "p50_tpot_ms_on": ms(on["tpot_s"]["p50"]), "p50_tpot_ms_off": ms(off["tpot_s"]["p50"]),
@@ -256,6 +277,8 @@ def print_table(report: dict) -> None:
             rate = s["request_tokens_per_s"]["p50"] or 0.0
             print(f"{level['concurrency']:>4} {name:>8} {s['requests']:>4} {rate:>9.2f} {acc:>7}  "
                   + "  ".join(f"{c:>24}" for c in cells))
+    for row in report.get("rows", []):
+        print(f"{row['concurrency']:>4} on/off p50 ratio {row['ratio']}, 95% interval {row['ratio_ci95']}")
 
 
 def plot(report: dict, path: Path) -> None:

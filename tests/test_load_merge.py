@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from load import ratio_interval  # noqa: E402
 from load_merge import merge  # noqa: E402
 
 
@@ -50,3 +52,16 @@ def test_merge_refuses_parts_of_different_commits() -> None:
     b = _report("def", [(4, {"on": _arm(1.0, 0.1, 1.0), "off": _arm(1.0, 0.1, 1.0)})])
     with pytest.raises(SystemExit, match="different commits"):
         merge([a, b], None, None, [])
+
+
+def test_ratio_interval_brackets_the_ratio_and_narrows_with_more_requests() -> None:
+    assert ratio_interval([], [1.0]) is None
+    assert ratio_interval([4.0] * 8, [2.0] * 8) == [2.0, 2.0]  # no spread: the ratio itself
+    rng = random.Random(1)
+    off = [rng.gauss(100, 15) for _ in range(8)]
+    on = [x * 1.5 for x in off]
+    lo, hi = ratio_interval(on, off)
+    assert lo < 1.5 < hi  # eight requests an arm: a wide interval around the ratio
+    many_off = [rng.gauss(100, 15) for _ in range(128)]
+    lo2, hi2 = ratio_interval([x * 1.5 for x in many_off], many_off)
+    assert lo2 < 1.5 < hi2 and hi2 - lo2 < hi - lo and lo2 > 1.0  # 128: narrow, and clear of 1
