@@ -163,6 +163,8 @@ def test_load_bench_reports_every_arm(tokenizer, tmp_path) -> None:
         assert row["ratio"] == round(on["request_tokens_per_s"]["p50"] / off["request_tokens_per_s"]["p50"], 3)
         assert row["p99_ttft_ms_off"] == round(off["ttft_s"]["p99"] * 1e3, 2)
         assert row["tpot_ratio_off_over_on"] == round(off["tpot_s"]["p50"] / on["tpot_s"]["p50"], 3)
+        lo, hi = row["ratio_ci95"]  # two requests an arm: the interval holds the ratio, however wide
+        assert len(on["request_rates"]) == 2 and lo <= row["ratio"] <= hi
 
 
 def test_openai_sdk_logprobs_batches_and_structured_output(live) -> None:
