@@ -66,20 +66,25 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
     tails: list[torch.Tensor] = []  # device tails, tokens then bits of each
     tail_rows: list[int] = []  # the rows they go to
     for s in segments:
-        n = len(s.tokens)
-        end = s.context_len + n
-        s.table.ensure(end)
-        cache.make_writable(s.table, s.context_len, end)
+        n, ctx, table = len(s.tokens), s.context_len, s.table
+        end = ctx + n
+        table.ensure(end)
+        cache.make_writable(table, ctx, end)
         base = query_start[-1]
         if s.device_tail is not None:
             tails += s.device_tail
             tail_rows += range(base + n - s.device_tail[0].shape[0], base + n)
         tokens += s.tokens
-        positions += s.positions if s.positions is not None else range(s.context_len, end)
-        slots += s.table.slots(s.context_len, end)
-        bits += s.mask_bits if s.mask_bits is not None else [0] * n
-        rows = {"all": range(base, base + n), "last": range(base + n - 1, base + n) if n else (), "none": ()}[s.logits]
-        logit_rows += rows
+        positions += s.positions if s.positions is not None else range(ctx, end)
+        slots += table.slots(ctx, end)
+        if any_bits:  # a batch of causal segments packs no bits at all
+            bits += s.mask_bits if s.mask_bits is not None else [0] * n
+        if s.logits == "all":
+            logit_rows += range(base, base + n)
+        elif s.logits == "last" and n:
+            logit_rows.append(base + n - 1)
+        elif s.logits not in ("last", "none"):
+            raise ValueError(f"Segment.logits must be 'all', 'last' or 'none', got {s.logits!r}")
         query_start.append(base + n)
         logits_start.append(len(logit_rows))
     max_blocks = max((len(s.table.blocks) for s in segments), default=0) or 1

@@ -25,6 +25,11 @@ BODIES = [
      "ignore_eos": True, "speculation": {"enabled": False}},
     {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0.9,
      "seed": 4, "n": 2, "ignore_eos": True, "speculation": {"drafter": "draft", "tree": [2, 1]}},
+    # logprobs cross the pipe pickled; a grammar's matcher lives in the engine process, over its own tokenizer
+    {"model": "tiny", "messages": [{"role": "user", "content": "Ok?"}], "max_tokens": 40, "temperature": 0,
+     "logprobs": True, "top_logprobs": 2, "speculation": {"drafter": "draft", "tree": [2, 1]},
+     "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+         "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}},
 ]
 
 
@@ -33,7 +38,7 @@ async def _answers(client) -> list:
     for body in BODIES:
         r = await client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
-        out.append([(c["message"]["content"], c["finish_reason"]) for c in r.json()["choices"]])
+        out.append([(c["message"]["content"], c["finish_reason"], c.get("logprobs")) for c in r.json()["choices"]])
         streamed = await client.post("/v1/chat/completions", json=body | {"stream": True, "n": 1})
         lines = [ln[6:] for ln in streamed.text.splitlines() if ln.startswith("data: ")]
         assert lines[-1] == "[DONE]"
@@ -65,6 +70,8 @@ def test_answers_equal_the_engine_threads() -> None:
     got = asyncio.run(main(make_process_app(runner)))
     assert not runner.process.is_alive() and runner.process.exitcode == 0  # the lifespan's shutdown stopped it
     assert got[:2] == want[:2]  # answers, /v1/models
+    text, _, logprobs = got[0][6][0]  # the constrained body's whole answer
+    assert isinstance(orjson.loads(text)["ok"], bool) and len(logprobs["content"]) > 0
     fed = ("specgate_accepted_length_count", "specgate_generation_tokens_total")  # per-step series, from the events
     lines = [sorted(ln for ln in m.splitlines() if ln.startswith(fed)) for m in (got[2], want[2])]
     assert lines[0] == lines[1] and len(lines[0]) >= 3
