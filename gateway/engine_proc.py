@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import pickle
 import signal
 import threading
 import time
@@ -93,7 +94,10 @@ class _ChildRunner(EngineRunner):
 
     def _settled(self, future: Any, request_id: str, sub: Submission | None, exc: BaseException | None) -> None:
         fields = None if sub is None else (sub.is_speculative, sub.prompt_tokens, sub.arm)
-        self.put(("settled", request_id, fields, exc))
+        try:
+            self.put(("settled", request_id, fields, exc))
+        except (pickle.PicklingError, TypeError, AttributeError):  # an exception that cannot cross: its text can
+            self.put(("settled", request_id, None, RuntimeError(f"{type(exc).__name__}: {exc}")))
 
     def _send(self, batch: list[tuple[_Live, Event]]) -> None:
         self.put(("events", [(live.request_id, event) for live, event in batch], self._load, self.engine.healthy))
@@ -134,6 +138,8 @@ def _child_main(factory: Callable[[], tuple[Engine, dict[str, Any]]], commands, 
                     runner._settled(None, payload[1], None, exc)
         except (EOFError, OSError):  # the server is gone: stop as on shutdown
             pass
+        except Exception:  # noqa: BLE001 -- a command that cannot be read: stop rather than serve deaf
+            log.exception("engine command could not be read: stopping")
         with runner._cond:
             runner._stopping = True
             runner._cond.notify()

@@ -37,9 +37,17 @@ def tiny_engine_process(fail: str | None = None, **engine_kw: Any) -> tuple[Engi
     Module-level, so a ``functools.partial`` of it pickles into the spawned process. ``fail``: raise instead."""
     if fail is not None:
         raise RuntimeError(fail)
+    refuse = engine_kw.pop("refuse", None)  # every add raises an exception that cannot be pickled, with this text
     tok = make_tokenizer()
     engine = tiny_engine(vocab=len(tok), num_blocks=engine_kw.pop("num_blocks", 128), **engine_kw)
     engine.tokenizer = tok
+    if refuse is not None:
+        class Unpicklable(Exception):  # a local class: pickle cannot name it
+            pass
+
+        def add(*args, **kw):
+            raise Unpicklable(refuse)
+        engine.add = add
     return engine, {"tokenizer": tok, "chat_template": CHAT_TEMPLATE, "model_name": MODEL, "device": "cpu"}
 
 

@@ -128,6 +128,19 @@ def test_a_dead_engine_process_fails_open_requests_and_health() -> None:
     asyncio.run(main())
 
 
+def test_an_add_refused_with_an_exception_pickle_cannot_name_still_answers() -> None:
+    runner = ProcessRunner(functools.partial(tiny_engine_process, refuse="no room for you"))
+
+    async def main():
+        runner.start(asyncio.get_running_loop())
+        with pytest.raises(RuntimeError, match="Unpicklable: no room for you"):
+            await asyncio.wait_for(runner.submit("a", [1, 2], SamplingParams(), SpeculationParams()), timeout=60)
+        await asyncio.to_thread(runner.shutdown)
+
+    asyncio.run(main())
+    assert runner.process.exitcode == 0
+
+
 def test_an_engine_that_cannot_start_is_named() -> None:
     with pytest.raises(RuntimeError, match="failed to start: RuntimeError: no such model"):
         ProcessRunner(functools.partial(tiny_engine_process, fail="no such model"))
