@@ -24,6 +24,10 @@ on repetitive text for the draft's whole cost, which on a launch-bound target is
 The model drafter's KV state covers only its own nodes: ``commit`` hands it the model's tree and the
 accepted path cut at the first grafted node; the accepted tokens past the cut are uncached for the
 model and its next catch-up feeds them.
+
+A model tree still on the device (``TokenTree.deferred``: the engine reads it once, with the acceptance)
+cannot be merged with: the chain is appended after it as a branch of its own (``TokenTree.with_chains``),
+and greedy verification takes the deeper of a node's twin children.
 """
 
 from __future__ import annotations
@@ -55,18 +59,25 @@ class HybridDrafter:
                 asks.append(replace(r, widths=()))  # the chain alone: the model gives a root-only tree
                 self.lookup_only += 1
             else:
-                # a graft walks the model's tree on the host: only a tree with none may come back deferred
-                asks.append(replace(r, widths=cut_widths(r.widths, sum(map(len, c))), defer=r.defer and not c))
+                asks.append(replace(r, widths=cut_widths(r.widths, sum(map(len, c)))))
         trees = []
         for r, c, tree in zip(reqs, conts, self.draft.propose(asks)):
             self._model_trees[r.seq_id] = tree
-            trees.append(graft_chains(tree, c) if c else tree)
+            if not c:
+                trees.append(tree)
+            elif tree.pending is not None:  # still on the device: the chain rides after it, unmerged
+                trees.append(tree.with_chains(c))
+            else:
+                trees.append(graft_chains(tree, c))
         return trees
 
     def commit(self, seq_id: str, tree: TokenTree, accepted_nodes: list[int]) -> None:
         own = self._model_trees.pop(seq_id, None)
         if own is None:
             return
+        if own.pending is not None:  # the model's deferred tree: its nodes lead the verified tree's, resolved
+            tokens, parents, _ = tree.host()
+            own.resolve(tokens[1 : own.num_nodes], parents[1 : own.num_nodes])
         cut = next((i for i, n in enumerate(accepted_nodes) if n >= own.num_nodes), len(accepted_nodes))
         self.draft.commit(seq_id, own, accepted_nodes[:cut])
 

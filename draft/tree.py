@@ -63,12 +63,35 @@ class TokenTree:
         return TokenTree(None, pending=DeviceNodes(root, depths, rows, bits))
 
     def resolve(self, tokens: list[int], parents: list[int]) -> None:
-        """Fill a deferred tree's host lists from nodes 1..N-1's tokens and parents, read back from its rows."""
+        """Fill a deferred tree's host lists from its device nodes' tokens and parents, read back from its rows
+        (its host tail, if any, follows them)."""
         p = self.pending
-        if p is None or len(tokens) != len(p.depths) - 1 or len(parents) != len(tokens):
-            raise ValueError("resolve takes the N - 1 non-root tokens and parents of a deferred tree")
-        self.lists = ([p.root, *tokens], [-1, *parents], p.depths)
+        if p is None or len(tokens) != p.rows.shape[1] or len(parents) != len(tokens):
+            raise ValueError("resolve takes the tokens and parents of a deferred tree's device nodes")
+        self.lists = ([p.root, *tokens, *p.tail[0]], [-1, *parents, *p.tail[1]], p.depths)
         self.pending = None
+
+    def with_chains(self, chains: list[list[int]]) -> "TokenTree":
+        """A deferred tree with each chain (a continuation of the root) appended as a branch of its own, after
+        the device nodes: on the host, known before the target scores the tree. Unlike ``graft_chains`` the
+        chain is not merged into the device nodes (they are not read yet), so a chain's first token may repeat
+        a device child of the root; greedy verification takes the deeper of such twins (``verify.accept``)."""
+        p = self.pending
+        if p is None or p.tail[0]:
+            raise ValueError("with_chains extends a deferred tree that has no host nodes yet")
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths = list(p.depths)
+        for chain in chains:
+            parent = 0
+            for tok in chain:
+                if len(depths) >= MAX_TREE_NODES:
+                    break
+                tokens.append(tok)
+                parents.append(parent)
+                depths.append(depths[parent] + 1)
+                parent = len(depths) - 1
+        return TokenTree(None, pending=DeviceNodes(p.root, depths, p.rows, p.bits, (tokens, parents)))
 
     def _tensor(self) -> torch.Tensor:
         if self._rows is None:
@@ -137,12 +160,23 @@ class TokenTree:
 
 @dataclass(slots=True)
 class DeviceNodes:
-    """What a deferred tree holds until it is resolved (``TokenTree.deferred``)."""
+    """What a deferred tree holds until it is resolved (``TokenTree.deferred``): the root, ``M`` device nodes
+    (nodes 1..M) and any host nodes after them (``TokenTree.with_chains``)."""
 
     root: int
     depths: list[int]  # every node's, the root's 0 first
-    rows: torch.Tensor  # [2, N - 1] int64 on the device: tokens and parents of nodes 1..N-1
-    bits: torch.Tensor  # [N - 1] int64 on the device: their ancestor bits
+    rows: torch.Tensor  # [2, M] int64 on the device: tokens and parents of nodes 1..M
+    bits: torch.Tensor  # [M] int64 on the device: their ancestor bits
+    tail: tuple[list[int], list[int]] = ((), ())  # tokens and parents of nodes M+1.., on the host
+
+    def tail_bits(self) -> list[int]:
+        """The host nodes' ancestor bits (their ancestors are the root and earlier host nodes)."""
+        first = 1 + self.rows.shape[1]
+        bits = {0: 1}
+        for k, parent in enumerate(self.tail[1]):
+            node = first + k
+            bits[node] = bits[parent] | (1 << node)
+        return [b - (1 << 64) if b >= 1 << 63 else b for b in (bits[first + k] for k in range(len(self.tail[1])))]
 
 
 def template_depths(widths: tuple[int, ...]) -> list[int]:

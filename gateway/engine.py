@@ -227,10 +227,11 @@ class Engine:
                             logits="all" if self._scores_prompt(s) else "none") for s, n in plan.prefills]
         for (seq, _), tree in zip(plan.decodes, trees):
             ctx = seq.num_cached
-            if tree.pending is not None:  # grown on the device: the batch takes its nodes from there
-                p, pad = tree.pending, [0] * (tree.num_nodes - 1)
-                segments.append(Segment(seq.table, ctx, [p.root, *pad], positions=[ctx + d for d in p.depths],
-                                        mask_bits=[1, *pad], logits="all", device_tail=(p.rows[0], p.bits)))
+            if tree.pending is not None:  # grown on the device: the batch takes those nodes from there
+                p, pad = tree.pending, [0] * tree.pending.rows.shape[1]
+                segments.append(Segment(seq.table, ctx, [p.root, *pad, *p.tail[0]],
+                                        positions=[ctx + d for d in p.depths], mask_bits=[1, *pad, *p.tail_bits()],
+                                        logits="all", device_nodes=(1, p.rows[0], p.bits)))
                 continue
             tokens, _, depths = tree.host()
             if len(tokens) == 1:  # plain decoding: causal defaults, no mask

@@ -24,9 +24,10 @@ class Segment:
     positions: list[int] | None = None  # RoPE positions; None = context_len + i
     mask_bits: list[int] | None = None  # ancestor bitmask per token; None = causal
     logits: str = "last"  # which tokens need logits: "last", "all" or "none"
-    # Tokens and mask bits of the segment's last ``m`` tokens, [m] int64 each, on the device (a deferred
-    # tree's nodes: draft/tree.py ``TokenTree.deferred``); ``tokens`` and ``mask_bits`` hold placeholders there.
-    device_tail: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (first, tokens, bits): the tokens and mask bits of the segment's tokens first..first+m-1, [m] int64 each,
+    # on the device (a deferred tree's nodes: draft/tree.py ``TokenTree.deferred``); ``tokens`` and
+    # ``mask_bits`` hold placeholders there.
+    device_nodes: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -63,7 +64,7 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
     tokens, positions, slots, bits, logit_rows = [], [], [], [], []
     query_start, logits_start = [0], [0]
     any_bits = any(s.mask_bits is not None for s in segments)
-    tails: list[torch.Tensor] = []  # device tails, tokens then bits of each
+    tails: list[torch.Tensor] = []  # device nodes, tokens then bits of each segment's
     tail_rows: list[int] = []  # the rows they go to
     for s in segments:
         n, ctx, table = len(s.tokens), s.context_len, s.table
@@ -71,9 +72,10 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
         table.ensure(end)
         cache.make_writable(table, ctx, end)
         base = query_start[-1]
-        if s.device_tail is not None:
-            tails += s.device_tail
-            tail_rows += range(base + n - s.device_tail[0].shape[0], base + n)
+        if s.device_nodes is not None:
+            first, dev_tokens, dev_bits = s.device_nodes
+            tails += (dev_tokens, dev_bits)
+            tail_rows += range(base + first, base + first + dev_tokens.shape[0])
         tokens += s.tokens
         positions += s.positions if s.positions is not None else range(ctx, end)
         slots += table.slots(ctx, end)
@@ -100,8 +102,8 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
         rows += [0] * (max_blocks - len(seg.table.blocks))
     narrow, at32 = _packed([[s.context_len for s in segments], query_start, rows,
                             [r + at64[0] for r in tail_rows] + [r + at64[3] for r in tail_rows]], torch.int32, device)
-    if tails:  # the device tails into their rows: one gather of the pieces, one indexed write
-        pieces = tails[0::2] + tails[1::2]  # every tail's tokens, then every tail's bits: the index's order
+    if tails:  # the device nodes into their rows: one gather of the pieces, one indexed write
+        pieces = tails[0::2] + tails[1::2]  # every segment's tokens, then every segment's bits: the index's order
         wide[narrow[at32[3] : at32[3] + 2 * len(tail_rows)]] = torch.cat(pieces)
     return ForwardBatch(
         tokens=wide[at64[0] : at64[0] + T],

@@ -139,9 +139,12 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
         picks += [rows[0], rows[1]]
     ids = torch.cat(picks).tolist() if picks else []  # the step's one host copy
     for k in reversed(deferred):  # their pieces sit at the copy's end, in order
-        n = trees[k].num_nodes - 1
-        trees[k].resolve(ids[-2 * n : -n], ids[-n:])
-        del ids[-2 * n :]
+        n = trees[k].pending.rows.shape[1]
+        if n:
+            trees[k].resolve(ids[-2 * n : -n], ids[-n:])
+            del ids[-2 * n :]
+        else:
+            trees[k].resolve([], [])
     results = []
     for k, tree in enumerate(trees):
         n = tree.num_nodes
@@ -244,17 +247,25 @@ def accept_greedy(tree: TokenTree, target_logits: torch.Tensor) -> AcceptResult:
 
 
 def _walk_greedy(tree: TokenTree, best: list[int]) -> AcceptResult:
-    """The greedy walk over host ids: ``best[i]`` is the target's choice after node i."""
+    """The greedy walk over host ids: ``best[i]`` is the target's choice after node i. Siblings are distinct
+    but for twins that a chain appended on the host may make (``TokenTree.with_chains``): the walk then keeps
+    the deepest path. Twins carry the same token at the same position after the same ancestors, so either
+    holds the target's own tokens and K/V: the choice changes how many are kept, never which."""
     if tree.num_nodes == 1:  # plain decoding, most sequences of a busy step: nothing to walk
         return _result(tree.host()[0], [0], best[0])
-    tokens, children = _tree_lists(tree)
-    nodes = [0]
-    while True:
-        u = nodes[-1]
-        match = [c for c in children[u] if tokens[c] == best[u]]  # at most one: siblings are distinct
-        if not match:
-            return _result(tokens, nodes, best[u])
-        nodes.append(match[0])
+    tokens, children = _tree_lists(tree, distinct=False)
+
+    def deepest(u: int) -> list[int]:
+        path: list[int] = []
+        for c in children[u]:
+            if tokens[c] == best[u]:
+                below = deepest(c)
+                if len(below) > len(path):
+                    path = below
+        return [u, *path]
+
+    nodes = deepest(0)
+    return _result(tokens, nodes, best[nodes[-1]])
 
 
 def accept_stochastic(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator) -> AcceptResult:
@@ -331,13 +342,14 @@ def _penalise(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.T
     return apply_penalties(logits, params, prompt_mask, output_counts, path_counts)
 
 
-def _tree_lists(tree: TokenTree) -> tuple[list[int], list[list[int]]]:
-    """Host copies: tokens [N] and each node's children in node order. Rejects duplicate sibling tokens."""
+def _tree_lists(tree: TokenTree, distinct: bool = True) -> tuple[list[int], list[list[int]]]:
+    """Host copies: tokens [N] and each node's children in node order. Rejects duplicate sibling tokens unless
+    ``distinct`` is False (the greedy walk, which takes the deeper twin)."""
     tokens, parents = tree.host()[:2]
     children: list[list[int]] = [[] for _ in tokens]
     for node in range(1, len(tokens)):
         children[parents[node]].append(node)
-    for node, kids in enumerate(children):
+    for node, kids in enumerate(children if distinct else ()):
         kid_tokens = [tokens[c] for c in kids]
         if len(set(kid_tokens)) != len(kid_tokens):
             raise ValueError(f"node {node} has duplicate child tokens {kid_tokens}; a drafter must merge them")

@@ -37,9 +37,9 @@ def test_fields_hold_the_segments_and_start_16_byte_aligned(lens: list[int]) -> 
     assert all(f.data_ptr() % 16 == 0 and f.is_contiguous() for f in fields)
 
 
-def test_device_tails_land_in_their_rows() -> None:
-    """A deferred tree's nodes come from the device (``Segment.device_tail``): the batch holds exactly what
-    the same segments with host lists hold, whatever sits around them."""
+def test_device_nodes_land_in_their_rows() -> None:
+    """A deferred tree's nodes come from the device (``Segment.device_nodes``), between its root and any host
+    nodes after them: the batch holds exactly what the same segments with host lists hold."""
     cache = KVCache(num_layers=1, num_blocks=32, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
                     device="cpu")
     g = torch.Generator().manual_seed(0)
@@ -51,12 +51,12 @@ def test_device_tails_land_in_their_rows() -> None:
         segs = []
         for i, n in enumerate(lens):
             t = cache.new_table()
-            tail = n - 1 if i != 1 else 0  # a root alone has no device nodes
+            m = {0: n - 1, 1: 0, 2: n - 3, 3: n - 1}[i]  # device nodes after the root; the rest stay on the host
             seg = Segment(t, 2 * i, toks[i], mask_bits=bits[i], logits="all")
-            if deferred and tail:
-                seg.tokens = toks[i][:1] + [0] * tail  # placeholders, overwritten from the device
-                seg.mask_bits = bits[i][:1] + [-1] * tail
-                seg.device_tail = (torch.tensor(toks[i][1:]), torch.tensor(bits[i][1:]))
+            if deferred and m:
+                seg.tokens = toks[i][:1] + [0] * m + toks[i][1 + m:]  # placeholders, overwritten from the device
+                seg.mask_bits = bits[i][:1] + [-1] * m + bits[i][1 + m:]
+                seg.device_nodes = (1, torch.tensor(toks[i][1 : 1 + m]), torch.tensor(bits[i][1 : 1 + m]))
             segs.append(seg)
         batches.append(build_batch(segs, cache, "cpu"))
     host, dev = batches

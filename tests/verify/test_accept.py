@@ -80,12 +80,15 @@ def test_accept_greedy_applies_penalties_along_the_path() -> None:
     assert no_penalty.tokens == [2]  # the root's argmax is 2, and node 1 carries token 5
 
 
-def test_duplicate_sibling_tokens_are_rejected() -> None:
-    tree = TokenTree.from_lists([1, 2, 2], [-1, 0, 0])
+def test_greedy_keeps_the_deeper_twin_and_stochastic_refuses_twins() -> None:
+    """Twin children (a lookup chain appended beside a device tree's branch, TokenTree.with_chains): the greedy
+    walk keeps the deeper agreeing path, whichever twin comes first; sampled verification refuses them."""
+    for tokens, parents, deep in (([1, 2, 2, 3], [-1, 0, 0, 2], 2), ([1, 2, 2, 3], [-1, 0, 0, 1], 1)):
+        tree = TokenTree.from_lists(tokens, parents)
+        result = accept_greedy(tree, _agreeing_logits([2, 3, 3, 4]))
+        assert result.accepted_nodes == [0, deep, 3] and result.tokens == [2, 3, 4]
     with pytest.raises(ValueError, match="duplicate"):
-        accept_greedy(tree, _agreeing_logits([2, 0, 0]))
-    with pytest.raises(ValueError, match="duplicate"):
-        accept_stochastic(tree, torch.full((3, V), 1 / V), torch.Generator())
+        accept_stochastic(tree, torch.full((4, V), 1 / V), torch.Generator())
 
 
 def test_shape_mismatch_is_rejected() -> None:
