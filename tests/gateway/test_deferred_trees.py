@@ -122,3 +122,12 @@ def test_a_speculative_step_copies_to_the_host_once(monkeypatch, drafter: str) -
             per_step[defer].append(len(reads))
     assert set(per_step[True]) == {1}
     assert 2 in per_step[False] and set(per_step[False]) <= {1, 2}  # 1: no model level that step
+
+
+def test_trees_are_deferred_by_default_on_cuda_only() -> None:
+    """On the CPU deferring saves no wait (its tensor ops run as issued) and costs its extra ops: the default
+    (None) defers on CUDA targets only; an explicit setting wins."""
+    eng = tiny_engine()
+    assert eng.config.defer_trees is None and not eng._defer_trees
+    eng.config = replace(eng.config, defer_trees=True)
+    assert eng._defer_trees
