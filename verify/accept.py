@@ -254,18 +254,21 @@ def _walk_greedy(tree: TokenTree, best: list[int]) -> AcceptResult:
     if tree.num_nodes == 1:  # plain decoding, most sequences of a busy step: nothing to walk
         return _result(tree.host()[0], [0], best[0])
     tokens, children = _tree_lists(tree, distinct=False)
-
-    def deepest(u: int) -> list[int]:
-        path: list[int] = []
-        for c in children[u]:
-            if tokens[c] == best[u]:
-                below = deepest(c)
-                if len(below) > len(path):
-                    path = below
-        return [u, *path]
-
-    nodes = deepest(0)
+    nodes = _deepest(0, tokens, children, best)
     return _result(tokens, nodes, best[nodes[-1]])
+
+
+def _deepest(u: int, tokens: list[int], children: list[list[int]], best: list[int]) -> list[int]:
+    """The longest path from ``u`` down children that carry the target's choice (the first on ties). A
+    module-level function, not a closure: a recursive closure is a reference cycle per call, and the cyclic
+    collector's passes over the engine's objects doubled the host step at 48 streams (bench/host_step.py)."""
+    path: list[int] = []
+    for c in children[u]:
+        if tokens[c] == best[u]:
+            below = _deepest(c, tokens, children, best)
+            if len(below) > len(path):
+                path = below
+    return [u, *path]
 
 
 def accept_stochastic(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator) -> AcceptResult:
