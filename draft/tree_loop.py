@@ -44,6 +44,7 @@ from draft.vocab import full_vocab
 from target.batch import ForwardBatch
 from target.graphs import BATCH_BUCKETS
 from target.kv_cache import BlockTable, KVCache
+from target.transfer import to_device
 from target.model import Transformer
 from verify.sampling import SamplingParams, process_rows, race_scores
 
@@ -143,15 +144,14 @@ class GreedyTreeLoop:
         to the earlier node, as a stable sort) to the level's front, in their order, for each (sequence, k) of
         ``keep``; their ancestor bits follow their new indices. Their parents lie above the level: unmoved."""
         lo, hi = span
-        g = torch.tensor([q for q, _ in keep], device=self.device)
-        k = torch.tensor([n for _, n in keep], device=self.device)
+        g, k = to_device(torch.tensor([[q for q, _ in keep], [n for _, n in keep]]), self.device)
         idx = torch.arange(hi - lo, device=self.device)
         order = cum[g, lo:hi].float().sort(dim=1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(1, order, idx.expand_as(order))
         front = ((rank >= k[:, None]).long() * (hi - lo) + idx).argsort(dim=1) + lo  # kept first, in index order
         moved = rows[:, g].gather(2, front.expand(2, -1, -1))  # [2, r, hi - lo]
         rows[:, g, lo:hi] = moved
-        own = target_bits(torch.tensor([1 << (i - 1) for i in range(lo, hi)], device=self.device)) ^ 1  # bit i
+        own = target_bits(to_device(torch.tensor([1 << (i - 1) for i in range(lo, hi)]), self.device)) ^ 1  # bit i
         bits[g, lo:hi] = bits[g].gather(1, moved[1]) | own
 
     def _run(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable], widths: tuple[int, ...],
@@ -196,7 +196,7 @@ class GreedyTreeLoop:
         for g, gen in enumerate(generators):  # one draw per request, whatever shares its batch
             noise[g].exponential_(generator=gen)
         knobs = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in sampling], dtype=torch.float64)
-        knobs = knobs.to(self.device, non_blocking=True)
+        knobs = to_device(knobs, self.device)
         filtered = any(p.top_k > 0 or p.top_p < 1 for p in sampling)
         x = _Inputs(root_logits, ctx, slot_t, bt, root_hidden)
         out, q = self._levels(plan, x, _Sampled(noise, knobs[:, 0].float(), knobs[:, 1].long(),
@@ -223,8 +223,8 @@ class GreedyTreeLoop:
         scratch_row = [self.cache.scratch_block] * cols
         bt = torch.tensor([t.blocks + scratch_row[len(t.blocks):] for t in tables], dtype=torch.int32)
         # [N, G]: row 0 the contexts, rows 1.. the slots
-        host = torch.tensor([ctxs, *zip(*slots)], dtype=torch.int64).to(self.device, non_blocking=True)
-        return host[0], host[1:].T, bt.to(self.device, non_blocking=True), cols
+        host = to_device(torch.tensor([ctxs, *zip(*slots)], dtype=torch.int64), self.device)
+        return host[0], host[1:].T, to_device(bt, self.device), cols
 
     def cover(self, G: int, widths: tuple[int, ...]) -> tuple[int, ...]:
         """The template to grow ``G`` sequences to: the cheapest captured one for their batch bucket that

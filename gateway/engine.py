@@ -30,6 +30,7 @@ from gateway.sequence import Sequence, SpecStats, Status
 from target.batch import Segment, build_batch
 from target.graphs import CudaGraphRunner
 from target.kv_cache import KVCache
+from target.transfer import to_device
 from target.model import Transformer
 from verify import processing
 from verify.accept import AcceptResult, accept_batch
@@ -318,7 +319,7 @@ class Engine:
         if not rows:
             return
         # a copy, not views: under a graph replay ``hidden`` is a static buffer the next step overwrites
-        picked = hidden.index_select(0, torch.cat(rows).to(hidden.device, non_blocking=True))
+        picked = hidden.index_select(0, to_device(torch.cat(rows), hidden.device))
         lo = 0
         for seq, pos, n in spans:
             self.drafters[seq.drafter].observe(seq.request_id, pos, picked[lo : lo + n])

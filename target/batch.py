@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from target.kv_cache import BlockTable, KVCache, NoFreeBlocks
+from target.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -137,4 +138,4 @@ def _packed(fields: list[list[int]], dtype: torch.dtype, device: torch.device | 
         flat += [0] * (-len(flat) % 16)
     if not flat:
         return torch.empty(0, dtype=dtype, device=device), starts
-    return torch.frombuffer(array.array(_TYPECODES[dtype], flat), dtype=dtype).to(device, non_blocking=True), starts
+    return to_device(torch.frombuffer(array.array(_TYPECODES[dtype], flat), dtype=dtype), device), starts

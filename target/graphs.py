@@ -22,6 +22,7 @@ import torch
 from target.batch import ForwardBatch
 from target.kv_cache import KVCache
 from target.model import Transformer
+from target.transfer import to_device
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -153,7 +154,7 @@ class CudaGraphRunner:
             idx = None
         else:
             dst = [i * N + j for i, n in enumerate(batch.query_lens) for j in range(n)]
-            idx = torch.tensor(dst, dtype=torch.int64).to(self.device, non_blocking=True)
+            idx = to_device(torch.tensor(dst, dtype=torch.int64), self.device)
             g.tokens.zero_()
             g.positions.zero_()
             g.slot_mapping.fill_(scratch * P)
@@ -190,7 +191,7 @@ class CudaGraphRunner:
             while r >= starts[seg + 1]:
                 seg += 1
             rows.append(seg * N + r - starts[seg])
-        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True), idx
+        return to_device(torch.tensor(rows, dtype=torch.int64), self.device), idx
 
     def _capture(self, B: int, N: int) -> _Graph:
         fc = self.model.fc

@@ -10,6 +10,7 @@ import torch
 
 from kernels.compact_kv import compact_kv
 from target.blocks import BlockPool, BlockTable, NoFreeBlocks
+from target.transfer import to_device
 
 __all__ = ["BlockPool", "BlockTable", "KVCache", "NoFreeBlocks"]
 
@@ -59,7 +60,7 @@ class KVCache:
         compile of about 0.45 s, kernel unrecorded: bench/results/engine_real_b1_a829433.json.)"""
         M = len(src)
         pad = [0] * (-M % 16)
-        both = torch.tensor([src + pad, dst + pad], dtype=torch.int64).to(self.k.device, non_blocking=True)
+        both = to_device(torch.tensor([src + pad, dst + pad], dtype=torch.int64), self.k.device)
         self.compact(both[0, :M], both[1, :M])
 
     @staticmethod

@@ -64,3 +64,24 @@ def test_device_nodes_land_in_their_rows() -> None:
     assert dev.mask_bits.tolist() == host.mask_bits.tolist() == [b for bs in bits for b in bs]
     assert dev.positions.tolist() == host.positions.tolist()
     assert dev.logits_indices.tolist() == host.logits_indices.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_copies_to_cuda_go_through_pinned_memory() -> None:
+    """to_device's copy is asynchronous (pinned source) and lands intact; build_batch's fields use it."""
+    from target.transfer import to_device
+
+    host = torch.arange(1000, dtype=torch.int64)
+    dev = to_device(host, "cuda")
+    assert dev.is_cuda and torch.equal(dev.cpu(), host)
+    cache = KVCache(num_layers=1, num_blocks=8, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float16,
+                    device="cuda")
+    b = build_batch([Segment(cache.new_table(), 0, [5, 6, 7], logits="all")], cache, "cuda")
+    assert b.tokens.tolist() == [5, 6, 7] and b.query_start.tolist() == [0, 3]
+
+
+def test_host_copies_stay_put_on_the_cpu() -> None:
+    from target.transfer import to_device
+
+    host = torch.arange(10)
+    assert to_device(host, "cpu") is host  # no copy where host and device are one
