@@ -1,10 +1,11 @@
 """Host-to-device copies that do not wait for the device.
 
-A copy from pageable host memory is staged by the driver, which waits for the work already queued on the
-stream before it copies: a step's small index copies (a batch's fields, a tree's slots, KV moves) then
-hold the host until the GPU has caught up, and the host cannot prepare the next launch while the current
-one runs. From page-locked memory the copy is truly asynchronous; PyTorch's caching host allocator keeps the
-pinned block alive until the copy has run, and reuses it after.
+``.to("cuda", non_blocking=True)`` from pageable host memory is a synchronous copy (PyTorch's documentation:
+``non_blocking`` only has effect from pinned memory), ordered after the work already queued on the stream: a
+step's small index copies (a batch's fields, a tree's slots, KV moves) then hold the host until the GPU has
+caught up, and the host cannot prepare the next launch while the current one runs. From page-locked memory
+the copy is asynchronous; PyTorch's caching host allocator keeps the pinned block alive until the copy has
+run, and reuses it after.
 """
 
 from __future__ import annotations
