@@ -146,8 +146,7 @@ class TokenTree:
         bits: list[int] = []
         for i, p in enumerate(self.host()[1]):
             bits.append((bits[p] if p >= 0 else 0) | (1 << i))
-        # bit 63 is the int64 sign bit: the same two's-complement pattern the kernels read
-        return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
+        return as_int64(bits)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root down to ``node``, inclusive."""
@@ -173,10 +172,14 @@ class DeviceNodes:
         """The host nodes' ancestor bits (their ancestors are the root and earlier host nodes)."""
         first = 1 + self.rows.shape[1]
         bits = {0: 1}
-        for k, parent in enumerate(self.tail[1]):
-            node = first + k
+        for node, parent in enumerate(self.tail[1], start=first):
             bits[node] = bits[parent] | (1 << node)
-        return [b - (1 << 64) if b >= 1 << 63 else b for b in (bits[first + k] for k in range(len(self.tail[1])))]
+        return as_int64([bits[node] for node in range(first, first + len(self.tail[1]))])
+
+
+def as_int64(bits: list[int]) -> list[int]:
+    """Ancestor bits as int64 values: bit 63 is the sign bit, the same two's-complement pattern the kernels read."""
+    return [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
 
 
 def template_depths(widths: tuple[int, ...]) -> list[int]:

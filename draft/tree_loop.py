@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from draft.base import top_logprobs
+from draft.tree import template_depths
 from draft.vocab import full_vocab
 from target.batch import ForwardBatch
 from target.graphs import BATCH_BUCKETS
@@ -134,16 +135,17 @@ class GreedyTreeLoop:
         for g, w in enumerate(cuts or ()):
             if w[-1] < widths[len(w) - 1]:
                 narrowed.setdefault(len(w), []).append((g, w[-1]))
+        plan = self._plan(len(ctxs), widths) if narrowed else None
         for level, keep in narrowed.items():
-            self._keep_best(rows, bits, out[2], self._plan(len(ctxs), widths).levels[level], keep)
+            self._keep_best(rows, bits, out[2], plan, level, keep)
         return rows, bits
 
-    def _keep_best(self, rows: torch.Tensor, bits: torch.Tensor, cum: torch.Tensor, span: tuple[int, int],
+    def _keep_best(self, rows: torch.Tensor, bits: torch.Tensor, cum: torch.Tensor, plan: _Plan, level: int,
                    keep: list[tuple[int, int]]) -> None:
-        """In place: move the best ``k`` nodes of level ``span`` = [lo, hi) by cumulative log-probability (ties
-        to the earlier node, as a stable sort) to the level's front, in their order, for each (sequence, k) of
+        """In place: move the best ``k`` nodes of ``level`` = [lo, hi) by cumulative log-probability (ties to the
+        earlier node, as a stable sort) to the level's front, in their order, for each (sequence, k) of
         ``keep``; their ancestor bits follow their new indices. Their parents lie above the level: unmoved."""
-        lo, hi = span
+        lo, hi = plan.levels[level]
         g, k = to_device(torch.tensor([[q for q, _ in keep], [n for _, n in keep]]), self.device)
         idx = torch.arange(hi - lo, device=self.device)
         order = cum[g, lo:hi].float().sort(dim=1, descending=True, stable=True).indices
@@ -151,7 +153,7 @@ class GreedyTreeLoop:
         front = ((rank >= k[:, None]).long() * (hi - lo) + idx).argsort(dim=1) + lo  # kept first, in index order
         moved = rows[:, g].gather(2, front.expand(2, -1, -1))  # [2, r, hi - lo]
         rows[:, g, lo:hi] = moved
-        own = target_bits(to_device(torch.tensor([1 << (i - 1) for i in range(lo, hi)]), self.device)) ^ 1  # bit i
+        own = target_bits(plan.own_bit[lo:hi]) ^ 1  # bit i for node i (the root's bit taken back out)
         bits[g, lo:hi] = bits[g].gather(1, moved[1]) | own
 
     def _run(self, root_logits: torch.Tensor, ctxs: list[int], tables: list[BlockTable], widths: tuple[int, ...],
@@ -257,7 +259,7 @@ class GreedyTreeLoop:
             levels.append((lo, lo + w))
             lo += w
         N = lo
-        depth = [d for d, (a, b) in enumerate(levels) for _ in range(a, b)][1:]
+        depth = template_depths(widths)[1:]
         i64 = dict(dtype=torch.int64, device=self.device)
         own = torch.tensor([0] + [1 << (i - 1) for i in range(1, N)], **i64)
         feeds = []

@@ -29,7 +29,7 @@ import pickle
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from draft.params import SpeculationParams
@@ -37,8 +37,8 @@ from gateway.engine import Engine, EngineConfig
 from gateway.metrics import Metrics
 from gateway.runner import (Event, EngineRunner, ShuttingDown, Submission, _Live, added, engine_load, observe_load,
                             observe_step)
-from gateway.sequence import SpecStats
 from gateway.stats import StatsStore
+from target.config import ModelConfig
 from verify.sampling import SamplingParams
 
 log = logging.getLogger("specgate.engine_proc")
@@ -47,15 +47,10 @@ START_TIMEOUT_S = 1800.0  # loading and quantizing a large model, and capturing 
 
 
 @dataclass(slots=True)
-class _Config:
-    """``EngineInfo.target.config``'s stand-in: the fields the server reads."""
-
-    vocab_size: int
-
-
-@dataclass(slots=True)
 class _Target:
-    config: _Config
+    """``EngineInfo.target``: what the server reads of the engine's target."""
+
+    config: ModelConfig
     device: str
 
 
@@ -73,7 +68,7 @@ class EngineInfo:
     @staticmethod
     def of(engine: Engine) -> "EngineInfo":
         return EngineInfo(engine.config, engine.max_model_len, dict.fromkeys(engine.drafters),
-                          _Target(_Config(engine.target.config.vocab_size), str(engine.target.device)))
+                          _Target(engine.target.config, str(engine.target.device)))
 
 
 class _ChildRunner(EngineRunner):
@@ -149,14 +144,6 @@ def _child_main(factory: Callable[[], tuple[Engine, dict[str, Any]]], commands, 
     runner.put(("stopped", None))
 
 
-@dataclass(slots=True)
-class _Request:
-    events: asyncio.Queue[Event]
-    arm: Any
-    record: bool
-    stats: SpecStats = field(default_factory=SpecStats)
-
-
 class ProcessRunner:
     """``EngineRunner``'s event-loop side, for an engine in its own process (``start``, ``submit``, ``abort``,
     ``shutdown``). Construction spawns the process and waits until its engine is built."""
@@ -176,7 +163,7 @@ class ProcessRunner:
         self.stats: StatsStore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, tuple[asyncio.Future, bool]] = {}
-        self._live: dict[str, _Request] = {}
+        self._live: dict[str, _Live] = {}
         self._stopping = False
         self._stopped = threading.Event()
         if not self._out.poll(start_timeout_s):
@@ -285,7 +272,7 @@ class ProcessRunner:
             future, record = self._pending.pop(request_id, (None, True))
             if exc is None:
                 is_speculative, prompt_tokens, arm = fields
-                req = self._live[request_id] = _Request(asyncio.Queue(), arm, record)
+                req = self._live[request_id] = _Live(request_id, asyncio.Queue(), is_speculative, arm, record)
                 result = Submission(request_id, req.events, is_speculative, prompt_tokens, arm)
             if future is None or future.done():  # the caller gave up; submit() aborted the request
                 return

@@ -56,7 +56,8 @@ class PenaltyState:
         return PenaltyState(counts, prompt, bias)
 
     def emit(self, tokens: list[int]) -> None:
-        """Count tokens the sequence emitted (no host sync)."""
+        """Count tokens the sequence emitted (nothing is read back to the host; the ids' small copy to the
+        device is from pageable memory, which on CUDA waits for the stream: see target/transfer.py)."""
         if tokens:
             self.counts.index_add_(0, torch.tensor(tokens, device=self.counts.device),
                                    torch.ones(len(tokens), dtype=torch.int32, device=self.counts.device))
