@@ -138,19 +138,21 @@ def test_device_loop_graphs_keep_greedy_output_cuda():
     union tree); greedy speculative output stays the target's own. Trees are not compared with the host
     builder's: fp32 attention runs as TF32 there, and padding changes its rounding, so near-ties may flip."""
     engine, drafter = cuda_engine()
+    assert engine._defer_trees  # CUDA's default: greedy trees reach the target's batch unread
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [[(7 * j + i) % 500 + 3 for j in range(5 + 3 * i)] for i in range(5)]
     trees = [(2, 2, 1), (1, 1), (3, 1), None, (2,)]
     out = {}
-    for spec in (True, False):
+    for arm, spec, defer in (("True", True, None), ("host", True, False), ("False", False, None)):
+        engine.config = replace(engine.config, defer_trees=defer)
         for i, (p, t) in enumerate(zip(prompts, trees)):
-            engine.add(f"{spec}{i}", p, greedy, SpeculationParams(enabled=spec, tree=t))
+            engine.add(f"{arm}{i}", p, greedy, SpeculationParams(enabled=spec, tree=t))
         while engine.has_work():
             for o in engine.step():
                 out.setdefault(o.request_id, []).extend(o.new_token_ids)
     assert drafter.loop.replays > 0
     for i in range(len(prompts)):
-        assert out[f"True{i}"] == out[f"False{i}"]
+        assert out[f"True{i}"] == out[f"False{i}"] == out[f"host{i}"]
     # Trees inside the default template grow in the graphs captured at start: serving captures no more.
     engine.capture_graphs()
     held = set(drafter.loop._graphs)
