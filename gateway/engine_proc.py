@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import pickle
 import signal
 import threading
@@ -144,6 +145,15 @@ def _child_main(factory: Callable[[], tuple[Engine, dict[str, Any]]], commands, 
     runner.put(("stopped", None))
 
 
+def _stop_child(cmd, process, timeout: float = 10.0) -> None:
+    """Close the command pipe and wait for the engine process, killing it after ``timeout`` seconds."""
+    cmd.close()
+    process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
 class ProcessRunner:
     """``EngineRunner``'s event-loop side, for an engine in its own process (``start``, ``submit``, ``abort``,
     ``shutdown``). Construction spawns the process and waits until its engine is built."""
@@ -158,6 +168,11 @@ class ProcessRunner:
         self.process.start()
         cmd_recv.close()
         out_send.close()
+        # A server that exits without shutdown() (an exception, a test that failed half-way) would hang there:
+        # multiprocessing joins non-daemon children at exit, and this child waits on a pipe the exiting process
+        # still holds. Finalizers of positive priority run before that join: close the pipe (the child stops
+        # as on shutdown) and kill the child if it does not go in time.
+        mp_util.Finalize(self, _stop_child, args=(self._cmd, self.process), exitpriority=10)
         self._lock = threading.Lock()  # sends come from the event loop and from abort's callers
         self.metrics: Metrics | None = None
         self.stats: StatsStore | None = None

@@ -7,6 +7,9 @@ import asyncio
 import functools
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -17,6 +20,8 @@ from gateway.runner import ShuttingDown
 from gateway.audit import AuditConfig
 from gateway_util import asgi_client, make_app, make_process_app, make_tokenizer, tiny_engine_process
 from verify.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BODIES = [
     {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 12, "temperature": 0,
@@ -154,3 +159,22 @@ def test_the_audit_needs_the_engine_thread() -> None:
     finally:
         runner.shutdown()
     assert runner.process.exitcode == 0
+
+
+def test_a_server_that_exits_without_shutdown_does_not_hang(tmp_path) -> None:
+    """multiprocessing joins a non-daemon child at exit; without the runner's finalizer the engine process
+    waits on its command pipe for ever and the server never exits."""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import functools, sys\n"
+        f"sys.path[:0] = {[str(ROOT), str(ROOT / 'tests'), str(ROOT / 'tests' / 'gateway')]!r}\n"
+        "from gateway.engine_proc import ProcessRunner\n"
+        "from gateway_util import tiny_engine_process\n"
+        "if __name__ == '__main__':\n"
+        "    runner = ProcessRunner(functools.partial(tiny_engine_process))\n"
+        "    print(runner.process.pid, flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    child = int(done.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # the engine process is gone too
