@@ -92,7 +92,7 @@ for stage in "$@"; do
       # SIGINT, not SIGTERM: the bench writes the rows it has timed on the way out
       timeout -s INT "${INT4_TIMEOUT:-420}" python bench/kernels/bench_int4_matmul.py --out "$OUT" \
         --commit "${BENCH_COMMIT:-unknown}" ${INT4_ARGS:-} 2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
-    pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_INT4_PDL=0 --arm SPECGATE_INT4_PDL=1 --runs 2 \
+    pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_PDL=0 --arm SPECGATE_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
     ab) timeout 540 python bench/engine_ab.py --arm "$AB_A" --arm "$AB_B" --runs 3 --out "$OUT/engine_ab.json" 2>&1 | tail -8 ;;
     quant)  # the log is written as it goes (.cache/quant/quant.log), so a poll can read the run's progress

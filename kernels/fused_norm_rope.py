@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_meta
+
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, perm: torch.Tensor | None = None) -> torch.Tensor:
     xf = x.float()
@@ -33,7 +35,8 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, perm: torch.Tenso
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, o_ptr, perm_ptr, stride_x, stride_o, n_cols, eps, BLOCK: tl.constexpr,
-                     PERM: tl.constexpr):
+                     PERM: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -65,7 +68,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, perm: torch.Tensor
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(x2.shape[0],)](x2, w, out, x2 if perm is None else perm, x2.stride(0), out.stride(0),
                                          hidden, eps, BLOCK=block, PERM=perm is not None,
-                                         num_warps=4 if block <= 4096 else 8)
+                                         num_warps=4 if block <= 4096 else 8, **pdl_meta(x.device))
     return out.view(x.shape)
 
 
@@ -75,7 +78,8 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -98,7 +102,7 @@ def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(two_i // 2))
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(two_i // 2, block))](
-            x2, out, x2.stride(0), out.stride(0), two_i // 2, BLOCK=block, num_warps=4)
+            x2, out, x2.stride(0), out.stride(0), two_i // 2, BLOCK=block, num_warps=4, **pdl_meta(x2.device))
     return out.view(*gate_up.shape[:-1], two_i // 2)
 
 
@@ -139,8 +143,9 @@ def _rope_cache_kernel(
     qkv_ptr, pos_ptr, freq_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
     stride_t, stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
     H: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     D: tl.constexpr = 2 * HALF
     offs_j = tl.arange(0, HALF)
@@ -189,5 +194,6 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
             qkv, positions, inv_freq, slot_mapping, q, k_layer, v_layer,
             qkv.stride(0), q.stride(0), q.stride(1), k_layer.stride(0), k_layer.stride(1), k_layer.stride(2),
             H=num_heads, HKV=num_kv_heads, HALF=D // 2, PAGE=k_layer.shape[1],
-            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads), num_warps=4)
+            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_KV=triton.next_power_of_2(num_kv_heads), num_warps=4,
+            **pdl_meta(qkv.device))
     return q

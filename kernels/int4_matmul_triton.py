@@ -35,6 +35,8 @@ from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
+from kernels.pdl import pdl_ok
+
 log = logging.getLogger("specgate.int4")
 ONE_BITS = 0x3F800000  # fp32 1.0; a kernel argument, not a constant: see _nibble
 _NIBBLE_AT_19 = tl.constexpr(0x780000)  # mantissa bits 19..22
@@ -753,11 +755,10 @@ class KernelConfig:
     num_stages: int = 3  # software pipeline stages (mma); weight tiles in flight (hgemv)
 
 
-# Programmatic dependent launch (sm_90): hgemv and mma launches may start while the previous kernel in
-# the stream finishes; they prefetch weights (which no kernel writes) and wait (griddepcontrol.wait)
+# Programmatic dependent launch (sm_90, kernels/pdl.py): hgemv and mma launches may start while the previous
+# kernel in the stream finishes; they prefetch weights (which no kernel writes) and wait (griddepcontrol.wait)
 # before touching x or any buffer. Hides the launch gap and the tail of the kernel before.
-# SPECGATE_INT4_PDL=0 turns it off.
-USE_PDL = os.environ.get("SPECGATE_INT4_PDL", "1") != "0"
+# SPECGATE_PDL=0 turns it off.
 # SPECGATE_INT4_SCALE_DOT=1: at block_m 16 the MMA path's scales and zero points ride the dot pipeline
 # (see _int4_matmul_kernel). Off by default: alone, on the four 8B shapes, it is faster (H200, one run,
 # bench/results/mma_probe.json: M=16 78.8 -> 73.8 us per layer); inside the 8B verify step it is slower
@@ -882,18 +883,6 @@ def _is_16bit(x: torch.Tensor) -> bool:
     return x.dtype in (torch.float16, torch.bfloat16)
 
 
-_PDL_DEVICES: dict[torch.device, bool] = {}
-
-
-def _pdl_ok(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA on sm_90 or newer, and not switched off."""
-    if not (USE_PDL and device.type == "cuda"):
-        return False
-    if device not in _PDL_DEVICES:
-        _PDL_DEVICES[device] = torch.cuda.get_device_capability(device)[0] >= 9
-    return _PDL_DEVICES[device]
-
-
 def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, G: int, bias: torch.Tensor | None, residual: torch.Tensor | None,
             silu: bool, y: torch.Tensor, whole_zeros: bool = False) -> None:
@@ -912,7 +901,7 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
     grid_m = 1 if "gemv" in cfg.kind else triton.cdiv(M, cfg.block_m)
     part = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     counts = y if cfg.split_k == 1 else _counters(x.device, grid_m * grid_n)
-    kernel, extra = kernel_for(cfg, _is_16bit(x), G, x.is_cuda, K % cfg.block_k == 0, _pdl_ok(x.device),
+    kernel, extra = kernel_for(cfg, _is_16bit(x), G, x.is_cuda, K % cfg.block_k == 0, pdl_ok(x.device),
                                whole_zeros)
     k_iters = triton.cdiv(K, cfg.block_k) // cfg.split_k
     args = [x, qweight, scales, scales if zeros is None else zeros, y if bias is None else bias,

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_enter, pdl_meta
+
 MAX_SPLITS = 64
 _MIN_SPLIT_TOKENS = 128  # below this a split's fixed cost (Q load, partial write) outweighs its share
 # ...except when that leaves a short context in few splits: one sequence over 256 to 1024 tokens runs
@@ -201,8 +203,9 @@ def _paged_decode_kernel(
     num_splits,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LEN_OFFSET: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -252,9 +255,10 @@ def _merge_splits_kernel(
     stride_ls, stride_lt,
     stride_ot, stride_oh,
     num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[t, h] = sum_s w_s * o_part[s, t, h] with w = softmax over splits of their log-sum-exps."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -273,7 +277,7 @@ def merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> 
     S, T, H, D = o_part.shape
     _merge_splits_kernel[(T, H)](
         o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), S, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(S))
+        out.stride(0), out.stride(1), S, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(S), **pdl_meta(out.device))
 
 
 @functools.lru_cache
@@ -339,7 +343,8 @@ def paged_decode_attention(
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), S,
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         IS_SPLIT=S > 1, LEN_OFFSET=len_offset, PREFETCH=prefetch,
-        num_warps=num_warps or (PREFETCH_WARPS if prefetch else 4), num_stages=1 if prefetch else num_stages)
+        num_warps=num_warps or (PREFETCH_WARPS if prefetch else 4), num_stages=1 if prefetch else num_stages,
+        **pdl_meta(q.device))
     if S > 1:
         merge_splits(o_part, lse, out)
     return out

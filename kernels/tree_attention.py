@@ -24,6 +24,7 @@ from kernels import paged_decode
 from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _prefetched_tiles, _softmax_step, cpu_chunks,
                                   gather_pages, merge_splits, paged_decode_attention, pick_num_splits,
                                   use_triton_for)
+from kernels.pdl import pdl_enter, pdl_meta
 
 # Programs of the default configs resident per SM at D=128: 180 to 213 registers and 74 to 99 KB of
 # shared memory each (ptxas -v, sm_90a); 128-row tiles (8 warps) fit only one, which measured the same.
@@ -192,8 +193,9 @@ def _tree_attention_kernel(
     stride_ls, stride_lt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HAS_BITS: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_BITS: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -329,7 +331,8 @@ def tree_attention(
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n,
         # BLOCK_B has a floor: one compiled variant for every batch up to 64 sequences
         BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None, PREFETCH=prefetch,
-        num_warps=num_warps or (4 if block_q * block_g <= 64 else 8), num_stages=1 if prefetch else num_stages)
+        num_warps=num_warps or (4 if block_q * block_g <= 64 else 8), num_stages=1 if prefetch else num_stages,
+        **pdl_meta(q.device))
     if S > 1:
         merge_splits(o_part, lse, out)
     return out

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from kernels import int4_matmul_triton as T  # noqa: E402
+from kernels import pdl as pdl_mod  # noqa: E402
 from kernels.int4_matmul import Int4Weight, int4_matmul, int4_matmul_ref, quantize_rtn  # noqa: E402
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N): qkv, o, gate_up, down
@@ -74,14 +75,14 @@ def _compile_worker(jobs):
 
 def _worker(task) -> tuple[list[str], list[str]]:
     jobs, specs, pdl = task
-    T.USE_PDL = pdl
+    pdl_mod.ENABLED = pdl
     return _compile_worker(jobs), _correct_worker(specs)
 
 
 def precompile_and_check(jobs, specs, workers: int) -> int:
     """Both phases compile, so they share one pool: 12 CPU cores instead of one."""
     t0 = time.time()
-    tasks = [(jobs[i::workers], specs[i::workers], T.USE_PDL) for i in range(workers)]
+    tasks = [(jobs[i::workers], specs[i::workers], pdl_mod.ENABLED) for i in range(workers)]
     with mp.get_context("spawn").Pool(workers) as pool:
         parts = pool.map(_worker, tasks)
     errors = [e for p in parts for e in p[0]]
@@ -312,7 +313,7 @@ def main() -> None:
                "torch": torch.__version__, "sms": props.multi_processor_count}
     print(results, flush=True)
     ms = [int(m) for m in args.ms.split(",")]
-    T.USE_PDL = results["pdl"] = not args.no_pdl
+    pdl_mod.ENABLED = results["pdl"] = not args.no_pdl
     jobs = [(M, K, N, cfg, torch.bfloat16) for M, K, N, cfg in sweep_jobs(ms)]
     specs = [] if args.skip_correctness else correctness_specs()
     results["failures"] = precompile_and_check(jobs, specs, args.workers)
