@@ -148,34 +148,38 @@ def _rope_cache_kernel(
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     D: tl.constexpr = 2 * HALF
-    offs_j = tl.arange(0, HALF)
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    ang = pos * tl.load(freq_ptr + offs_j)  # [HALF] fp32
-    row = qkv_ptr + t * stride_t
     dtype = qkv_ptr.dtype.element_ty
-    c = tl.cos(ang).to(dtype).to(tl.float32)[None, :]  # rounded like the reference's cos/sin tables
-    s = tl.sin(ang).to(dtype).to(tl.float32)[None, :]
-
+    # Every load is issued before the first store: Triton keeps memory operations in program order (it cannot
+    # tell that q, the cache and qkv do not alias), so a load written after a store waits a round trip for it.
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    slot = tl.load(slot_ptr + t)
+    offs_j = tl.arange(0, HALF)
+    row = qkv_ptr + t * stride_t
     offs_h = tl.arange(0, BLOCK_H)
     hm = (offs_h < H)[:, None]
     base = offs_h[:, None] * D + offs_j[None, :]  # [BLOCK_H, HALF]
-    y1, y2 = _rotate(tl.load(row + base, mask=hm), tl.load(row + base + HALF, mask=hm), c, s)
-    q_off = t * stride_qt + offs_h[:, None] * stride_qh + offs_j[None, :]
-    tl.store(q_ptr + q_off, y1.to(dtype), mask=hm)
-    tl.store(q_ptr + q_off + HALF, y2.to(dtype), mask=hm)
-
-    slot = tl.load(slot_ptr + t)
-    dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_kp
+    q1, q2 = tl.load(row + base, mask=hm), tl.load(row + base + HALF, mask=hm)
     offs_g = tl.arange(0, BLOCK_KV)
     gm = (offs_g < HKV)[:, None]
     kbase = H * D + offs_g[:, None] * D + offs_j[None, :]  # [BLOCK_KV, HALF]
-    y1, y2 = _rotate(tl.load(row + kbase, mask=gm), tl.load(row + kbase + HALF, mask=gm), c, s)
+    k1, k2 = tl.load(row + kbase, mask=gm), tl.load(row + kbase + HALF, mask=gm)
+    vbase = kbase + HKV * D
+    v1, v2 = tl.load(row + vbase, mask=gm), tl.load(row + vbase + HALF, mask=gm)
+
+    ang = pos * tl.load(freq_ptr + offs_j)  # [HALF] fp32
+    c = tl.cos(ang).to(dtype).to(tl.float32)[None, :]  # rounded like the reference's cos/sin tables
+    s = tl.sin(ang).to(dtype).to(tl.float32)[None, :]
+    y1, y2 = _rotate(q1, q2, c, s)
+    q_off = t * stride_qt + offs_h[:, None] * stride_qh + offs_j[None, :]
+    tl.store(q_ptr + q_off, y1.to(dtype), mask=hm)
+    tl.store(q_ptr + q_off + HALF, y2.to(dtype), mask=hm)
+    dst = (slot // PAGE) * stride_kb + (slot % PAGE) * stride_kp
+    y1, y2 = _rotate(k1, k2, c, s)
     c_off = dst + offs_g[:, None] * stride_kh + offs_j[None, :]
     tl.store(k_ptr + c_off, y1.to(dtype), mask=gm)
     tl.store(k_ptr + c_off + HALF, y2.to(dtype), mask=gm)
-    vbase = kbase + HKV * D
-    tl.store(v_ptr + c_off, tl.load(row + vbase, mask=gm), mask=gm)
-    tl.store(v_ptr + c_off + HALF, tl.load(row + vbase + HALF, mask=gm), mask=gm)
+    tl.store(v_ptr + c_off, v1, mask=gm)
+    tl.store(v_ptr + c_off + HALF, v2, mask=gm)
 
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, k_layer: torch.Tensor,
