@@ -2,9 +2,8 @@
 
 Split-KV with a log-sum-exp merge (FlashDecoding; vLLM's paged attention v2): program
 ``(b, kv_head, split)`` walks one slice of sequence ``b``'s pages with an online softmax and writes a
-partial output and its log-sum-exp, and the last split of each ``(b, kv_head)`` to finish combines the
-slices (an arrival counter, as a split-K GEMM's fix-up; ``_merge_splits_kernel`` is the separate launch the
-tree kernel's splits use). The ``G = H / Hkv`` query heads of a KV head share one tile (GQA packing as in
+partial output and its log-sum-exp; ``_merge_splits_kernel`` combines the slices (or, with
+``FUSED_MERGE``, the last split of each ``(b, kv_head)`` to finish, through an arrival counter). The ``G = H / Hkv`` query heads of a KV head share one tile (GQA packing as in
 FlashInfer's and vLLM's decode kernels), so each K/V page is read once per KV head.
 
 The grid depends on shapes alone: ``num_splits`` comes from ``B``, ``Hkv`` and the block table's width,
@@ -37,9 +36,11 @@ _SHORT_SPLITS, _SHORT_SPLIT_TOKENS = 16, 32
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_PREFETCH = False  # the hand-pipelined loop (_prefetched_tiles); see bench/kernels/prefetch_probe.py
 PREFETCH_WARPS = 8
-# The last split of each (sequence, KV head) to finish merges them (no merge launch); SPECGATE_FUSED_MERGE=0
-# launches _merge_splits_kernel instead (the A/B switch).
-FUSED_MERGE = os.environ.get("SPECGATE_FUSED_MERGE", "1") != "0"
+# SPECGATE_FUSED_MERGE=1: the last split of each (sequence, KV head) to finish merges them, with no merge
+# launch. Off by default: an earlier in-kernel merge, which read the splits' partials one after another,
+# measured slower than the launch it saved (bench/results/attn_merge_ab.json); this one loads up to 16
+# splits' partials at once (_merge_last) and is not yet timed.
+FUSED_MERGE = os.environ.get("SPECGATE_FUSED_MERGE", "0") == "1"
 LOG2E = 1.4426950408889634
 
 
