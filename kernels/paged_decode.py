@@ -3,8 +3,9 @@
 Split-KV with a log-sum-exp merge (FlashDecoding; vLLM's paged attention v2): program
 ``(b, kv_head, split)`` walks one slice of sequence ``b``'s pages with an online softmax and writes a
 partial output and its log-sum-exp; ``_merge_splits_kernel`` combines the slices (or, with
-``FUSED_MERGE``, the last split of each ``(b, kv_head)`` to finish, through an arrival counter). The ``G = H / Hkv`` query heads of a KV head share one tile (GQA packing as in
-FlashInfer's and vLLM's decode kernels), so each K/V page is read once per KV head.
+``FUSED_MERGE``, the last split of each ``(b, kv_head)`` to finish, through an arrival counter). The
+``G = H / Hkv`` query heads of a KV head share one tile (GQA packing as in FlashInfer's and vLLM's decode
+kernels), so each K/V page is read once per KV head.
 
 The grid depends on shapes alone: ``num_splits`` comes from ``B``, ``Hkv`` and the block table's width,
 and each program derives its slice from ``seq_lens`` on the device. Calls therefore capture into CUDA
@@ -400,7 +401,7 @@ def paged_decode_attention(
         IS_SPLIT=S > 1, LEN_OFFSET=len_offset, PREFETCH=prefetch,
         num_warps=num_warps or (PREFETCH_WARPS if prefetch else 4), num_stages=1 if prefetch else num_stages,
         out_ptr=out, cnt_ptr=merge_counters(q.device, B * Hkv) if fused else lse, stride_fb=out.stride(0),
-        stride_fh=out.stride(1), FUSED=fused, GP2=triton.next_power_of_2(G), MERGE_S=min(16, triton.next_power_of_2(S)),
+        stride_fh=out.stride(1), FUSED=fused, GP2=triton.next_power_of_2(G), MERGE_S=16,  # one variant for any S
         **pdl_meta(q.device))
     if S > 1 and not fused:
         merge_splits(o_part, lse, out)

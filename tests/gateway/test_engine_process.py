@@ -199,7 +199,8 @@ def test_many_streams_and_disconnects_leave_nothing_open() -> None:
     rng = random.Random(7)
     plans = []
     for i in range(48):
-        body = {"model": "tiny", "messages": [{"role": "user", "content": f"churn {i} " + "word " * rng.randint(0, 30)}],
+        text = f"churn {i} " + "word " * rng.randint(0, 30)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": text}],
                 "max_tokens": rng.randint(4, 40), "ignore_eos": True, "temperature": rng.choice([0, 0, 0.8]),
                 "seed": i, "stream": rng.random() < 0.7,
                 "speculation": {"enabled": rng.random() < 0.6}}
