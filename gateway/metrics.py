@@ -73,6 +73,7 @@ class Metrics:
         self.running = Gauge("specgate_running_sequences", "Sequences holding KV blocks", registry=r)
         self.kv_used = Gauge("specgate_kv_blocks_used", "Target KV blocks in use", registry=r)
         self.kv_free = Gauge("specgate_kv_blocks_free", "Target KV blocks free", registry=r)
+        self.draft_kv_used = Gauge("specgate_draft_kv_blocks_used", "Draft models' KV blocks in use", registry=r)
         self.step_figures = StepFigures()
         r.register(self.step_figures)
         self._add_audit_series(r)
@@ -97,11 +98,12 @@ class Metrics:
         """One request's figures moved by ``delta`` (engine thread); a delivery holds at most one step."""
         self.step_figures.observe(arm, delta)
 
-    def observe_engine(self, waiting: int, running: int, kv_used: int, kv_free: int) -> None:
+    def observe_engine(self, waiting: int, running: int, kv_used: int, kv_free: int, draft_kv_used: int = 0) -> None:
         self.queue_depth.set(waiting)
         self.running.set(running)
         self.kv_used.set(kv_used)
         self.kv_free.set(kv_free)
+        self.draft_kv_used.set(draft_kv_used)
 
     def observe_audit(self, checked: int = 0, mismatches: int = 0, dropped: int = 0, interrupted: int = 0,
                       pending: int | None = None, identity_rate: float | None = None) -> None:

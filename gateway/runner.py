@@ -352,16 +352,19 @@ def observe_step(metrics: Metrics | None, stats: StatsStore | None, arm: Arm, de
         stats.observe_step(arm, delta, len(new_tokens), now)
 
 
-def engine_load(engine: Engine) -> tuple[int, int, int, int]:
-    """Waiting and running sequences, used and total KV blocks."""
+def engine_load(engine: Engine) -> tuple[int, int, int, int, int]:
+    """Waiting and running sequences, used and total target KV blocks, and the drafters' used KV blocks (each
+    pool once: the hybrid drafters share their model drafter's)."""
     pool, sched = engine.cache.pool, engine.scheduler
-    return len(sched.waiting), len(sched.running), pool.num_blocks - pool.num_free, pool.num_blocks
+    drafts = {id(d.cache.pool): d.cache.pool for d in engine.drafters.values() if hasattr(d, "cache")}
+    draft_used = sum(p.num_blocks - p.num_free for p in drafts.values())
+    return len(sched.waiting), len(sched.running), pool.num_blocks - pool.num_free, pool.num_blocks, draft_used
 
 
-def observe_load(metrics: Metrics | None, stats: StatsStore | None, load: tuple[int, int, int, int]) -> None:
-    waiting, running, used, blocks = load
+def observe_load(metrics: Metrics | None, stats: StatsStore | None, load: tuple[int, int, int, int, int]) -> None:
+    waiting, running, used, blocks, draft_used = load
     if metrics is not None:
-        metrics.observe_engine(waiting, running, used, blocks - used)
+        metrics.observe_engine(waiting, running, used, blocks - used, draft_used)
     if stats is not None:
         stats.observe_load(waiting, running, used, blocks, time.monotonic())
 

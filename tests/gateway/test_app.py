@@ -229,7 +229,8 @@ def test_models_metrics_and_health(tokenizer) -> None:
                    'status="404"', "specgate_time_to_first_token_seconds_bucket",
                    'specgate_time_per_output_token_seconds_count{speculation="off"} 23.0',  # first token: TTFT
                    "specgate_e2e_request_latency_seconds", "specgate_queue_depth", "specgate_running_sequences",
-                   "specgate_kv_blocks_used", "specgate_kv_blocks_free 128.0", 'specgate_drafted_tokens_total',
+                   "specgate_kv_blocks_used", "specgate_kv_blocks_free 128.0", "specgate_draft_kv_blocks_used 0.0",
+                   'specgate_drafted_tokens_total',
                    'specgate_accepted_length_bucket{le="1.0",speculation="on"}', "specgate_accepted_by_depth_total"]:
         assert needle in text, needle
     assert health.json() == {"status": "ready", "model": MODEL, "device": "cpu"}

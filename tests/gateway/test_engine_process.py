@@ -194,7 +194,7 @@ def test_many_streams_and_disconnects_leave_nothing_open() -> None:
     speculation on and off, greedy and sampled), a quarter of the streams dropped by their client part-way,
     on a pool of 48 four-token blocks for eight running sequences of up to ~100 tokens each, so sequences are
     preempted. Every request gets one outcome, the server counts each once, and once idle the engine process
-    reports nothing waiting or running and every target KV block free."""
+    reports nothing waiting or running and every target and draft KV block free."""
     runner = ProcessRunner(functools.partial(tiny_engine_process, num_blocks=48))
     rng = random.Random(7)
     plans = []
@@ -237,8 +237,8 @@ def test_many_streams_and_disconnects_leave_nothing_open() -> None:
         while True:  # the engine settles a moment after the last client: aborts cross the pipe
             metrics = httpx.get(server.url + "/metrics").text
             settled = [_gauge(metrics, g) for g in ("specgate_queue_depth", "specgate_running_sequences",
-                                                    "specgate_kv_blocks_used")]
-            if settled == [0, 0, 0]:
+                                                    "specgate_kv_blocks_used", "specgate_draft_kv_blocks_used")]
+            if settled == [0, 0, 0, 0]:
                 break
             assert time.monotonic() < deadline, settled
             time.sleep(0.05)
