@@ -12,7 +12,8 @@
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
 #                                    bench/engine_ab.py: the 8B verify steps under two environments, alternated, 3 runs each
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
-#   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch off and on, 2 runs each
+#   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch for the INT4 kernels alone and for
+#                                    every kernel, 2 runs each
 #   bash bench/gpu_run.sh merge      the same with the decode's split merge launched and fused (SPECGATE_FUSED_MERGE)
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in parts) and convert it once
 #   bash bench/gpu_run.sh quant      bench/quant.py after `model`: dense bf16 and quant_pydoc_gpu.json's best arm
@@ -93,7 +94,7 @@ for stage in "$@"; do
       # SIGINT, not SIGTERM: the bench writes the rows it has timed on the way out
       timeout -s INT "${INT4_TIMEOUT:-420}" python bench/kernels/bench_int4_matmul.py --out "$OUT" \
         --commit "${BENCH_COMMIT:-unknown}" ${INT4_ARGS:-} 2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
-    pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_PDL=0 --arm SPECGATE_PDL=1 --runs 2 \
+    pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_PDL=int4 --arm SPECGATE_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
     merge) timeout 540 python bench/engine_ab.py --arm SPECGATE_FUSED_MERGE=0 --arm SPECGATE_FUSED_MERGE=1 --runs 2 \
            --out "$OUT/engine_ab_merge.json" 2>&1 | tail -8 ;;

@@ -12,7 +12,8 @@ nothing; so the small kernels of a layer signal as soon as they start (their fol
 SM in ``gdc_wait``; at most one wave of them, since the signal waits for every program of the kernel
 ahead to have started).
 
-``SPECGATE_PDL=0`` turns it off for every kernel (the A/B switch; ``SPECGATE_INT4_PDL`` is its old name).
+``SPECGATE_PDL=0`` turns it off for every kernel (``SPECGATE_INT4_PDL`` is its old name), and
+``SPECGATE_PDL=int4`` keeps it for the INT4 kernels alone, as before the small kernels had it: the A/B arms.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
-ENABLED = os.environ.get("SPECGATE_PDL", os.environ.get("SPECGATE_INT4_PDL", "1")) != "0"
+_MODE = os.environ.get("SPECGATE_PDL", os.environ.get("SPECGATE_INT4_PDL", "1"))
+ENABLED = _MODE != "0"  # the INT4 kernels (pdl_ok)
+SMALL = _MODE not in ("0", "int4")  # the small kernels too (pdl_meta)
 _DEVICES: dict[torch.device, bool] = {}
 
 
@@ -38,8 +41,8 @@ def pdl_ok(device: torch.device) -> bool:
 
 
 def pdl_meta(device: torch.device) -> dict:
-    """A launch's meta-parameters: the kernel's ``USE_PDL`` constexpr, and ``launch_pdl`` where it is on."""
-    on = pdl_ok(device)
+    """A small kernel's launch meta-parameters: its ``USE_PDL`` constexpr, and ``launch_pdl`` where it is on."""
+    on = SMALL and pdl_ok(device)
     return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
 
