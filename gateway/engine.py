@@ -120,6 +120,11 @@ class Engine:
         defer = self.config.defer_trees
         return torch.device(self.target.device).type == "cuda" if defer is None else defer
 
+    def draft_caches(self) -> list[KVCache]:
+        """The model drafters' KV caches, each once (the hybrid drafters share their model drafter's)."""
+        caches = (getattr(d, "cache", None) for d in self.drafters.values())
+        return list({id(c): c for c in caches if isinstance(c, KVCache)}.values())
+
     def capture_graphs(self) -> int:
         """Capture the target's and the model drafters' graphs for every batch bucket up to max_running
         and every tree size up to the global verify cap. Returns how many graphs were captured."""
@@ -141,8 +146,7 @@ class Engine:
         # The KV compaction runs outside the graphs: Triton builds (or loads) its kernel for each cache's
         # strides on first use, which was inside a timed step on the H200 (engine_real_a5ef89b.json: a 4.96 ms
         # step compiled _compact_kv_kernel). A move of each cache's scratch slot onto itself builds it now.
-        caches = [self.cache] + [getattr(d, "cache", None) for d in self.drafters.values()]
-        for cache in (c for c in caches if isinstance(c, KVCache)):
+        for cache in [self.cache, *self.draft_caches()]:
             slot = cache.scratch_block * cache.page_size
             cache.compact_slots([slot], [slot])
         return n
@@ -237,7 +241,8 @@ class Engine:
         for (seq, _), tree in zip(plan.decodes, trees):
             ctx = seq.num_cached
             if tree.pending is not None:  # grown on the device: the batch takes those nodes from there
-                p, pad = tree.pending, [0] * tree.pending.rows.shape[1]
+                p = tree.pending
+                pad = [0] * p.rows.shape[1]
                 segments.append(Segment(seq.table, ctx, [p.root, *pad, *p.tail[0]],
                                         positions=[ctx + d for d in p.depths], mask_bits=[1, *pad, *p.tail_bits()],
                                         logits="all", device_nodes=(1, p.rows[0], p.bits)))

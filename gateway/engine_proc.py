@@ -145,7 +145,7 @@ def _child_main(factory: Callable[[], tuple[Engine, dict[str, Any]]], commands, 
     runner.put(("stopped", None))
 
 
-def _stop_child(cmd, process, timeout: float = 10.0) -> None:
+def _stop_child(cmd, process, timeout: float | None = 10.0) -> None:
     """Close the command pipe and wait for the engine process, killing it after ``timeout`` seconds."""
     cmd.close()
     process.join(timeout)
@@ -238,10 +238,7 @@ class ProcessRunner:
             except (EOFError, OSError):
                 pass
         self._stopped.wait(timeout)
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        _stop_child(self._cmd, self.process, timeout)
 
     def _post(self, msg: tuple[str, Any]) -> None:
         with self._lock:

@@ -356,8 +356,7 @@ def engine_load(engine: Engine) -> tuple[int, int, int, int, int]:
     """Waiting and running sequences, used and total target KV blocks, and the drafters' used KV blocks (each
     pool once: the hybrid drafters share their model drafter's)."""
     pool, sched = engine.cache.pool, engine.scheduler
-    drafts = {id(d.cache.pool): d.cache.pool for d in engine.drafters.values() if hasattr(d, "cache")}
-    draft_used = sum(p.num_blocks - p.num_free for p in drafts.values())
+    draft_used = sum(c.pool.num_blocks - c.pool.num_free for c in engine.draft_caches())
     return len(sched.waiting), len(sched.running), pool.num_blocks - pool.num_free, pool.num_blocks, draft_used
 
 

@@ -139,12 +139,10 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
         picks += [rows[0], rows[1]]
     ids = torch.cat(picks).tolist() if picks else []  # the step's one host copy
     for k in reversed(deferred):  # their pieces sit at the copy's end, in order
-        n = trees[k].pending.rows.shape[1]
-        if n:
-            trees[k].resolve(ids[-2 * n : -n], ids[-n:])
-            del ids[-2 * n :]
-        else:
-            trees[k].resolve([], [])
+        lo = len(ids) - 2 * trees[k].pending.rows.shape[1]  # (a tree of host nodes alone has none)
+        mid = (lo + len(ids)) // 2
+        trees[k].resolve(ids[lo:mid], ids[mid:])
+        del ids[lo:]
     results = []
     for k, tree in enumerate(trees):
         n = tree.num_nodes
