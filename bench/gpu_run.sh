@@ -44,8 +44,9 @@
 #   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
 #   bash bench/gpu_run.sh real       bench/engine.py's real pair
-#   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed (the engine in
-#                                    its own process, serve's default; SERVE_ARGS=--engine-thread for the engine thread)
+#   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed, then on alone,
+#                                    then a speculation-off server with the same requests (the engine in its own
+#                                    process, serve's default; SERVE_ARGS=--engine-thread for the engine thread)
 #   bash bench/gpu_run.sh structured bench/structured.py after `model`: JSON-schema output with grammar-forced
 #                                    chains on and off (needs llguidance: its wheel in .whl/)
 # Results go to $OUT (the device tool brings them back). Put the commit in the command text, as the host's
@@ -162,6 +163,11 @@ for stage in "$@"; do
       timeout 60 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
         --concurrency 16,64 --requests 128 --max-tokens 64 --out "$OUT/load_gpu_high" 2>&1 | tail -4
       curl -s localhost:8123/v1/stats > "$OUT/load_stats.json"
+      # every request speculating, the same requests per level: the server's throughput against the off server's
+      timeout 45 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 1,4 --requests 16 --max-tokens 64 --arm 'on={"enabled": true}' --out "$OUT/load_gpu_on_low" 2>&1 | tail -2
+      timeout 60 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 16,64 --requests 128 --max-tokens 64 --arm 'on={"enabled": true}' --out "$OUT/load_gpu_on_high" 2>&1 | tail -2
       kill $server; wait $server 2>/dev/null; tail -5 "$OUT/serve.log"
       # the same load with speculation off everywhere: the reference for the off arm's per-token latency
       # in a speculating batch (the load issue allows it 5% more)
@@ -169,12 +175,17 @@ for stage in "$@"; do
         --max-waiting 512 --capture-graphs --port 8124 --log-level warning > "$OUT/serve_off.log" 2>&1 &
       server=$!
       for _ in $(seq 120); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done
+      # the same requests per level as the speculating server's runs (a level of 64 requests at concurrency 64
+      # is one wave, 128 are two: not comparable)
       timeout 45 python bench/load.py --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 1,16,64 --requests 64 --max-tokens 64 --arm 'off={"enabled": false}' \
-        --out "$OUT/load_gpu_off_only" 2>&1 | tail -4
+        --concurrency 1,4 --requests 16 --max-tokens 64 --arm 'off={"enabled": false}' --out "$OUT/load_gpu_off_low" 2>&1 | tail -2
+      timeout 60 python bench/load.py --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 16,64 --requests 128 --max-tokens 64 --arm 'off={"enabled": false}' --out "$OUT/load_gpu_off_high" 2>&1 | tail -2
       kill $server; wait $server 2>/dev/null
       python bench/load_merge.py --mixed "$OUT/load_gpu_low.json" "$OUT/load_gpu_high.json" \
-        --off-only "$OUT/load_gpu_off_only.json" --stats "$OUT/load_stats.json" --out "$OUT/load_gpu" 2>&1 | tail -5 ;;
+        --on-only "$OUT/load_gpu_on_low.json" "$OUT/load_gpu_on_high.json" \
+        --off-only "$OUT/load_gpu_off_low.json" "$OUT/load_gpu_off_high.json" \
+        --stats "$OUT/load_stats.json" --out "$OUT/load_gpu" 2>&1 | tail -5 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

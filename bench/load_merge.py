@@ -1,12 +1,20 @@
 """Assemble bench/results/load_gpu.json from the parts ``bench/gpu_run.sh load`` writes.
 
-The load stage runs ``bench/load.py`` twice against one server with the arms 'on' and 'off' mixed (low and
-high concurrency, so each part fits the device's time limits), then once against a server with speculation
-off everywhere. This joins the mixed server's levels, adds the off-only server's figures beside each level,
-and writes the issue's table (``rows``) and a plot:
+The load stage runs ``bench/load.py`` against one server with the arms 'on' and 'off' mixed (low and high
+concurrency, so each part fits the device's time limits), then against the same server with every request
+speculating ('on' alone), then against a server with speculation off everywhere, each with the same
+requests per level. This joins the mixed server's levels, adds the single-arm runs beside each level, and
+writes the issue's table (``rows``) and a plot:
 
     python bench/load_merge.py --mixed DIR/load_gpu_low.json DIR/load_gpu_high.json \\
-        --off-only DIR/load_gpu_off_only.json --stats DIR/load_stats.json --out bench/results/load_gpu
+        --on-only DIR/load_gpu_on_low.json DIR/load_gpu_on_high.json \\
+        --off-only DIR/load_gpu_off_low.json DIR/load_gpu_off_high.json \\
+        --stats DIR/load_stats.json --out bench/results/load_gpu
+
+``server_ratio``: the speculating server's output tokens/s with every request speculating over the
+speculation-off server's, same requests and concurrency -- the throughput a user gains by turning
+speculation on (the issue's ratio). ``ratio`` / ``ratio_mean``: the arms of the mixed run, per request
+(``load.ab_rows``).
 
 ``off_arm_tpot_vs_off_only_server``: the off arm's p50 time per output token in the speculating server over
 the same figure in the off-only server -- the per-token penalty a speculation-off request pays for sharing
@@ -22,9 +30,20 @@ from pathlib import Path
 from load import ab_rows, plot
 
 
-def merge(mixed: list[dict], off_only: dict | None, stats: dict | None, notes: list[str]) -> dict:
+def _levels(parts: list[dict] | None) -> dict | None:
+    """One server's single-arm runs as {"requests_per_level", "levels"}, its parts' levels in order."""
+    if not parts:
+        return None
+    return {"requests_per_level": {str(lv["concurrency"]): p["requests_per_level"] for p in parts for lv in p["levels"]},
+            "levels": [lv for p in parts for lv in p["levels"]]}
+
+
+def merge(mixed: list[dict], off_only: list[dict] | dict | None, stats: dict | None, notes: list[str],
+          on_only: list[dict] | None = None) -> dict:
+    if isinstance(off_only, dict):
+        off_only = [off_only]
     first = mixed[0]
-    commits = {m["commit"] for m in mixed} | ({off_only["commit"]} if off_only else set())
+    commits = {m["commit"] for m in mixed + (off_only or []) + (on_only or [])}
     if len(commits) > 1:
         raise SystemExit(f"the parts come from different commits: {sorted(commits)}")
     levels = [lv for m in mixed for lv in m["levels"]]
@@ -40,17 +59,33 @@ def merge(mixed: list[dict], off_only: dict | None, stats: dict | None, notes: l
         row["p99_itl_ms_on"] = round(on["itl_s"]["p99"] * 1e3, 2) if on["itl_s"]["p99"] is not None else None
         row["p99_itl_ms_off"] = (round(level["arms"]["off"]["itl_s"]["p99"] * 1e3, 2)
                                  if level["arms"]["off"]["itl_s"]["p99"] is not None else None)
-    if off_only is not None:
-        report["off_only_server"] = {"requests_per_level": off_only["requests_per_level"], "levels": off_only["levels"]}
-        ref = {lv["concurrency"]: lv["arms"]["off"] for lv in off_only["levels"]}
+    off_server, on_server = _levels(off_only), _levels(on_only)
+    if off_server is not None:
+        report["off_only_server"] = off_server
+        ref = {lv["concurrency"]: lv for lv in off_server["levels"]}
         for row in rows:
-            r = ref.get(row["concurrency"])
-            if r is None or not r["tpot_s"]["p50"]:
+            lv = ref.get(row["concurrency"])
+            if lv is None or not lv["arms"]["off"]["tpot_s"]["p50"]:
                 continue
+            r = lv["arms"]["off"]
             row["off_only_server_p50_tpot_ms"] = round(r["tpot_s"]["p50"] * 1e3, 2)
             row["off_only_server_tok_s"] = r["request_tokens_per_s"]["p50"]
+            row["off_only_server_total_tok_s"] = lv["tokens_per_s"]
             if row["p50_tpot_ms_off"]:
                 row["off_arm_tpot_vs_off_only_server"] = round(row["p50_tpot_ms_off"] / row["off_only_server_p50_tpot_ms"], 3)
+    if on_server is not None:
+        report["on_only_run"] = on_server
+        ref = {lv["concurrency"]: lv for lv in on_server["levels"]}
+        for row in rows:
+            lv = ref.get(row["concurrency"])
+            if lv is None:
+                continue
+            on = lv["arms"]["on"]
+            row["on_only_total_tok_s"] = lv["tokens_per_s"]
+            row["on_only_p50_tpot_ms"] = round(on["tpot_s"]["p50"] * 1e3, 2) if on["tpot_s"]["p50"] else None
+            row["on_only_mean_accepted_length"] = on["mean_accepted_length"]
+            off_total = row.get("off_only_server_total_tok_s")
+            row["server_ratio"] = round(lv["tokens_per_s"] / off_total, 3) if off_total else None
     if stats is not None:
         report["server_stats"] = {name: {k: arm.get(k) for k in ("steps", "drafted_tokens", "accepted_tokens",
                                                                   "mean_accepted_length", "acceptance_by_depth")}
@@ -63,13 +98,15 @@ def merge(mixed: list[dict], off_only: dict | None, stats: dict | None, notes: l
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mixed", nargs="+", required=True, help="load.py reports of the on/off server, in order")
-    ap.add_argument("--off-only", default=None, help="load.py report of the speculation-off server")
+    ap.add_argument("--off-only", nargs="*", default=[], help="load.py reports of the speculation-off server")
+    ap.add_argument("--on-only", nargs="*", default=[], help="load.py reports of the speculating server, every request on")
     ap.add_argument("--stats", default=None, help="the mixed server's /v1/stats after the run")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
     ap.add_argument("--out", required=True, help="writes OUT.json and OUT.png")
     args = ap.parse_args()
     read = lambda p: json.loads(Path(p).read_text()) if p else None  # noqa: E731
-    report = merge([read(p) for p in args.mixed], read(args.off_only), read(args.stats), args.note)
+    report = merge([read(p) for p in args.mixed], [read(p) for p in args.off_only], read(args.stats), args.note,
+                   on_only=[read(p) for p in args.on_only])
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))

@@ -47,6 +47,28 @@ def test_merge_joins_levels_and_compares_the_off_arm_with_the_off_only_server() 
     assert r["notes"] == ["a note"]
 
 
+def test_server_ratio_compares_the_single_arm_runs_level_by_level() -> None:
+    mixed = _report("abc", [(1, {"on": _arm(600.0, 0.0015, 2.0), "off": _arm(400.0, 0.002, 1.0)}),
+                            (64, {"on": _arm(30.0, 0.02, 1.1), "off": _arm(60.0, 0.021, 1.0)})])
+    on_low = _report("abc", [(1, {"on": _arm(620.0, 0.0014, 2.1)})])
+    on_high = _report("abc", [(64, {"on": _arm(50.0, 0.019, 1.2)})])
+    on_high["requests_per_level"] = 128
+    on_low["levels"][0]["tokens_per_s"], on_high["levels"][0]["tokens_per_s"] = 900.0, 3000.0
+    off_low = _report("abc", [(1, {"off": _arm(450.0, 0.0018, 1.0)})])
+    off_high = _report("abc", [(64, {"off": _arm(55.0, 0.02, 1.0)})])
+    off_low["levels"][0]["tokens_per_s"], off_high["levels"][0]["tokens_per_s"] = 450.0, 4000.0
+    r = merge([mixed], [off_low, off_high], None, [], on_only=[on_low, on_high])
+    one, many = r["rows"]
+    assert one["server_ratio"] == 2.0 and many["server_ratio"] == 0.75
+    assert one["on_only_total_tok_s"] == 900.0 and many["off_only_server_total_tok_s"] == 4000.0
+    assert one["on_only_mean_accepted_length"] == 2.1 and many["on_only_p50_tpot_ms"] == 19.0
+    assert r["on_only_run"]["requests_per_level"] == {"1": 8, "64": 128}
+    assert [lv["concurrency"] for lv in r["off_only_server"]["levels"]] == [1, 64]
+    # a level the single-arm runs did not cover gets no ratio rather than a wrong one
+    r2 = merge([mixed], [off_low], None, [], on_only=[on_low, on_high])
+    assert r2["rows"][1]["server_ratio"] is None and "off_only_server_total_tok_s" not in r2["rows"][1]
+
+
 def test_merge_refuses_parts_of_different_commits() -> None:
     a = _report("abc", [(1, {"on": _arm(1.0, 0.1, 1.0), "off": _arm(1.0, 0.1, 1.0)})])
     b = _report("def", [(4, {"on": _arm(1.0, 0.1, 1.0), "off": _arm(1.0, 0.1, 1.0)})])
