@@ -23,14 +23,15 @@ class IncrementalDetokenizer:
     rest of a multi-byte character that a byte-level tokenizer split across tokens.
     """
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self._prefix = 0
         self._read = len(self._ids)
+        self._skip_special = skip_special_tokens
 
     def _decode(self, end: int) -> str:
-        return self._tok.decode(self._ids[self._prefix : end], skip_special_tokens=True)
+        return self._tok.decode(self._ids[self._prefix : end], skip_special_tokens=self._skip_special)
 
     def feed(self, token_ids: list[int]) -> str:
         """Add tokens; return the text that is now stable (possibly empty).
@@ -62,17 +63,21 @@ class IncrementalDetokenizer:
 class StopMatcher:
     """Cuts the text before the first stop string and holds back any tail that could start one."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False) -> None:
         self._stops = tuple(s for s in stops if s)
+        self._include = include_stop  # vLLM's include_stop_str_in_output: the matched stop string is emitted too
         self._pending = ""  # text not yet emitted: at most the longest stop string minus one, plus a delta
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
-        """Return (text safe to emit, whether a stop string matched). After a match, stop feeding."""
+    def feed(self, text: str, final: bool = False, armed: bool = True) -> tuple[str, bool]:
+        """Return (text safe to emit, whether a stop string matched). After a match, stop feeding.
+        ``armed=False``: the text may not end the output (before min_tokens); a tail that could start a stop
+        string is still held, so a stop string that begins here and ends in armed text matches."""
         pending = self._pending + text
-        hits = [i for i in (pending.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, -len(s)) for s in self._stops if armed and (i := pending.find(s)) >= 0]
         if hits:
+            at, minus_len = min(hits)  # the first match; of two at one place, the longer
             self._pending = ""
-            return pending[: min(hits)], True
+            return pending[: at - minus_len if self._include else at], True
         keep = 0 if final else self._partial_len(pending)
         self._pending = pending[len(pending) - keep :]
         return pending[: len(pending) - keep], False
@@ -99,9 +104,13 @@ class StopMatcher:
 class TextAssembler:
     """One request's text: ``feed`` engine tokens, get text to send and whether a stop string ended it."""
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stops: tuple[str, ...] = ()) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-        self._stops = StopMatcher(stops)
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stops: tuple[str, ...] = (),
+                 include_stop: bool = False, min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self._stops = StopMatcher(stops, include_stop)
+        # vLLM checks stop strings once the output holds min_tokens tokens: the tokens before the min_tokens-th
+        # cannot complete one
+        self._unarmed = max(min_tokens - 1, 0)
         self.text = ""  # everything emitted so far
 
     @property
@@ -111,12 +120,23 @@ class TextAssembler:
         return len(self.text) + self._stops.pending + self._detok.held
 
     def feed(self, token_ids: list[int], finished: bool) -> tuple[str, bool]:
+        head = ""
+        if self._unarmed:  # the tokens that may not complete a stop string go through first, unarmed
+            early, token_ids = token_ids[: self._unarmed], token_ids[self._unarmed :]
+            self._unarmed -= len(early)
+            text = self._detok.feed(early)
+            if finished and not token_ids:
+                text += self._detok.flush()
+            head, _ = self._stops.feed(text, final=finished and not token_ids, armed=False)
+            self.text += head
+            if not token_ids:
+                return head, False
         text = self._detok.feed(token_ids)
         if finished:
             text += self._detok.flush()
         out, stopped = self._stops.feed(text, final=finished)
         self.text += out
-        return out, stopped
+        return head + out, stopped
 
 
 def _byte_alphabet() -> dict[str, int]:

@@ -180,6 +180,9 @@ class Engine:
             raise ValueError(f"logit_bias names token {sampling.logit_bias[-1][0]}, outside the vocabulary [0, {V})")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting")
+        if sampling.min_tokens and sampling.grammar is not None:
+            raise ValueError("min_tokens cannot be combined with structured output or a tool call: a grammar may "
+                             "allow nothing but the end of the output before min_tokens")
         stops = frozenset(sampling.stop_token_ids) | frozenset(() if sampling.ignore_eos else self.eos_token_ids)
         matcher = self._matcher(sampling.grammar) if sampling.grammar is not None else None
         seq = Sequence(request_id, list(prompt_ids), sampling, speculation,
@@ -268,6 +271,8 @@ class Engine:
         batched = logits.is_cuda or processing.BATCHED_CPU  # bias and penalties for the whole step at once
         if batched and any(seq.sampling.custom_logits for seq in decoding):
             logits = self._process(logits, starts, decoding, trees)
+        if any(seq.sampling.min_tokens > len(seq.output_ids) for seq in decoding):
+            logits = self._hold_stops(logits, starts, decoding, trees)
         if any(seq.matcher is not None for seq in decoding):
             logits = self._constrain(logits, starts, decoding, trees)
         if batched:
@@ -369,6 +374,33 @@ class Engine:
             rows += range(starts[k], starts[k + 1])
         out = logits.clone()
         apply_masks(out, rows, torch.cat(masks))
+        return out
+
+    @staticmethod
+    def _hold_stops(logits: torch.Tensor, starts: list[int], decoding: list[Sequence],
+                    trees: list[TokenTree]) -> torch.Tensor:
+        """A copy of ``logits`` in which no stop token can be chosen at a tree row that predicts an output token
+        before ``min_tokens`` (vLLM's min_tokens): the row of a node at depth d predicts output token
+        ``len(output_ids) + d``. Acceptance, greedy or sampled, then never keeps a stop token there, and a drafted
+        one is rejected like any token the target would not produce. One host-to-device copy for the step."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for k, seq in enumerate(decoding):
+            short = seq.sampling.min_tokens - len(seq.output_ids)  # nodes shallower than this may not stop
+            if short <= 0 or not seq.stop_ids:
+                continue
+            tree = trees[k]
+            depths = tree.pending.depths if tree.pending is not None else tree.host()[2]
+            stops = sorted(seq.stop_ids)
+            for node, depth in enumerate(depths):
+                if depth < short:
+                    rows += [starts[k] + node] * len(stops)
+                    cols += stops
+        if not rows:
+            return logits
+        out = logits.clone()
+        index = to_device(torch.tensor([rows, cols], dtype=torch.int64), logits.device)
+        out[index[0], index[1]] = float("-inf")
         return out
 
     @staticmethod

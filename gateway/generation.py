@@ -44,7 +44,9 @@ class Generation:
         self.runner, self.sub, self.req, self.shape, self.metrics = runner, sub, req, shape, metrics
         self.route, self.arrival, self.index = route, arrival, index
         self.label = spec_label(sub.is_speculative)
-        self.assembler = TextAssembler(tokenizer, prompt_ids, req.stop)
+        self.assembler = TextAssembler(tokenizer, prompt_ids, req.stop, include_stop=req.include_stop,
+                                       min_tokens=req.sampling.get("min_tokens", 0),
+                                       skip_special_tokens=req.skip_special_tokens)
         # logprobs: every reported token with the offset of its text, and how many went out in chunks so far
         self.token_text = None
         if req.sampling.get("logprobs") is not None:

@@ -80,6 +80,8 @@ class GenerateRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields other than max_tokens
     speculation: SpeculationParams = SpeculationParams()
     stop: tuple[str, ...] = ()
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: a matched stop string ends the text, kept
+    skip_special_tokens: bool = True  # vLLM's: special tokens' text (an end-of-turn marker) left out of the output
     stream: bool = False
     n: int = 1  # choices: independent sequences of one prompt (sampled ones differ; seeds go seed, seed + 1, ...)
     include_usage: bool = False  # stream_options.include_usage: a final usage chunk
@@ -135,7 +137,8 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
         is_chat=is_chat, model=_get(body, "model", str, None),
         messages=_messages(body) if is_chat else None, prompts=prompts,
         max_tokens=max_tokens, sampling=sampling, speculation=_speculation(body, spec_header),
-        stop=_stop(body), stream=stream, n=n, echo=echo, tools=tools, tool_choice=tool_choice,
+        stop=_stop(body), include_stop=_get(body, "include_stop_str_in_output", bool, False),
+        skip_special_tokens=_get(body, "skip_special_tokens", bool, True), stream=stream, n=n, echo=echo, tools=tools, tool_choice=tool_choice,
         include_usage=stream and _get(options, "include_usage", bool, False, "stream_options.include_usage"),
         continuous_usage=stream and _get(options, "continuous_usage_stats", bool, False,
                                          "stream_options.continuous_usage_stats"))
@@ -191,6 +194,7 @@ def _sampling(body: dict, is_chat: bool) -> dict[str, Any]:
         "frequency_penalty": _get(body, "frequency_penalty", float, 0.0),
         "repetition_penalty": _get(body, "repetition_penalty", float, 1.0),
         "ignore_eos": _get(body, "ignore_eos", bool, False),
+        "min_tokens": _get(body, "min_tokens", int, 0),
     }
     if out["seed"] is not None and not -(2**63) <= out["seed"] < 2**64:  # what torch.Generator accepts
         raise ApiError(400, f"seed must fit in 64 bits, got {out['seed']}", param="seed")

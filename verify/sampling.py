@@ -31,6 +31,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # HF/vLLM: divides positive / multiplies negative logits of seen tokens
     max_tokens: int = 16
+    # vLLM's min_tokens: the stop tokens (EOS unless ignored, and stop_token_ids) cannot end the output before it
+    # holds this many tokens; the gateway also ignores stop strings until then.
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     # OpenAI's logit_bias: (token id, bias) pairs added to the raw logits; a dict {id: bias} is accepted.
@@ -57,6 +60,8 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an int >= 1"),
+            ("min_tokens", isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             f"an int in [0, max_tokens = {self.max_tokens}]"),
             ("seed", self.seed is None or isinstance(self.seed, int), "an int or None"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "ints >= 0"),
             ("logit_bias", all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),

@@ -124,6 +124,31 @@ def test_stop_string_cuts_text_and_frees_the_request(tokenizer, stream: bool) ->
     assert (text, reason) == (want, "stop")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_and_min_tokens(tokenizer, stream: bool) -> None:
+    """include_stop_str_in_output keeps the matched stop string; min_tokens lets no stop string end the output
+    before its min_tokens-th token, so a later match ends it."""
+    async def go(client, app):
+        full = (await client.post("/v1/chat/completions", json=CHAT | {"max_tokens": 40, "ignore_eos": True}))
+        full = full.json()["choices"][0]["message"]["content"]
+        stop = next(full[i] for i in range(2, len(full)) if full[i].isalnum() and full[i] in full[i + 1 :])
+        base = CHAT | {"stop": [stop], "stream": stream, "max_tokens": 40, "ignore_eos": True}
+        kept = await client.post("/v1/chat/completions", json=base | {"include_stop_str_in_output": True})
+        held = await client.post("/v1/chat/completions", json=base | {"min_tokens": 40})
+        return full, stop, kept, held
+
+    full, stop, kept, held = run(tokenizer, go)
+
+    def text_of(r):
+        if not stream:
+            return r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"]
+        chunks = events(r.text)[:-1]
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+
+    assert text_of(kept) == (full[: full.index(stop) + 1], "stop")
+    assert text_of(held) == (full, "length")  # ignore_eos: the 40 tokens of the free run, every stop held
+
+
 def test_n_choices_are_the_single_requests_of_seed_plus_i(tokenizer) -> None:
     # A prompt no earlier request (the warm-up) has put in the prefix cache. The tree is fixed: a sampled
     # token's value depends on the draws the tree's verification consumed, and the adaptive budget's trees

@@ -131,3 +131,19 @@ def test_trees_are_deferred_by_default_on_cuda_only() -> None:
     assert eng.config.defer_trees is None and not eng._defer_trees
     eng.config = replace(eng.config, defer_trees=True)
     assert eng._defer_trees
+
+
+def test_min_tokens_reads_a_deferred_trees_depths_without_a_host_copy() -> None:
+    """A stop token held back by min_tokens at a deferred tree's rows: the same output as with host trees."""
+    ps = _prompts(4)
+    free = _run(_engine(False), [("f", ps[1], GREEDY, SpeculationParams(enabled=False))])[0]["f"]
+    stop = free[1]
+    sampling = replace(GREEDY, stop_token_ids=(stop,), min_tokens=7)
+    reqs = [(str(i), p, sampling, SpeculationParams(drafter="exact", tree=(2, 2, 1))) for i, p in enumerate(ps)]
+    runs = {}
+    for defer in (True, False):
+        eng = _engine(defer)
+        runs[defer] = _run(eng, reqs)[0]
+        assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+    assert runs[True] == runs[False]
+    assert stop not in runs[True]["1"][:7] and len(runs[True]["1"]) >= 8

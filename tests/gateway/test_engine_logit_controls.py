@@ -273,3 +273,62 @@ def test_greedy_penalties_and_bias_follow_their_definition_under_speculation(mon
     for i, prompt in enumerate(PROMPTS):
         assert got[str(i)] == penalised_greedy(engine, prompt, params, 14), (spec, i)
     assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
+
+
+def held_reference(engine, prompt: list[int], stop: int, min_tokens: int, max_tokens: int) -> list[int]:
+    """Plain greedy decoding by whole forwards, the stop token masked while the output is shorter than
+    min_tokens, ended by it after."""
+    out: list[int] = []
+    while len(out) < max_tokens:
+        row = teacher_forced(engine, prompt, out + [0])[-1]  # the row after prompt + out
+        if len(out) < min_tokens:
+            row[stop] = float("-inf")
+        out.append(int(row.argmax()))
+        if out[-1] == stop:
+            break
+    return out
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("spec", list(SPEC))
+def test_min_tokens_holds_the_stop_token_back_under_every_drafter(spec: str, batched: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(processing, "BATCHED_CPU", batched)
+    engine = tiny_engine()
+    free = run_all(tiny_engine(), [("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                    SPEC["off"])])["a"]
+    stop = free[1]  # the output would end at its second token; the exact drafter proposes the stop token
+    want = held_reference(engine, PROMPTS[0], stop, min_tokens=6, max_tokens=12)
+    assert stop not in want[:6] and len(want) > 2
+    sampling = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop,), min_tokens=6)
+    # a penalty sends the request through the logit processing too (its own path on the CPU)
+    penalised = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop,), min_tokens=6,
+                               logit_bias={3: 0.0})
+    got = run_all(engine, [("a", PROMPTS[0], sampling, SPEC[spec]), ("b", PROMPTS[0], penalised, SPEC[spec])])
+    assert got["a"] == want and got["b"] == want
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
+
+
+def test_sampled_output_never_stops_before_min_tokens() -> None:
+    engine = tiny_engine()
+    free = run_all(tiny_engine(), [("a", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                    SPEC["off"])])["a"]
+    stop = free[0]  # the likeliest first token, so sampling meets it often
+    base = dict(temperature=1.0, max_tokens=10, ignore_eos=True, stop_token_ids=(stop,))
+    outs = run_all(engine, [(f"{k}{i}", PROMPTS[1], SamplingParams(seed=i, min_tokens=k, **base), SPEC["exact"])
+                            for i in range(12) for k in (0, 4)])
+    early = [o for rid, o in outs.items() if rid.startswith("0") and stop in o[:4]]
+    assert early  # without min_tokens the stop token comes early in some outputs
+    for i in range(12):
+        o = outs[f"4{i}"]
+        assert stop not in o[:4] and (len(o) == 10 or o[-1] == stop)
+
+
+def test_min_tokens_is_checked() -> None:
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=-1)
+    engine = tiny_engine()
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        engine.add("g", PROMPTS[1], SamplingParams(max_tokens=8, min_tokens=2, grammar='{"type": "regex"}'))

@@ -53,6 +53,9 @@ def test_malformed_json(tokenizer) -> None:
     ("max_tokens", "ten", "max_tokens"),
     ("temperature", True, "temperature"),
     ("stream", "yes", "stream"),
+    ("min_tokens", 1.5, "min_tokens"),
+    ("include_stop_str_in_output", 1, "include_stop_str_in_output"),
+    ("skip_special_tokens", "no", "skip_special_tokens"),
     ("messages", "Hi", "messages"),
     ("stop", [1, 2], "stop"),
     ("speculation", {"enabled": "no"}, "speculation.enabled"),
@@ -76,6 +79,8 @@ def test_wrong_types_name_the_field(tokenizer, field, value, param) -> None:
     ("stop_token_ids", list(range(65)), "stop_token_ids"),
     ("repetition_penalty", 1e-300, "repetition_penalty"),
     ("max_tokens", 10**6, "max_tokens"),
+    ("min_tokens", 5, "min_tokens"),  # above max_tokens (4)
+    ("min_tokens", -1, "min_tokens"),
 ])
 def test_out_of_range_values_name_the_field(tokenizer, field, value, param) -> None:
     check(post(tokenizer, CHAT | {field: value}), 400, param)
