@@ -45,14 +45,42 @@ def summarise(runs: list[dict], arms: list[str]) -> dict:
     return {"mean_verify_ms": mean, "pair_wins": wins, "pairs": len(pairs)}
 
 
+def plot(paths: list[str], out: str) -> None:
+    """One panel per A/B file: each arm's mean verify-step time against tree size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(paths), figsize=(5.5 * len(paths), 4), squeeze=False)
+    for ax, path in zip(axes[0], paths):
+        r = json.loads(Path(path).read_text())
+        for arm, ms in r["mean_verify_ms"].items():
+            sizes = sorted(ms, key=int)
+            ax.plot([int(n) for n in sizes], [ms[n] for n in sizes], marker="o", label=arm)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree nodes (M)")
+        ax.set_ylabel("8B verify step, ms")
+        ax.set_title(f"{Path(path).stem}: {r['device']}, {r['commit']}, {r['pairs']} run(s) an arm", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arm", action="append", required=True, help="NAME=VALUE[,NAME=VALUE...]; two or more")
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="only draw these results into --out (a PNG)")
+    ap.add_argument("--arm", action="append", help="NAME=VALUE[,NAME=VALUE...]; two or more")
     ap.add_argument("--runs", type=int, default=3, help="runs per arm")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds per run")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if len(args.arm) < 2:
+    if args.plot:
+        plot(args.plot, args.out)
+        return
+    if not args.arm or len(args.arm) < 2:
         raise SystemExit("give two or more --arm")
     arms = {a: parse_arm(a) for a in args.arm}
     runs = []

@@ -23,6 +23,11 @@ from target.model import Transformer
 
 
 CATCH_UP_NODES = 16  # the longest per-sequence segment a drafter's forward replays from a graph
+# Trees of fewer levels are copied to the host, not deferred: on an H100 (SmolLM2 shapes, random weights, one run
+# per arm, bench/results/step_profile_h100.json) a deferred one-level tree made the step slower than a host copy
+# (batch 1: 2.16 against 1.98 ms; batch 16: 3.28 against 2.75), while a deferred 2,2,2,1 tree made it faster
+# (2.52 against 2.98; 3.87 against 4.75).
+DEFER_MIN_DEPTH = 2
 
 
 class ModelDrafter:
@@ -100,7 +105,7 @@ class ModelDrafter:
             tables = [self._tables[reqs[i].seq_id] for i in greedy]
             ctxs = [reqs[i].context_len for i in greedy]
             root_h = None if roots is None else roots[greedy]
-            if all(reqs[i].defer and is_narrowing(reqs[i].widths, W) for i in greedy):
+            if depth >= DEFER_MIN_DEPTH and all(reqs[i].defer and is_narrowing(reqs[i].widths, W) for i in greedy):
                 # Every tree is the grown one's first levels, the last perhaps narrower (the budget's depth cuts,
                 # probes, the verify cap's trims): cut on the device, no host copy here. The target's batch reads
                 # the nodes there, and the caller's host copy of the step brings them back.

@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from draft import model_drafter
 from draft.hybrid import HybridDrafter
 from draft.ngram import NgramDrafter
 from draft.params import SpeculationParams
@@ -29,6 +30,13 @@ def _prompts(n: int) -> list[list[int]]:
         base = torch.randint(0, 64, (3 + i % 5,), generator=g).tolist()
         out.append(base * 3 if i % 3 == 0 else base)  # repeats: the hybrid's lookup finds some
     return out
+
+
+@pytest.fixture(autouse=True)
+def defer_every_depth(monkeypatch):
+    """The mechanism under test at every depth: by default one-level trees are not deferred (DEFER_MIN_DEPTH,
+    test_one_level_trees_are_copied_to_the_host_by_default)."""
+    monkeypatch.setattr(model_drafter, "DEFER_MIN_DEPTH", 1)
 
 
 def _engine(defer: bool):
@@ -147,3 +155,16 @@ def test_min_tokens_reads_a_deferred_trees_depths_without_a_host_copy() -> None:
         assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
     assert runs[True] == runs[False]
     assert stop not in runs[True]["1"][:7] and len(runs[True]["1"]) >= 8
+
+
+@pytest.mark.parametrize("tree, deferred", [((1,), False), ((2,), False), ((1, 1), True), ((2, 2, 1), True)])
+def test_one_level_trees_are_copied_to_the_host_by_default(monkeypatch, tree, deferred: bool) -> None:
+    monkeypatch.setattr(model_drafter, "DEFER_MIN_DEPTH", 2)
+    grown = []
+    on_device = GreedyTreeLoop.grow_on_device
+    monkeypatch.setattr(GreedyTreeLoop, "grow_on_device", lambda self, *a: grown.append(1) or on_device(self, *a))
+    eng = _engine(True)
+    tokens, _ = _run(eng, [("a", _prompts(1)[0], replace(GREEDY, max_tokens=8),
+                            SpeculationParams(drafter="draft", tree=tree))])
+    assert bool(grown) == deferred and len(tokens["a"]) == 8
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
