@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one session ran on the lent GPU (the device tool), stage by stage:
 #   bash bench/gpu_run.sh setup      install the wheels the GPU image lacks (carried in .whl/)
-#   bash bench/gpu_run.sh tests      the CUDA-only tests
+#   bash bench/gpu_run.sh tests      the CUDA-only tests (7 minutes on a fresh machine, mostly Triton builds)
 #   bash bench/gpu_run.sh profile    bench/step_profile.py: where a step's time goes (SmolLM2 shapes, random weights;
 #                                    each tree also with host-copied trees: the deferred trees' A/B)
 #   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair, with the per-kernel profile and the INT4 picks
@@ -152,7 +152,9 @@ for stage in "$@"; do
       python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-auto}" ${SERVE_ARGS:-} \
         --num-blocks 4096 --max-running 64 --max-waiting 512 --capture-graphs --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
       server=$!
-      for _ in $(seq 150); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
+      # up to 300 s: on a fresh H100 the server's start (Triton builds, graph captures for 64 streams) outlasted
+      # 150 s, the loads then met no server and its engine process a closed pipe
+      for _ in $(seq 300); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
       # untimed: the first server on a fresh machine meets Triton's cold disk cache (prefill shapes build
       # their kernels on first use) while the off-only server after it does not (load_gpu_a5ef89b.json)
       timeout 45 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
