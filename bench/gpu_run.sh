@@ -14,7 +14,6 @@
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
 #   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch for the INT4 kernels alone and for
 #                                    every kernel, 2 runs each
-#   bash bench/gpu_run.sh merge      the same with the decode's split merge launched and fused (SPECGATE_FUSED_MERGE)
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in parts) and convert it once
 #   bash bench/gpu_run.sh quant      bench/quant.py after `model`: dense bf16 and quant_pydoc_gpu.json's best arm
 #                                    (guided GPTQ g64, then scales, norms and codes tuned 600 steps on CUDA) under two
@@ -97,8 +96,6 @@ for stage in "$@"; do
         --commit "${BENCH_COMMIT:-unknown}" ${INT4_ARGS:-} 2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
     pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_PDL=int4 --arm SPECGATE_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
-    merge) timeout 540 python bench/engine_ab.py --arm SPECGATE_FUSED_MERGE=0 --arm SPECGATE_FUSED_MERGE=1 --runs 2 \
-           --out "$OUT/engine_ab_merge.json" 2>&1 | tail -8 ;;
     ab) timeout 540 python bench/engine_ab.py --arm "$AB_A" --arm "$AB_B" --runs 3 --out "$OUT/engine_ab.json" 2>&1 | tail -8 ;;
     quant)  # the log is written as it goes (.cache/quant/quant.log), so a poll can read the run's progress
       mkdir -p .cache/quant

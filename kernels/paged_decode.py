@@ -2,8 +2,7 @@
 
 Split-KV with a log-sum-exp merge (FlashDecoding; vLLM's paged attention v2): program
 ``(b, kv_head, split)`` walks one slice of sequence ``b``'s pages with an online softmax and writes a
-partial output and its log-sum-exp; ``_merge_splits_kernel`` combines the slices (or, with
-``FUSED_MERGE``, the last split of each ``(b, kv_head)`` to finish, through an arrival counter). The
+partial output and its log-sum-exp; ``_merge_splits_kernel`` combines the slices. The
 ``G = H / Hkv`` query heads of a KV head share one tile (GQA packing as in FlashInfer's and vLLM's decode
 kernels), so each K/V page is read once per KV head.
 
@@ -15,7 +14,6 @@ graphs and never sync with the host.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +35,10 @@ _SHORT_SPLITS, _SHORT_SPLIT_TOKENS = 16, 32
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_PREFETCH = False  # the hand-pipelined loop (_prefetched_tiles); see bench/kernels/prefetch_probe.py
 PREFETCH_WARPS = 8
-# SPECGATE_FUSED_MERGE=1: the last split of each (sequence, KV head) to finish merges them, with no merge
-# launch. Off by default: an earlier in-kernel merge, which read the splits' partials one after another,
-# measured slower than the launch it saved (bench/results/attn_merge_ab.json); this one loads up to 16
-# splits' partials at once (_merge_last) and is not yet timed.
-FUSED_MERGE = os.environ.get("SPECGATE_FUSED_MERGE", "0") == "1"
+# The merge stays a launch of its own. Two forms of it inside the decode kernel, by the last split of each
+# (sequence, KV head) to finish, measured slower than the launch they saved: reading the partials one after
+# another (H200, bench/results/attn_merge_ab.json) and sixteen at a time (H100, M=1 8B step 3.07 against
+# 2.90 ms, bench/results/pdl_merge_ab_h100.json).
 LOG2E = 1.4426950408889634
 
 
@@ -211,9 +208,6 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LEN_OFFSET: tl.constexpr,
     PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
-    # the split merge, by the last split of each (b, kv_head) to finish (FUSED): no launch of its own
-    out_ptr, cnt_ptr, stride_fb, stride_fh,
-    FUSED: tl.constexpr, GP2: tl.constexpr, MERGE_S: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -256,51 +250,6 @@ def _paged_decode_kernel(
     if IS_SPLIT:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.maximum(l_i, 1e-30)))  # log2 domain
         tl.store(lse_ptr + split * stride_ls + b * stride_lb + head, lse, mask=g_mask)
-        if FUSED:
-            _merge_last(o_ptr, lse_ptr, out_ptr, cnt_ptr + b * tl.num_programs(1) + kv_head, b, kv_head * GROUP,
-                        num_splits, stride_os, stride_ob, stride_oh, stride_ls, stride_lb, stride_fb, stride_fh,
-                        GROUP, HEAD_DIM, GP2, MERGE_S)
-
-
-@triton.jit
-def _merge_last(o_ptr, lse_ptr, out_ptr, cnt_ptr, b, head0, num_splits,
-                stride_os, stride_ob, stride_oh, stride_ls, stride_lb, stride_fb, stride_fh,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, GP2: tl.constexpr, MERGE_S: tl.constexpr):
-    """Count this split in; the last of the ``num_splits`` to arrive merges heads ``head0 .. head0 + GROUP`` of
-    sequence ``b`` into ``out`` (as ``_merge_splits_kernel``, in chunks of MERGE_S splits) and rearms the
-    counter for the next launch or graph replay. The split-K fix-up of the INT4 kernels works the same way."""
-    tl.debug_barrier()  # every thread's partial is written before the counter says so
-    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    if arrived == num_splits - 1:
-        offs_g = tl.arange(0, GP2)
-        g_ok = offs_g < GROUP
-        offs_d = tl.arange(0, HEAD_DIM)
-        head = head0 + offs_g
-        m = tl.full([GP2], float("-inf"), tl.float32)
-        for s0 in range(0, num_splits, MERGE_S):
-            offs_s = s0 + tl.arange(0, MERGE_S)
-            ok = (offs_s < num_splits)[:, None] & g_ok[None, :]
-            lse = tl.load(lse_ptr + offs_s[:, None] * stride_ls + b * stride_lb + head[None, :], mask=ok,
-                          other=float("-inf"), cache_modifier=".cg")  # [MERGE_S, GP2]
-            m = tl.maximum(m, tl.max(lse, 0))
-        m = tl.where(m == float("-inf"), 0.0, m)  # padding heads: no split wrote them
-        acc = tl.zeros([GP2, HEAD_DIM], tl.float32)
-        den = tl.zeros([GP2], tl.float32)
-        for s0 in range(0, num_splits, MERGE_S):
-            offs_s = s0 + tl.arange(0, MERGE_S)
-            ok = (offs_s < num_splits)[:, None] & g_ok[None, :]
-            lse = tl.load(lse_ptr + offs_s[:, None] * stride_ls + b * stride_lb + head[None, :], mask=ok,
-                          other=float("-inf"), cache_modifier=".cg")
-            w = tl.exp2(lse - m[None, :])  # [MERGE_S, GP2]; empty splits carry -inf and weigh 0
-            o = tl.load(o_ptr + offs_s[:, None, None] * stride_os + b * stride_ob + head[None, :, None] * stride_oh
-                        + offs_d[None, None, :], mask=ok[:, :, None], other=0.0,
-                        cache_modifier=".cg")  # [MERGE_S, GP2, D] fp32
-            acc += tl.sum(w[:, :, None] * o, 0)
-            den += tl.sum(w, 0)
-        out = acc / tl.where(den == 0.0, 1.0, den)[:, None]
-        tl.store(out_ptr + b * stride_fb + head[:, None] * stride_fh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-        tl.atomic_xchg(cnt_ptr, 0)
 
 
 @triton.jit(do_not_specialize=["stride_ls", "num_splits"])
@@ -392,7 +341,6 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, B, H, D, dtype=torch.float32)  # [S, B, H, D]
     lse = q.new_empty(S, B, H, dtype=torch.float32)  # [S, B, H]
-    fused = FUSED_MERGE and S > 1
     _paged_decode_kernel[(B, Hkv, S)](
         q, k_cache, v_cache, block_tables, seq_lens, o_part, lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -400,21 +348,7 @@ def paged_decode_attention(
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         IS_SPLIT=S > 1, LEN_OFFSET=len_offset, PREFETCH=prefetch,
         num_warps=num_warps or (PREFETCH_WARPS if prefetch else 4), num_stages=1 if prefetch else num_stages,
-        out_ptr=out, cnt_ptr=merge_counters(q.device, B * Hkv) if fused else lse, stride_fb=out.stride(0),
-        stride_fh=out.stride(1), FUSED=fused, GP2=triton.next_power_of_2(G), MERGE_S=16,  # one variant for any S
         **pdl_meta(q.device))
-    if S > 1 and not fused:
+    if S > 1:
         merge_splits(o_part, lse, out)
     return out
-
-
-_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters for fused split merges, shared by every launch on ``device`` (each
-    launch rearms the ones it used; launches on one stream run one after another)."""
-    buf = _MERGE_COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _MERGE_COUNTERS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return buf
