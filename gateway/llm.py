@@ -24,6 +24,7 @@ from draft.params import SpeculationParams
 from draft.shipped import embedded_draft
 from draft.tree import MAX_TREE_NODES
 from draft.vocab import COUNTS_FILE, DEFAULT_HEAD_VOCAB, head_vocab, load_counts
+from gateway.detok import TextAssembler
 from gateway.engine import Engine, EngineConfig, RequestOutput
 from gateway.sequence import SpecStats
 from target.embedded import default_cache_dir
@@ -290,9 +291,15 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
-                 speculation: SpeculationParams = SpeculationParams()) -> list[Generation]:
+                 speculation: SpeculationParams = SpeculationParams(), stop: tuple[str, ...] | list[str] = (),
+                 include_stop: bool = False) -> list[Generation]:
         """Run all prompts to completion in one continuous batch; results in prompt order. ``sampling``: one
-        for every prompt, or one per prompt (distinct seeds, say)."""
+        for every prompt, or one per prompt (distinct seeds, say). ``stop``: strings that end an output, as the
+        server's ``stop`` (cut before the first match, or after it with ``include_stop``; none can end it before
+        ``min_tokens``); the token ids end with the token that completed the match, and the request's KV
+        blocks go back at once."""
+        if isinstance(stop, str):
+            stop = (stop,)
         ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
         per_prompt = sampling if isinstance(sampling, list) else [sampling] * len(ids)
         if len(per_prompt) != len(ids):
@@ -305,21 +312,37 @@ class LLM:
             for rid in rids:
                 self.engine.abort(rid)
             raise
+        tok = self.loaded.checkpoint.tokenizer
         done: dict[str, RequestOutput] = {}
         toks: dict[str, list[int]] = {r: [] for r in rids}
         lps: dict[str, list[TokenLogprob]] = {r: [] for r, sp in zip(rids, per_prompt) if sp.logprobs is not None}
+        texts = ({r: TextAssembler(tok, p, tuple(stop), include_stop, sp.min_tokens)
+                  for r, p, sp in zip(rids, ids, per_prompt)} if stop else None)
         t0 = time.perf_counter()
         while len(done) < len(rids):
             for out in self.engine.step():
-                toks[out.request_id] += out.new_token_ids
+                r = out.request_id
+                new, cut = out.new_token_ids, False
+                if texts is not None:  # token by token, so the ids end where the matched text does
+                    for i, t in enumerate(new):
+                        if texts[r].feed([t], out.finished and i == len(new) - 1)[1]:
+                            new, cut = new[: i + 1], True
+                            break
+                toks[r] += new
                 if out.logprobs is not None:
-                    lps[out.request_id] += out.logprobs
-                if out.finished:
-                    done[out.request_id] = out
+                    lps[r] += out.logprobs[: len(new)]
+                if cut:
+                    if not out.finished:
+                        self.engine.abort(r)
+                    out.finish_reason = "stop"
+                    done[r] = out
+                elif out.finished:
+                    done[r] = out
         secs = time.perf_counter() - t0
-        tok = self.loaded.checkpoint.tokenizer
-        return [Generation(tok.decode(toks[r], skip_special_tokens=True), toks[r], done[r].finish_reason,
-                           done[r].stats, done[r].prompt_tokens, secs, done[r].error, lps.get(r)) for r in rids]
+        text = ({r: texts[r].text for r in rids} if texts is not None
+                else {r: tok.decode(toks[r], skip_special_tokens=True) for r in rids})
+        return [Generation(text[r], toks[r], done[r].finish_reason, done[r].stats, done[r].prompt_tokens, secs,
+                           done[r].error, lps.get(r)) for r in rids]
 
 
 def log_stderr(msg: str) -> None:
