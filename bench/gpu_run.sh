@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # What one session ran on the lent GPU (the device tool), stage by stage:
-#   bash bench/gpu_run.sh setup      install the wheels the GPU image lacks (carried in .whl/)
+#   bash bench/gpu_run.sh setup      install the wheels the GPU image lacks (carried in .whl/), and unpack a carried
+#                                    Triton cache (.cache/triton_tgz/triton_cache.part.*: what `triton_out` brought back)
+#   bash bench/gpu_run.sh triton_out the Triton cache built so far, as parts under $OUT (last in a call that built a lot)
 #   bash bench/gpu_run.sh tests      the CUDA-only tests (7 minutes on a fresh machine, mostly Triton builds)
 #   bash bench/gpu_run.sh profile    bench/step_profile.py: where a step's time goes (SmolLM2 shapes, random weights;
 #                                    each tree also with host-copied trees: the deferred trees' A/B)
@@ -54,6 +56,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".:tests:.cache/pkgs" SPECGATE_CACHE="$PWD/.cache/specgate" PYTHONUNBUFFERED=1
+# Triton's compiled kernels in the checkout (an ignored path), so that `triton_out` can bring them back and a
+# later session's fresh machine starts warm: on a fresh H100 the CUDA tests spent 7 minutes, mostly building
+# kernels, and the first 8B verify run outlasted 140 s. Entries name absolute paths: the checkout's path on the
+# device must stay the same (it has).
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.cache/triton}"
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 # drafts_<name>.json for a candidate draft (arms draft and ngram) and for the shipped draft (arm draft)
@@ -68,7 +75,17 @@ sweep_beside_shipped() {
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
-    setup) python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2 ;;
+    setup) python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
+      # a Triton cache an earlier session brought back (`triton_out`), carried as .cache/triton_tgz/triton_cache.part.*
+      if ls .cache/triton_tgz/triton_cache.part.* > /dev/null 2>&1; then
+        mkdir -p "$TRITON_CACHE_DIR" && cat .cache/triton_tgz/triton_cache.part.* | tar xzf - -C "$TRITON_CACHE_DIR"
+        echo "triton cache: $(ls "$TRITON_CACHE_DIR" | wc -l) entries"
+      fi ;;
+    triton_out)  # the kernels built so far, in parts the device tool brings back (16 MiB a file at most); here:
+                 # mkdir -p .cache/triton_tgz && cp FILES_AT/triton_cache.part.* .cache/triton_tgz/ (and carry it)
+      tar czf - -C "$TRITON_CACHE_DIR" --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' . \
+        | split -b 15m -d - "$OUT/triton_cache.part."
+      ls -la "$OUT"/triton_cache.part.* ;;
     tests) PYTHONPATH=".:tests:tests/gateway" python -m pytest -q --noconftest -p no:cacheprovider tests/target/test_graphs_cuda.py \
              tests/target/test_model_cuda.py tests/kernels/test_fused_norm_rope.py tests/draft/test_tree_loop.py \
              tests/gateway/test_logit_controls_cuda.py \
