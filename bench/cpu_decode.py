@@ -1,8 +1,9 @@
 """Decoding on the CPU with one of its execution paths switched on and off: by default the batched attention
 paths against the one-sequence-at-a-time reference, with ``--switch linear`` the projections' ``cpu_linear``
-against ``F.linear``.
+against ``F.linear``, with ``--switch int4`` the INT4 projections through torch's CPU INT4 kernel
+(``target.model.CPU_INT4``) against the float32 copy.
 
-    python bench/cpu_decode.py [--switch attention|linear] [--batches 1,8,32] [--max-tokens 64] [--repeats 2]
+    python bench/cpu_decode.py [--switch attention|linear|int4] [--batches 1,8,32] [--max-tokens 64] [--repeats 2]
                                [--spec [--drafter draft]] [--out bench/results/cpu_decode.json]
 
 Plain decoding by default; ``--spec`` drafts with ``--drafter`` (the shipped draft), tree 2,2,2,1, so the
@@ -43,7 +44,9 @@ from verify.sampling import SamplingParams  # noqa: E402
 MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
 # --switch: (the arms' names, on first, and what switches them)
 SWITCHES = {"attention": (("batched", "reference"), lambda on: setattr(paged_decode, "BATCHED_CPU", on)),
-            "linear": (("cpu_linear", "f_linear"), lambda on: setattr(target_model, "CPU_LINEAR", on))}
+            "linear": (("cpu_linear", "f_linear"), lambda on: setattr(target_model, "CPU_LINEAR", on)),
+            # the INT4 projections through torch's CPU INT4 kernel (bfloat16 activations) or the float32 copy
+            "int4": (("cpu_int4", "float32"), lambda on: setattr(target_model, "CPU_INT4", on))}
 
 
 def run(llm: LLM, prompts: list[str], max_tokens: int, spec: SpeculationParams) -> tuple[float, list[list[int]], float]:
@@ -74,6 +77,8 @@ def main() -> None:
     out = Path(args.out or HERE / "results" / ("cpu_spec.json" if args.spec else "cpu_decode.json"))
     spec = SpeculationParams(drafter=args.drafter, tree=(2, 2, 2, 1)) if args.spec else SpeculationParams(enabled=False)
     (on, off), switch = SWITCHES[args.switch]
+    if args.switch == "int4":
+        target_model.CPU_INT4 = True  # the CPU INT4 form is built at load
     llm = LLM.load(LoadConfig(device="cpu", draft="auto" if args.spec else "none"), ecfg,
                    log=lambda msg: print(msg, file=sys.stderr))
     rows = []

@@ -108,6 +108,39 @@ def dequantize(w: Int4Weight) -> torch.Tensor:
     return ((codes - zeros) * scales).to(w.scales.dtype)
 
 
+@dataclass(slots=True)
+class CpuInt4:
+    """A weight in torch's CPU INT4 format (``_weight_int4pack_mm_for_cpu``, the tinygemm kernel's layout):
+    ``W = (code - 8) * scale + offset`` per group of K, which holds this project's ``(code - zero) * scale``
+    exactly as offset ``(8 - zero) * scale``. The kernel reads 4-bit codes where the CPU path's dequantized
+    copy is float32 (an eighth of the bytes) and runs with bfloat16 activations and scales."""
+
+    packed: torch.Tensor
+    scales_offsets: torch.Tensor  # [K // G, N, 2] bfloat16
+    group_size: int
+
+    @staticmethod
+    def of(w: Int4Weight) -> "CpuInt4 | None":
+        """``w`` in this form, or None where this torch has no such kernel or it refuses the shape."""
+        convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+        if convert is None or w.qweight.is_cuda or w.group_size not in (32, 64, 128, 256):
+            return None
+        scale = w.scales.float()  # [K // G, N]
+        zero = 8.0 if w.zeros is None else w.zeros.float()
+        offsets = torch.stack([scale, (8.0 - zero) * scale], -1).to(torch.bfloat16).contiguous()
+        try:
+            packed = convert(unpack_int4(w.qweight).to(torch.int32).contiguous(), 1)
+        except RuntimeError:
+            return None
+        return CpuInt4(packed, offsets, w.group_size)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for ``x`` ``[M, K]``, in ``x``'s dtype."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, self.group_size,
+                                                       self.scales_offsets)
+        return y.to(x.dtype)
+
+
 def int4_matmul_ref(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None,
                     residual: torch.Tensor | None = None) -> torch.Tensor:
     """The spec and the CPU path: dequantize, then a dense matmul. x: [..., K] -> [..., N]."""

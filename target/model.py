@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kernels.fused_norm_rope import rms_norm as fused_rms_norm
 from kernels.fused_norm_rope import rope_and_cache
 from kernels.fused_norm_rope import silu_mul as fused_silu_mul
-from kernels.int4_matmul import Int4Weight, dequantize, int4_matmul, int4_matmul_silu_mul, quantize_rtn
+from kernels.int4_matmul import CpuInt4, Int4Weight, dequantize, int4_matmul, int4_matmul_silu_mul, quantize_rtn
 from kernels.tree_attention import tree_attention
 from target.batch import ForwardBatch
 from target.config import FC_NAME, ModelConfig
@@ -32,6 +32,15 @@ DENSE_FUSION = os.environ.get("SPECGATE_DENSE_FUSION", "1") != "0"
 # 99.6 against 96.2 ms at 64 rows, 307 against 415 ms at 256 (bench/results/cpu_forms.json).
 CPU_LINEAR = True
 CPU_LINEAR_MAX_ROWS = 64
+# SPECGATE_CPU_INT4=1: a CPU model's INT4 projections also keep torch's CPU INT4 form (kernels/int4_matmul.py
+# CpuInt4) and run through it, with bfloat16 activations. On a 2-core AVX-512 machine SmolLM2's 30 layers of
+# projections took 4.7 / 7.1 / 17.4 / 23.0 ms at 1 / 4 / 9 / 16 rows against cpu_linear's 15.7 / 24.9 / 46.1 /
+# 46.8 ms on the float32 copy, and about the same at 256 rows (bench/results/cpu_int4pack.json). It runs at every
+# row count: a row's result then does not depend on the rows beside it (the kernel's are bit-identical alone
+# and in a batch), where a switch by row count made a prompt's prefill, and so greedy output, depend on what
+# else shared its step. Off by default: bfloat16 activations move the logits (0.3% relative on a projection),
+# so greedy output is no longer the float32 path's. Read at load (the form is built then) and at every call.
+CPU_INT4 = os.environ.get("SPECGATE_CPU_INT4", "0") == "1"
 
 
 @dataclass(slots=True)
@@ -46,6 +55,7 @@ class Linear:
     # [K] int64 input order, or None. The kernel has no g_idx, so act-order GPTQ checkpoints are stored
     # with K reordered into contiguous groups and the input is gathered to match: y = x[..., perm] @ W'.T.
     perm: torch.Tensor | None = None
+    cpu_int4: CpuInt4 | None = None  # CPU only, with CPU_INT4: the same weight in torch's CPU INT4 form
 
     def __post_init__(self) -> None:
         # MKL's sums depend on the weight's address modulo 64 bytes (cpu_linear's products differ by an ulp
@@ -65,6 +75,10 @@ class Linear:
             x = x[..., self.perm]
         if self.dequantized is None and isinstance(self.weight, Int4Weight):
             return int4_matmul(x, self.weight, self.bias, residual=residual)
+        if self.cpu_int4 is not None and CPU_INT4 and x.dim() == 2:  # at any row count: see CPU_INT4
+            y = self.cpu_int4(x)
+            y = y if self.bias is None else y + self.bias
+            return y if residual is None else y + residual
         w = self.dequantized.to(x.dtype) if self.dequantized is not None else self.weight
         if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2 and DENSE_FUSION:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
@@ -117,7 +131,10 @@ def int4_group_size(in_features: int, group_size: int) -> int:
 
 def int4_linear(w: Int4Weight, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> Linear:
     """An INT4 Linear; on the CPU it keeps the dequantized copy that the reference path multiplies by."""
-    return Linear(w, bias, None if w.qweight.is_cuda else dequantize(w).contiguous(), perm)  # [N, K]: cpu_linear
+    if w.qweight.is_cuda:
+        return Linear(w, bias, None, perm)
+    return Linear(w, bias, dequantize(w).contiguous(), perm,  # [N, K]: cpu_linear
+                  cpu_int4=CpuInt4.of(w) if CPU_INT4 else None)
 
 
 @dataclass(slots=True)
