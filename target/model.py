@@ -34,8 +34,8 @@ CPU_LINEAR = True
 CPU_LINEAR_MAX_ROWS = 64
 # SPECGATE_CPU_INT4=1: a CPU model's INT4 projections also keep torch's CPU INT4 form (kernels/int4_matmul.py
 # CpuInt4) and run through it, with bfloat16 activations. On a 2-core AVX-512 machine SmolLM2's 30 layers of
-# projections took 4.7 / 7.1 / 17.4 / 23.0 ms at 1 / 4 / 9 / 16 rows against cpu_linear's 15.7 / 24.9 / 46.1 /
-# 46.8 ms on the float32 copy, and about the same at 256 rows (bench/results/cpu_int4pack.json). It runs at every
+# projections took 4.6 / 7.1 / 17.8 / 23.0 ms at 1 / 4 / 9 / 16 rows against cpu_linear's 15.7 / 20.5 / 48.0 /
+# 45.2 ms on the float32 copy, and 329 against 326 ms at 256 rows (bench/results/cpu_int4pack.json). It runs at every
 # row count: a row's result then does not depend on the rows beside it (the kernel's are bit-identical alone
 # and in a batch), where a switch by row count made a prompt's prefill, and so greedy output, depend on what
 # else shared its step. Off by default: bfloat16 activations move the logits (0.3% relative on a projection),
