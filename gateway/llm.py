@@ -328,6 +328,8 @@ class LLM:
                         if texts[r].feed([t], out.finished and i == len(new) - 1)[1]:
                             new, cut = new[: i + 1], True
                             break
+                    if out.finished and not new:  # an ending with no tokens: release what the assembler holds
+                        texts[r].feed([], True)
                 toks[r] += new
                 if out.logprobs is not None:
                     lps[r] += out.logprobs[: len(new)]
