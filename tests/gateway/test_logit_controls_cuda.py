@@ -96,3 +96,19 @@ def test_sampled_structured_output_with_the_device_tree_loop(target) -> None:
     for tokens in got.values():
         assert set(json.loads(tok.decode(tokens, skip_special_tokens=True))) == {"a", "b"}
     assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+
+
+def test_min_tokens_on_cuda_with_deferred_trees(target) -> None:
+    """A stop token held back by min_tokens at CUDA's default (graphs, greedy trees deferred on the device):
+    the output of plain decoding under the same mask, and no stop token before min_tokens."""
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 512, (7 + 5 * i,), generator=g).tolist() for i in range(3)]
+    free = collect(engine(target, True), [(str(i), p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                           SpeculationParams(enabled=False)) for i, p in enumerate(prompts)])
+    stop = free["0"][0][1]  # the first prompt's output would end at its second token
+    s = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop,), min_tokens=8)
+    runs = {spec: collect(engine(target, True), [(str(i), p, s, SpeculationParams(enabled=spec))
+                                                 for i, p in enumerate(prompts)]) for spec in (False, True)}
+    for i in range(len(prompts)):
+        assert runs[True][str(i)][0] == runs[False][str(i)][0]
+        assert stop not in runs[False][str(i)][0][:8]
