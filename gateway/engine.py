@@ -58,6 +58,7 @@ class RequestOutput:
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., with the first token, when asked
+    stop_token: bool = False  # it ended at a stop token (EOS or stop_token_ids), the last of new_token_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -599,6 +600,7 @@ class Engine:
         else:
             out = self._finish(seq, reason)
             out.new_token_ids = new
+            out.stop_token = reason == "stop" and bool(new) and new[-1] in seq.stop_ids  # not a grammar's end
         out.logprobs = None if logprobs is None else logprobs[:keep]
         if seq.wants_prompt_logprobs and not seq.prompt_logprobs_sent:
             out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True

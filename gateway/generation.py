@@ -109,7 +109,8 @@ class Generation:
         if self.token_text is not None and event.logprobs:
             text, stopped = self._feed_tokens(event)
         else:
-            text, stopped = self.assembler.feed(event.token_ids, event.finished)
+            ids = event.token_ids[:-1] if self._drops_stop_token(event) else event.token_ids
+            text, stopped = self.assembler.feed(ids, event.finished)
         text = head + text
         if stopped and not event.finished:
             self.runner.abort(self.sub.request_id)  # free its KV now, not at max_tokens
@@ -122,14 +123,21 @@ class Generation:
         """``assembler.feed`` one token at a time, keeping each token's logprobs up to the token that completed
         a stop string (the tokens after it are cut, as their text is)."""
         text, last = "", len(event.logprobs) - 1
+        drop = self._drops_stop_token(event)
         for i, entry in enumerate(event.logprobs):
             offset = self._text_base + self.assembler.offset
-            piece, stopped = self.assembler.feed([entry.token_id], event.finished and i == last)
+            ids = [] if drop and i == last else [entry.token_id]  # the stop token: its logprob, not its text
+            piece, stopped = self.assembler.feed(ids, event.finished and i == last)
             self.logprobs.append((entry.token_id, entry, offset))
             text += piece
             if stopped:
                 return text, True
         return text, False
+
+    def _drops_stop_token(self, event: Event) -> bool:
+        """The event ends at a stop token whose text stays out of the output (vLLM's rule for EOS and
+        stop_token_ids; ``include_stop_str_in_output`` keeps it). The token still counts and has logprobs."""
+        return event.stop_token and not self.req.include_stop
 
     def _take_echo(self, event: Event) -> str:
         """The echoed prompt's text, once, before the first output; its tokens' logprobs with it (the first

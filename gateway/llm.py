@@ -325,7 +325,9 @@ class LLM:
                 new, cut = out.new_token_ids, False
                 if texts is not None:  # token by token, so the ids end where the matched text does
                     for i, t in enumerate(new):
-                        if texts[r].feed([t], out.finished and i == len(new) - 1)[1]:
+                        last = i == len(new) - 1  # a stop token's text is not the output's, as on the server
+                        if texts[r].feed([] if last and out.stop_token and not include_stop else [t],
+                                         out.finished and last)[1]:
                             new, cut = new[: i + 1], True
                             break
                     if out.finished and not new:  # an ending with no tokens: release what the assembler holds
@@ -341,8 +343,8 @@ class LLM:
                 elif out.finished:
                     done[r] = out
         secs = time.perf_counter() - t0
-        text = ({r: texts[r].text for r in rids} if texts is not None
-                else {r: tok.decode(toks[r], skip_special_tokens=True) for r in rids})
+        text = ({r: texts[r].text for r in rids} if texts is not None else
+                {r: tok.decode(toks[r][:-1] if done[r].stop_token else toks[r], skip_special_tokens=True) for r in rids})
         return [Generation(text[r], toks[r], done[r].finish_reason, done[r].stats, done[r].prompt_tokens, secs,
                            done[r].error, lps.get(r)) for r in rids]
 

@@ -55,12 +55,13 @@ class Event:
     time: float  # time.monotonic() when the engine emitted it
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., on the first event, when asked
+    stop_token: bool = False  # ended at a stop token, the last of token_ids: its text is not the output's
 
     def __reduce__(self):
         # positional: dataclasses' slots state calls fields() per object, which made unpickling the larger
         # part of an engine process's message (gateway/engine_proc.py)
         return Event, (self.token_ids, self.finished, self.finish_reason, self.stats, self.error,
-                       self.completion_tokens, self.time, self.logprobs, self.prompt_logprobs)
+                       self.completion_tokens, self.time, self.logprobs, self.prompt_logprobs, self.stop_token)
 
 
 @dataclass(slots=True)
@@ -255,7 +256,7 @@ class EngineRunner:
                 self._observe(live, stats.since(live.stats), out.new_token_ids, now)
             live.stats = stats
             batch.append((live, Event(list(out.new_token_ids), out.finished, out.finish_reason, stats, out.error,
-                                      out.completion_tokens, now, out.logprobs, out.prompt_logprobs)))
+                                      out.completion_tokens, now, out.logprobs, out.prompt_logprobs, out.stop_token)))
             if out.finished:
                 del self._live[out.request_id]
                 self._busy_at = now

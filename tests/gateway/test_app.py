@@ -149,6 +149,34 @@ def test_include_stop_str_and_min_tokens(tokenizer, stream: bool) -> None:
     assert text_of(held) == (full, "length")  # ignore_eos: the 40 tokens of the free run, every stop held
 
 
+@pytest.mark.parametrize("logprobs", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_tokens_text_is_left_out_unless_asked(tokenizer, stream: bool, logprobs: bool) -> None:
+    """vLLM's rule for EOS and stop_token_ids: the token ends the output and counts, its text does not show
+    (here a special token, with skip_special_tokens off so it would), unless include_stop_str_in_output."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    body = CHAT | {"stream": stream, "max_tokens": 20, "min_tokens": 3, "logit_bias": {str(end): 100},
+                   "stop_token_ids": [end], "skip_special_tokens": False, "logprobs": logprobs,
+                   "stream_options": {"include_usage": True} if stream else None}
+
+    async def go(client, app):
+        return [await client.post("/v1/chat/completions", json=body | extra)
+                for extra in ({}, {"include_stop_str_in_output": True})]
+
+    def read(r):
+        if not stream:
+            b = r.json()
+            return b["choices"][0]["message"]["content"], b["choices"][0]["finish_reason"], b["usage"]["completion_tokens"]
+        chunks = [c for c in events(r.text) if isinstance(c, dict)]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c.get("choices"))
+        reason = next(c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason"))
+        return text, reason, chunks[-1]["usage"]["completion_tokens"]
+
+    left_out, kept = (read(r) for r in run(tokenizer, go))
+    assert left_out[1] == kept[1] == "stop" and left_out[2] == kept[2] == 4  # three tokens, then the forced end
+    assert "<|im_end|>" not in left_out[0] and kept[0] == left_out[0] + "<|im_end|>"
+
+
 def test_n_choices_are_the_single_requests_of_seed_plus_i(tokenizer) -> None:
     # A prompt no earlier request (the warm-up) has put in the prefix cache. The tree is fixed: a sampled
     # token's value depends on the draws the tree's verification consumed, and the adaptive budget's trees

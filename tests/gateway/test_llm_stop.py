@@ -39,3 +39,16 @@ def test_stop_strings_cut_text_and_tokens_under_every_drafter(tokenizer) -> None
         assert held.token_ids == first.token_ids and held.finish_reason == "length"
         assert llm.engine.cache.pool.num_free == llm.engine.cache.pool.num_blocks
     assert llm.generate(prompts, GREEDY)[1].token_ids == free[1].token_ids  # no stop: the whole output
+
+
+def test_a_stop_tokens_text_is_not_the_outputs(tokenizer) -> None:
+    llm = _llm(tokenizer)
+    free = llm.generate([[40, 41, 42, 43]], GREEDY)[0]
+    k = next(i for i in range(2, len(free.token_ids)) if free.token_ids[i] not in free.token_ids[:i]
+             and tokenizer.decode([free.token_ids[i]]).strip())
+    stop = free.token_ids[k]
+    ended = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=(stop,))
+    for stops in ((), ("never-seen",)):  # the plain decode of the ids, and the stop-string assembler
+        got = llm.generate([[40, 41, 42, 43]], ended, stop=stops)[0]
+        assert got.token_ids == free.token_ids[: k + 1] and got.finish_reason == "stop"
+        assert got.text == tokenizer.decode(free.token_ids[:k], skip_special_tokens=True)
