@@ -50,6 +50,9 @@
 #                                    process, serve's default; SERVE_ARGS=--engine-thread for the engine thread)
 #   bash bench/gpu_run.sh structured bench/structured.py after `model`: JSON-schema output with grammar-forced
 #                                    chains on and off (needs llguidance: its wheel in .whl/)
+# A fresh machine costs about 4.5 minutes to start (counted as device time) and the CUDA tests 7 more while
+# Triton builds every kernel; a warm machine is given back after 30 s idle, so issue the calls back to back
+# and end a call that built much with `triton_out`. The 8B A/B stages (pdl, ab) take ~100 s a pair warm.
 # Results go to $OUT (the device tool brings them back). Put the commit in the command text, as the host's
 # checkout names it (BENCH_COMMIT=abc1234 bash bench/gpu_run.sh ...): the device's copy of .git is stale,
 # and `$(git rev-parse HEAD)` inside the command runs there.
