@@ -180,15 +180,20 @@ async def bench(args: argparse.Namespace) -> dict:
         chunk = prompts[k * per_arm : (k + 1) * per_arm]
         jobs = [(p, name, spec) for p in chunk for name, spec in arms.items()]
         random.Random(args.seed + k).shuffle(jobs)
+        cpu0 = time.process_time()
         results, wall = await run_level(args.url, headers, jobs, conc, args.rate, args.max_tokens, health["model"],
                                         args.seed + k)
         row = {"concurrency": conc, "wall_s": round(wall, 3),
+               # this client's CPU time over the level's wall time: near 1, the one-threaded client (its event
+               # loop parsing every chunk) may be what limits the level, not the server
+               "client_cpu_share": round((time.process_time() - cpu0) / wall, 3),
                "host_load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # host 1-min load before/after, this server included
                "tokens_per_s": round(sum(r.tokens for r in results if r.ok) / wall, 3),
                "arms": {name: summarize(results, name, wall) for name in arms}}
         levels.append(row)
         load_before = os.getloadavg()[0]
-        print(f"concurrency {conc}: {len(results)} requests in {wall:.1f}s, {row['tokens_per_s']} tok/s")
+        print(f"concurrency {conc}: {len(results)} requests in {wall:.1f}s, {row['tokens_per_s']} tok/s, "
+              f"client CPU {row['client_cpu_share']:.0%}")
     report = {"date": datetime.date.today().isoformat(), "device": health.get("device"), "model": health["model"],
             "client": f"{platform.machine()}, {os.cpu_count()} cpus", "commit": git_commit(), "url": args.url,
             "requests_per_level": per_arm * len(arms),

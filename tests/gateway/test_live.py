@@ -151,6 +151,7 @@ def test_load_bench_reports_every_arm(tokenizer, tmp_path) -> None:
     report = json.loads(out.with_suffix(".json").read_text())
     assert [lv["concurrency"] for lv in report["levels"]] == [1, 2] and report["device"] == "cpu"
     for level in report["levels"]:
+        assert 0 < level["client_cpu_share"] < 4  # the client's CPU seconds over the level's wall time
         for arm in ("on", "off"):
             s = level["arms"][arm]
             assert s["requests"] == 2 and s["errors"] == 0 and s["tokens"] <= 16
