@@ -102,12 +102,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elif args.regex:
         grammar = compile_grammar("regex", args.regex)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                              seed=args.seed, max_tokens=args.max_tokens, grammar=grammar, logprobs=args.logprobs)
+                              seed=args.seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens, grammar=grammar,
+                              logprobs=args.logprobs)
     speculation = SpeculationParams(enabled=args.speculation == "on", tree=args.tree)
     llm = load(args)
     llm.chat = not args.raw
     t0 = time.perf_counter()
-    g = llm.generate([prompt], sampling, speculation)[0]
+    g = llm.generate([prompt], sampling, speculation, stop=args.stop)[0]
     secs = time.perf_counter() - t0
     if g.error:
         print(f"error: {g.error}", file=sys.stderr)
@@ -134,6 +135,9 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate from one prompt and exit")
     g.add_argument("--prompt", required=True, help="prompt text, or @FILE to read it from a file")
     g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--min-tokens", type=int, default=0, help="no stop token or stop string ends the output before this")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="a string that ends the output (not printed); may be given several times")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--min-p", type=float, default=0.0)

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--prompt", "hi", "--quantize", "gptq", "--gptq-tune", "codes"], "invalid choice: 'codes'"),
     (["--prompt", "hi", "--regex", "(a"], "invalid regex"),
     (["--prompt", "hi", "--logprobs", "21"], "logprobs must be"),
+    (["--prompt", "hi", "--max-tokens", "4", "--min-tokens", "5"], "min_tokens must be"),
     (["--prompt", "hi", "--regex", "a", "--json-schema", "s.json"], "not allowed with argument"),
 ])
 def test_bad_input_names_the_problem(argv, message, capsys) -> None:
@@ -73,3 +74,15 @@ def test_generate_constrained_with_logprobs_on_embedded_model() -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["text"] in ("yes", "no") and out["finish_reason"] == "stop"
     assert len(out["logprobs"]) == out["tokens"] and all(len(e["top"]) == 2 for e in out["logprobs"])
+
+
+@pytest.mark.slow
+def test_generate_stops_at_a_stop_string_on_embedded_model() -> None:
+    base = [sys.executable, "-m", "gateway", "generate", "--prompt", "List the days of the week, one per line.",
+            "--max-tokens", "48", "--speculation", "off", "--json"]
+    runs = [subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+            for extra in ([], ["--stop", "Wednesday"])]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
+    full, cut = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert "Wednesday" in full["text"]
+    assert cut["text"] == full["text"][: full["text"].index("Wednesday")] and cut["finish_reason"] == "stop"
