@@ -18,28 +18,18 @@ import argparse
 import datetime
 import json
 import platform
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import provenance
+from cpu_forms import median_ms
 from target.model import cpu_linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K] per layer
 LAYERS = 30
 G = 32
-
-
-def median_ms(fn, reps: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2] * 1e3
 
 
 def q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,7 +78,9 @@ def main() -> None:
         row = {"rows": m, "ms": {}, "rel_err": {}}
         ref = F.linear(xs[576], layers[0][2]["dense"])
         for name, fn in forms.items():
-            row["ms"][name] = round(median_ms(lambda: [fn(xs[w["dense"].shape[1]], w) for lay in layers for w in lay]), 2)
+            run = lambda: [fn(xs[w["dense"].shape[1]], w) for lay in layers for w in lay]  # noqa: E731
+            run()  # warm-up
+            row["ms"][name] = median_ms(run, 7)
             y = fn(xs[576], layers[0][2]).float()
             row["rel_err"][name] = float(f"{((y - ref).norm() / ref.norm()).item():.2e}")
         print(row, flush=True)

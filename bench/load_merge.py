@@ -38,10 +38,8 @@ def _levels(parts: list[dict] | None) -> dict | None:
             "levels": [lv for p in parts for lv in p["levels"]]}
 
 
-def merge(mixed: list[dict], off_only: list[dict] | dict | None, stats: dict | None, notes: list[str],
+def merge(mixed: list[dict], off_only: list[dict] | None, stats: dict | None, notes: list[str],
           on_only: list[dict] | None = None) -> dict:
-    if isinstance(off_only, dict):
-        off_only = [off_only]
     first = mixed[0]
     commits = {m["commit"] for m in mixed + (off_only or []) + (on_only or [])}
     if len(commits) > 1:

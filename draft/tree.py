@@ -45,7 +45,12 @@ class TokenTree:
 
     @property
     def num_nodes(self) -> int:
-        return len(self.lists[0]) if self.lists is not None else len(self.pending.depths)
+        return len(self.host_depths)
+
+    @property
+    def host_depths(self) -> list[int]:
+        """Every node's depth as a list, shared: a deferred tree's too, known from its template."""
+        return self.lists[2] if self.lists is not None else self.pending.depths
 
     def host(self) -> tuple[list[int], list[int], list[int]]:
         """(tokens, parents, depths) as Python lists, shared: read them, never change them."""

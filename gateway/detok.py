@@ -124,19 +124,19 @@ class TextAssembler:
         if self._unarmed:  # the tokens that may not complete a stop string go through first, unarmed
             early, token_ids = token_ids[: self._unarmed], token_ids[self._unarmed :]
             self._unarmed -= len(early)
-            text = self._detok.feed(early)
-            if finished and not token_ids:
-                text += self._detok.flush()
-            head, _ = self._stops.feed(text, final=finished and not token_ids, armed=False)
-            self.text += head
+            head, _ = self._feed(early, finished and not token_ids, armed=False)
             if not token_ids:
                 return head, False
+        out, stopped = self._feed(token_ids, finished, armed=True)
+        return head + out, stopped
+
+    def _feed(self, token_ids: list[int], finished: bool, armed: bool) -> tuple[str, bool]:
         text = self._detok.feed(token_ids)
         if finished:
             text += self._detok.flush()
-        out, stopped = self._stops.feed(text, final=finished)
+        out, stopped = self._stops.feed(text, final=finished, armed=armed)
         self.text += out
-        return head + out, stopped
+        return out, stopped
 
 
 def _byte_alphabet() -> dict[str, int]:

@@ -390,10 +390,8 @@ class Engine:
             short = seq.sampling.min_tokens - len(seq.output_ids)  # nodes shallower than this may not stop
             if short <= 0 or not seq.stop_ids:
                 continue
-            tree = trees[k]
-            depths = tree.pending.depths if tree.pending is not None else tree.host()[2]
             stops = sorted(seq.stop_ids)
-            for node, depth in enumerate(depths):
+            for node, depth in enumerate(trees[k].host_depths):
                 if depth < short:
                     rows += [starts[k] + node] * len(stops)
                     cols += stops

@@ -138,7 +138,8 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
         messages=_messages(body) if is_chat else None, prompts=prompts,
         max_tokens=max_tokens, sampling=sampling, speculation=_speculation(body, spec_header),
         stop=_stop(body), include_stop=_get(body, "include_stop_str_in_output", bool, False),
-        skip_special_tokens=_get(body, "skip_special_tokens", bool, True), stream=stream, n=n, echo=echo, tools=tools, tool_choice=tool_choice,
+        skip_special_tokens=_get(body, "skip_special_tokens", bool, True), stream=stream, n=n, echo=echo,
+        tools=tools, tool_choice=tool_choice,
         include_usage=stream and _get(options, "include_usage", bool, False, "stream_options.include_usage"),
         continuous_usage=stream and _get(options, "continuous_usage_stats", bool, False,
                                          "stream_options.continuous_usage_stats"))

@@ -34,7 +34,7 @@ def test_merge_joins_levels_and_compares_the_off_arm_with_the_off_only_server() 
     off = _report("abc", [(1, {"off": _arm(500.0, 0.0016, 1.0)}), (64, {"off": _arm(55.0, 0.02, 1.0)})])
     stats = {"arms": {"on/hybrid/adaptive": {"steps": 10, "drafted_tokens": 5, "accepted_tokens": 3,
                                              "mean_accepted_length": 1.3, "acceptance_by_depth": [0.3], "x": 1}}}
-    r = merge([low, high], off, stats, ["a note"])
+    r = merge([low, high], [off], stats, ["a note"])
     assert [row["concurrency"] for row in r["rows"]] == [1, 64]
     one, many = r["rows"]
     assert one["ratio"] == 1.5 and one["mean_accepted_length_on"] == 2.0
