@@ -53,13 +53,38 @@ def arm(prompts: list[str], max_tokens: int) -> dict:
     return out
 
 
+def plot(report: dict, path: Path) -> None:
+    """Prompts whose speculative output matches plain decoding, per drafter, for each arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    names = list(SPECS)
+    for i, (arm, res) in enumerate(report["arms"].items()):
+        ax.bar([j + 0.4 * i for j in range(len(names))], [res["speculative"][n]["identical_prompts"] for n in names],
+               width=0.4, label=arm)
+    ax.set_xticks([j + 0.2 for j in range(len(names))], names)
+    ax.set_ylabel(f"prompts identical (of {report['prompts']})")
+    ax.set_title(f"greedy speculative vs plain on the CPU, {report['commit']} ({report['date']})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompts-file", default=str(MT_BENCH))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--plot", default=None, help="only draw this results JSON's PNG beside it")
     args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_suffix(".png"))
+        return
     prompts = [json.loads(line)["turns"][0] for line in open(args.prompts_file)][: args.prompts]
     arms = {}
     for name, on in (("float32", False), ("cpu_int4", True)):
@@ -78,6 +103,7 @@ def main() -> None:
             "prompts": len(prompts), "max_tokens": args.max_tokens, "batch": len(prompts), "arms": arms,
             "plain_token_agreement_int4_vs_float32": round(same, 4),
             "command": "python bench/cpu_identity.py " + " ".join(sys.argv[1:])}, indent=1) + "\n")
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":
