@@ -165,7 +165,8 @@ for stage in "$@"; do
     structured)  # bench/results/structured_gpu.json after `model`: JSON-schema output, forced chains on / off
       timeout "${STRUCTURED_TIMEOUT:-300}" python bench/structured.py --batch 8 --max-tokens 128 \
         --out "$OUT/structured_gpu.json" 2>&1 | tail -12 ;;
-    load)  # bench/results/load_gpu.json: this stage, after `model`, within one call of ~160 s
+    load)  # bench/results/load_gpu.json: this stage, after `model`, within one call (117 s on a warm H100 at 48 / 512
+           # requests of 128 tokens a level, load_gpu_h100.json)
       python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-auto}" ${SERVE_ARGS:-} \
         --num-blocks 4096 --max-running 64 --max-waiting 512 --capture-graphs --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
       server=$!
@@ -174,19 +175,19 @@ for stage in "$@"; do
       for _ in $(seq 300); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
       # untimed: the first server on a fresh machine meets Triton's cold disk cache (prefill shapes build
       # their kernels on first use) while the off-only server after it does not (load_gpu_a5ef89b.json)
-      timeout 45 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+      timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
         --concurrency 16 --requests 32 --max-tokens 16 --out "$OUT/load_gpu_warm" > /dev/null 2>&1
       rm -f "$OUT"/load_gpu_warm*
-      timeout 45 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 1,4 --requests 16 --max-tokens 64 --out "$OUT/load_gpu_low" 2>&1 | tail -4
-      timeout 60 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 16,64 --requests 128 --max-tokens 64 --out "$OUT/load_gpu_high" 2>&1 | tail -4
+      timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --out "$OUT/load_gpu_low" 2>&1 | tail -4
+      timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --out "$OUT/load_gpu_high" 2>&1 | tail -4
       curl -s localhost:8123/v1/stats > "$OUT/load_stats.json"
       # every request speculating, the same requests per level: the server's throughput against the off server's
-      timeout 45 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 1,4 --requests 16 --max-tokens 64 --arm 'on={"enabled": true}' --out "$OUT/load_gpu_on_low" 2>&1 | tail -2
-      timeout 60 python bench/load.py --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 16,64 --requests 128 --max-tokens 64 --arm 'on={"enabled": true}' --out "$OUT/load_gpu_on_high" 2>&1 | tail -2
+      timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --arm 'on={"enabled": true}' --out "$OUT/load_gpu_on_low" 2>&1 | tail -2
+      timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --arm 'on={"enabled": true}' --out "$OUT/load_gpu_on_high" 2>&1 | tail -2
       kill $server; wait $server 2>/dev/null; tail -5 "$OUT/serve.log"
       # the same load with speculation off everywhere: the reference for the off arm's per-token latency
       # in a speculating batch (the load issue allows it 5% more)
@@ -196,10 +197,10 @@ for stage in "$@"; do
       for _ in $(seq 120); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done
       # the same requests per level as the speculating server's runs (a level of 64 requests at concurrency 64
       # is one wave, 128 are two: not comparable)
-      timeout 45 python bench/load.py --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 1,4 --requests 16 --max-tokens 64 --arm 'off={"enabled": false}' --out "$OUT/load_gpu_off_low" 2>&1 | tail -2
-      timeout 60 python bench/load.py --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 16,64 --requests 128 --max-tokens 64 --arm 'off={"enabled": false}' --out "$OUT/load_gpu_off_high" 2>&1 | tail -2
+      timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --arm 'off={"enabled": false}' --out "$OUT/load_gpu_off_low" 2>&1 | tail -2
+      timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
+        --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --arm 'off={"enabled": false}' --out "$OUT/load_gpu_off_high" 2>&1 | tail -2
       kill $server; wait $server 2>/dev/null
       python bench/load_merge.py --mixed "$OUT/load_gpu_low.json" "$OUT/load_gpu_high.json" \
         --on-only "$OUT/load_gpu_on_low.json" "$OUT/load_gpu_on_high.json" \

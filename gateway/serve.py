@@ -112,7 +112,17 @@ def serve_engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if engine.tokenizer is None:  # structured output walks the tokenizer's vocabulary in the engine
         engine.tokenizer = loaded.checkpoint.tokenizer
     return engine, {"tokenizer": loaded.checkpoint.tokenizer, "chat_template": loaded.checkpoint.chat_template,
-                    "model_name": loaded.model_name, "device": str(engine.target.device)}
+                    "model_name": loaded.model_name, "device": device_label(engine.target.device)}
+
+
+def device_label(device) -> str:
+    """The device as /health reports it: a GPU with its name ("cuda:0 (NVIDIA H200)"), so that a benchmark's
+    record says which card gave its numbers."""
+    if device.type != "cuda":
+        return str(device)
+    import torch
+
+    return f"{device} ({torch.cuda.get_device_name(device)})"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

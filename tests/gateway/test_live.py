@@ -147,11 +147,13 @@ def test_load_bench_reports_every_arm(tokenizer, tmp_path) -> None:
     with LiveServer(make_app(tokenizer)) as live:
         subprocess.run([sys.executable, str(root / "bench" / "load.py"), "--url", live.url, "--prompts-file",
                         str(prompts), "--concurrency", "1,2", "--requests", "4", "--max-tokens", "8", "--rate", "50",
-                        "--out", str(out)], check=True, capture_output=True, text=True, timeout=60)
+                        "--procs", "2", "--out", str(out)], check=True, capture_output=True, text=True, timeout=60)
     report = json.loads(out.with_suffix(".json").read_text())
     assert [lv["concurrency"] for lv in report["levels"]] == [1, 2] and report["device"] == "cpu"
+    # concurrency 2 ran in two client processes (--procs 2), their results gathered into one level
+    assert [lv["client_procs"] for lv in report["levels"]] == [1, 2]
     for level in report["levels"]:
-        assert 0 < level["client_cpu_share"] < 4  # the client's CPU seconds over the level's wall time
+        assert 0 < level["client_cpu_share"] < 4  # the busiest client's CPU seconds over the level's wall time
         for arm in ("on", "off"):
             s = level["arms"][arm]
             assert s["requests"] == 2 and s["errors"] == 0 and s["tokens"] <= 16
