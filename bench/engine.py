@@ -59,7 +59,7 @@ def model_config(shape: dict) -> ModelConfig:
                        eos_token_ids=(0,), **shape)
 
 
-def random_model(cfg: ModelConfig, int4: bool, seed: int = 0) -> tuple[Transformer, int]:
+def random_model(cfg: ModelConfig, int4: bool, seed: int = 0, group: int = 128) -> tuple[Transformer, int]:
     """A model of ``cfg``'s shape with random weights on CUDA, and the bytes a decode step must read."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     bf = dict(dtype=torch.bfloat16, device="cuda")
@@ -73,9 +73,9 @@ def random_model(cfg: ModelConfig, int4: bool, seed: int = 0) -> tuple[Transform
             nbytes += w.numel() * 2
             return Linear(w)
         q = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, dtype=torch.int32, device="cuda")
-        s = torch.rand(k // 128, n, generator=g, **bf) * (0.2 * k**-0.5)
+        s = torch.rand(k // group, n, generator=g, **bf) * (0.2 * k**-0.5)
         nbytes += q.numel() * 4 + s.numel() * 2
-        return int4_linear(Int4Weight(q, s, None, 128))
+        return int4_linear(Int4Weight(q, s, None, group))
 
     layers = [Layer(input_norm=torch.ones(hid, **bf), qkv=lin((H + 2 * Hkv) * D, hid), o=lin(hid, H * D),
                     post_norm=torch.ones(hid, **bf), gate_up=lin(2 * I, hid), down=lin(hid, I))

@@ -1,14 +1,20 @@
 """CUDA graphs for decode, verify and draft steps.
 
-A step whose segments each bring at most ``max_nodes`` new tokens -- plain decoding, tree verification,
-a drafter's catch-up and frontier steps -- replays a graph captured for ``(B, N)``: ``B`` the batch
-bucket, ``N`` the power of two that holds the longest segment. Each segment gets ``N`` rows: its own
-tokens first, then padding that writes its K/V to the cache's scratch block (never handed out by the
-pool), sees only its segment's first node, and is never seen by a real row (causal rows see earlier
-rows only, tree rows only their ancestors). Padded segments up to ``B`` have context 0 and read the
-scratch block. The graph computes logits for every row; the rows the batch asked for are gathered out.
-Steps with a longer segment (prefill) run eagerly. Graphs share one memory pool and are captured on
-first use.
+A decode step (one new token per sequence) replays a graph captured for ``B``, the batch bucket that
+holds its sequences. Any other step whose segments each bring at most ``max_nodes`` new tokens -- tree
+verification, a drafter's catch-up and frontier steps -- replays a graph of ``T`` rows for at most ``B``
+segments, laid out ragged: each segment's rows sit back to back, as the batch packs them, and the rows
+past the batch's ``T`` tokens form one dummy segment (context 0, K/V written to the cache's scratch block,
+never handed out by the pool) after the real ones; segments past it have no rows. The attention kernels
+read every segment's offsets and lengths from device tensors (``tree_attention``'s ragged tile scheduler),
+so one graph serves any split of ``T`` rows into segments. Steps with a longer segment (prefill) run
+eagerly. Graphs share one memory pool and are captured on first use or up front (``capture``).
+
+Ragged, not one padded tile a segment: a batch of 16 sequences where one drafts a 4-node tree is 19 rows,
+which replay in 24 rows here; padding each segment to the longest (the layout before) replayed 64, and the
+INT4 matmul's time grows with its rows past the knee (bench/results/int4_matmul_h100.json: 76.8 us a layer
+at M=16, 101.9 at 32, 130.0 at 64). With per-request trees from the adaptive budget, mixed batches are the
+common case, and a speculation-off request riding in one paid for every padded row.
 
 Why this is safe to capture: every kernel in ``Transformer.forward`` sizes its grid from tensor shapes
 alone (the attention kernels read lengths from device tensors), so a replay needs only copies into the
@@ -22,36 +28,100 @@ import torch
 from target.batch import ForwardBatch
 from target.kv_cache import KVCache
 from target.model import Transformer
-from target.transfer import to_device
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
-class _Graph:
-    """One captured forward at (B, N): its static inputs and its output(s)."""
+def graph_shape(query_lens: tuple[int, ...], num_tokens: int, buckets: tuple[int, ...], max_nodes: int,
+                max_tokens: int) -> tuple[int, int, bool] | None:
+    """The graph ``(B, T, decode)`` a step replays, or None to run it eagerly. Decode steps take
+    ``(bucket >= B, same, True)``. Other steps take the fewest rows ``T = b * 2**k`` (k >= 0, at most
+    ``b * next_pow2(max_nodes)`` and ``max_tokens``) that hold their tokens, in a bucket ``b`` with a segment to
+    spare for the padding rows (none needed when the rows fit exactly); the smaller bucket on a tie."""
+    if not query_lens:
+        return None
+    B, longest = len(query_lens), max(query_lens)
+    if longest > max_nodes:
+        return None
+    if longest == 1:
+        b = next((b for b in buckets if b >= B), None)
+        return None if b is None or b > max_tokens else (b, b, True)
+    top = 1 << (max_nodes - 1).bit_length()
+    best: tuple[int, int] | None = None  # (T, b)
+    for b in buckets:
+        if b < B or (best is not None and b > best[0]):
+            continue
+        t = b
+        while t < num_tokens:
+            t *= 2
+        if t > min(max_tokens, b * top) or (t > num_tokens and b == B):
+            continue  # past this bucket's graphs, or padding rows with no segment to hold them
+        if best is None or (t, b) < best:
+            best = (t, b)
+    return None if best is None else (best[1], best[0], False)
 
-    def __init__(self, B: int, N: int, max_blocks: int, device: torch.device, features: int = 0,
+
+class _Graph:
+    """One captured forward: ``T`` rows in at most ``B`` segments (``decode``: one row each), its static
+    inputs and its output(s)."""
+
+    def __init__(self, B: int, T: int, decode: bool, max_blocks: int, device: torch.device, features: int = 0,
                  dtype: torch.dtype = torch.float32) -> None:
-        T = B * N
         i64 = dict(dtype=torch.int64, device=device)
-        self.B, self.N = B, N
+        self.B, self.T, self.decode = B, T, decode
         self.tokens = torch.zeros(T, **i64)
         self.positions = torch.zeros(T, **i64)
         self.slot_mapping = torch.zeros(T, **i64)
-        self.mask_bits = torch.zeros(T, **i64) if N > 1 else None
+        self.mask_bits = None if decode else torch.zeros(T, **i64)
         self.block_tables = torch.zeros(B, max_blocks, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(B, dtype=torch.int32, device=device)
+        # decode: segment i is row i; otherwise loaded per replay (the dummy segment takes the rows left)
+        self.query_start = (torch.arange(B + 1, dtype=torch.int32, device=device) if decode else
+                            torch.full((B + 1,), T, dtype=torch.int32, device=device))
         self.batch = ForwardBatch(
             tokens=self.tokens, positions=self.positions, slot_mapping=self.slot_mapping,
-            block_tables=self.block_tables, context_lens=self.context_lens,
-            query_start=torch.arange(0, T + 1, N, dtype=torch.int32, device=device),
+            block_tables=self.block_tables, context_lens=self.context_lens, query_start=self.query_start,
             mask_bits=self.mask_bits, logits_indices=torch.arange(T, **i64),
-            logits_start=list(range(0, T + 1, N)), is_decode=N == 1, query_lens=(N,) * B)
+            logits_start=list(range(T + 1)), is_decode=decode, query_lens=(1,) * T)
         # A feature draft's second input, [T, hidden] (``Transformer.fc``); padding rows keep zeros.
         self.features = torch.zeros(T, features, device=device, dtype=dtype) if features else None
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None  # [T, V] float32
         self.hidden: torch.Tensor | None = None  # [T, hidden] when the runner returns features
+
+    def load(self, batch: ForwardBatch, scratch: int, page_size: int,
+             features: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Copy ``batch`` into the static inputs: its rows first, as packed, then the padding rows (the
+        dummy segment after its ``B`` real ones). Returns the graph rows of the batch's logits rows, or None
+        when they are the first ``T`` rows in order."""
+        T, B = batch.num_tokens, len(batch.query_lens)
+        self.tokens[:T].copy_(batch.tokens)
+        self.positions[:T].copy_(batch.positions)
+        self.slot_mapping[:T].copy_(batch.slot_mapping)
+        self.tokens[T:].zero_()
+        self.positions[T:].zero_()
+        self.slot_mapping[T:].fill_(scratch * page_size)
+        if self.mask_bits is not None:
+            if batch.mask_bits is not None:
+                self.mask_bits[:T].copy_(batch.mask_bits)
+            else:
+                self.mask_bits[:T].zero_()  # 0 = causal
+            self.mask_bits[T:].fill_(1)  # padding sees its segment's first row only: finite, and unused
+            self.query_start[: B + 1].copy_(batch.query_start)
+            self.query_start[B + 1 :].fill_(self.T)  # the dummy segment B: rows T..self.T; any after it: none
+        if self.features is not None:
+            if features is not None:
+                self.features[:T].copy_(features.to(self.features.dtype))
+            self.features[T:].zero_()
+        self.context_lens[:B].copy_(batch.context_lens)
+        self.context_lens[B:].zero_()
+        cols = batch.block_tables.shape[1]
+        self.block_tables[:B, :cols].copy_(batch.block_tables)
+        self.block_tables[:B, cols:].fill_(scratch)
+        self.block_tables[B:].fill_(scratch)
+        if batch.logits_rows == tuple(range(T)):
+            return None
+        return batch.logits_indices  # the batch's rows are the graph's first T: the same indices
 
 
 class CudaGraphRunner:
@@ -64,12 +134,13 @@ class CudaGraphRunner:
         if cache.k.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and its cache on a CUDA device")
         self.model, self.cache, self.max_blocks, self.max_nodes = model, cache, max_blocks, max_nodes
-        self.max_tokens = max_tokens  # a graph's logits are [B * N, V] float32: bound what they pin
+        self.max_tokens = max_tokens  # a graph's logits are [T, V] float32: bound what they pin
         self.buckets = tuple(sorted(buckets))
+        self.shape_buckets = self.buckets  # the buckets steps choose among (``capture`` narrows them)
         self.device = cache.k.device
         self.hidden = hidden  # graphs also return every row's feature (forward_hidden)
         self.pool = torch.cuda.graph_pool_handle()
-        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._graphs: dict[tuple[int, int, bool], _Graph] = {}  # (B, T, decode)
         self.replays = 0
         self.eager = 0
 
@@ -96,112 +167,56 @@ class CudaGraphRunner:
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(*key)
-        rows, token_rows = self._load(g, batch, features)
+        rows = g.load(batch, self.cache.scratch_block, self.cache.page_size, features)
         g.graph.replay()
         self.replays += 1
-        hidden = None
-        if want_hidden and g.hidden is not None:
-            hidden = g.hidden[: batch.num_tokens] if token_rows is None else g.hidden.index_select(0, token_rows)
+        T = batch.num_tokens
+        hidden = g.hidden[:T] if want_hidden and g.hidden is not None else None
         if rows is None:  # every row, in order: no gather
-            return g.out[: batch.num_tokens], hidden
+            return g.out[:T], hidden
         return g.out.index_select(0, rows), hidden  # [R, V]
 
     def capture(self, max_batch: int, max_nodes: int | None = None) -> int:
-        """Capture now every (batch bucket, nodes) graph up to ``max_batch`` sequences and ``max_nodes``
-        tokens each (powers of two), so that no request pays for a capture -- or for the INT4 kernels'
-        first-use tuning, which the capture's warm-up runs -- on its first step. Returns the graphs held."""
-        top = min(max_nodes or self.max_nodes, self.max_nodes)
-        for B in self.buckets:
-            N = 1
-            while N < 2 * top and B * N <= self.max_tokens:  # up to the power of two that holds ``top``
-                if (B, N) not in self._graphs:
-                    self._graphs[B, N] = self._capture(B, N)
-                N *= 2
-            if B >= max_batch:
-                break
+        """Capture now every graph a step of up to ``max_batch`` sequences and ``max_nodes`` tokens each can
+        replay (``graph_shape``): decode graphs for the buckets up to the one holding ``max_batch``, ragged
+        graphs of ``b * 2**k`` rows for the buckets up to the one past it (its spare segment holds padding
+        rows), so that no request pays for a capture -- or for the INT4 kernels' first-use tuning, which the
+        capture's warm-up runs -- on its first step. Steps choose among these buckets from now on (a larger
+        bucket's graph could hold some row counts in fewer rows, and would be captured mid-serving).
+        Returns the graphs held."""
+        top = 1 << (min(max_nodes or self.max_nodes, self.max_nodes) - 1).bit_length()
+        decode_top = next((b for b in self.buckets if b >= max_batch), self.buckets[-1])
+        tree_top = next((b for b in self.buckets if b > max_batch), self.buckets[-1])
+        self.shape_buckets = tuple(b for b in self.buckets if b <= tree_top)
+        for b in self.shape_buckets:
+            if b <= min(decode_top, self.max_tokens) and (b, b, True) not in self._graphs:
+                self._graphs[b, b, True] = self._capture(b, b, True)
+            t = b
+            while t <= min(self.max_tokens, b * top):
+                if (b, t, False) not in self._graphs:
+                    self._graphs[b, t, False] = self._capture(b, t, False)
+                t *= 2
         return len(self._graphs)
 
-    def _key(self, batch: ForwardBatch, cache: KVCache) -> tuple[int, int] | None:
-        lens = batch.query_lens
-        if cache is not self.cache or not lens or batch.block_tables.shape[1] > self.max_blocks:
+    def _key(self, batch: ForwardBatch, cache: KVCache) -> tuple[int, int, bool] | None:
+        if cache is not self.cache or batch.block_tables.shape[1] > self.max_blocks:
             return None
-        longest = max(lens)
-        if longest > self.max_nodes or len(batch.logits_rows) != batch.logits_indices.shape[0]:
+        if len(batch.logits_rows) != batch.logits_indices.shape[0]:
             return None
-        N = 1 << (longest - 1).bit_length()
-        B = next((b for b in self.buckets if b >= len(lens)), None)
-        return None if B is None or B * N > self.max_tokens else (B, N)
+        return graph_shape(batch.query_lens, batch.num_tokens, self.shape_buckets, self.max_nodes, self.max_tokens)
 
-    def _load(self, g: _Graph, batch: ForwardBatch,
-              features: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Copy the batch into the static inputs. Returns the graph rows of the batch's logits rows, or
-        None when they are simply the first ``T`` rows (every segment full, every row wanted); and the
-        graph rows of the batch's tokens, or None when they are the first ``T``."""
-        T, B, N = batch.num_tokens, len(batch.query_lens), g.N
-        scratch, P = self.cache.scratch_block, self.cache.page_size
-        dense = all(n == N for n in batch.query_lens)
-        if dense:
-            g.tokens[:T].copy_(batch.tokens)
-            g.positions[:T].copy_(batch.positions)
-            g.slot_mapping[:T].copy_(batch.slot_mapping)
-            if g.mask_bits is not None and batch.mask_bits is not None:
-                g.mask_bits[:T].copy_(batch.mask_bits)
-            elif g.mask_bits is not None:
-                g.mask_bits[:T].zero_()  # 0 = causal
-            if g.features is not None and features is not None:
-                g.features[:T].copy_(features)
-            pad_from = T
-            idx = None
-        else:
-            dst = [i * N + j for i, n in enumerate(batch.query_lens) for j in range(n)]
-            idx = to_device(torch.tensor(dst, dtype=torch.int64), self.device)
-            g.tokens.zero_()
-            g.positions.zero_()
-            g.slot_mapping.fill_(scratch * P)
-            g.tokens.index_copy_(0, idx, batch.tokens)
-            g.positions.index_copy_(0, idx, batch.positions)
-            g.slot_mapping.index_copy_(0, idx, batch.slot_mapping)
-            if g.mask_bits is not None:
-                g.mask_bits.fill_(1)  # padding sees its segment's first node only: finite, and unused
-                bits = batch.mask_bits if batch.mask_bits is not None else torch.zeros_like(batch.tokens)
-                g.mask_bits.index_copy_(0, idx, bits)  # 0 = causal
-            if g.features is not None and features is not None:
-                g.features.index_copy_(0, idx, features.to(g.features.dtype))
-            pad_from = B * N
-        g.context_lens[:B].copy_(batch.context_lens)
-        cols = batch.block_tables.shape[1]
-        g.block_tables[:B, :cols].copy_(batch.block_tables)
-        g.block_tables[:B, cols:].fill_(scratch)
-        if pad_from < g.B * N:  # dummy segments: context 0, rows writing to the scratch block
-            g.tokens[pad_from:].zero_()
-            g.positions[pad_from:].zero_()
-            g.slot_mapping[pad_from:].fill_(scratch * P)
-            if g.mask_bits is not None:
-                g.mask_bits[pad_from:].fill_(1)
-        g.context_lens[B:].zero_()
-        g.block_tables[B:].fill_(scratch)
-        if dense and batch.logits_rows == tuple(range(T)):
-            return None, idx
-        starts = [0]
-        for n in batch.query_lens:
-            starts.append(starts[-1] + n)
-        seg = 0
-        rows = []
-        for r in batch.logits_rows:  # ascending: segments in order
-            while r >= starts[seg + 1]:
-                seg += 1
-            rows.append(seg * N + r - starts[seg])
-        return to_device(torch.tensor(rows, dtype=torch.int64), self.device), idx
-
-    def _capture(self, B: int, N: int) -> _Graph:
+    def _capture(self, B: int, T: int, decode: bool) -> _Graph:
         fc = self.model.fc
-        g = _Graph(B, N, self.max_blocks, self.device, 0 if fc is None else self.model.config.hidden_size,
+        g = _Graph(B, T, decode, self.max_blocks, self.device, 0 if fc is None else self.model.config.hidden_size,
                    self.model.dtype)
         scratch, P = self.cache.scratch_block, self.cache.page_size
         g.slot_mapping.fill_(scratch * P)
         g.block_tables.fill_(scratch)
         if g.mask_bits is not None:
             g.mask_bits.fill_(1)
+            g.query_start.zero_()  # the warm-up and the capture: one dummy segment of every row
+            g.query_start[1:].fill_(T)
+        g.graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -180,3 +180,19 @@ def test_batched_cpu_path_matches_ref(page: int, chunk_elems: int, use_bits: boo
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     # and the dispatcher's CPU path for a batch that is not all decode tokens is this one
     torch.testing.assert_close(tree_attention(*args, use_triton=False), out)
+
+
+@pytest.mark.parametrize("pad", [7, 70])
+def test_graph_layout_dummy_and_empty_segments(pad: int) -> None:
+    """The ragged layout of a replayed graph (target/graphs.py): real segments, then one dummy segment of
+    padding rows (context 0, mask bits 1: each sees its segment's first row; past 64 rows causal), then
+    segments with no rows. The kernel's tile scheduler skips the empty ones; every row matches the ref."""
+    seqs = [(20, BRANCHING), (9, 1), (33, 3), (0, pad), (0, 0), (0, 0)]
+    batch = make_batch(seqs, 16, 4, 2, 32, torch.float16, seed=pad)
+    start = batch["query_start"][3].item()
+    batch["mask_bits"][start:] = 1
+    args = list(batch.values()) + [32**-0.5]
+    ref = tree_attention_ref(*args)
+    out = tree_attention(*args, use_triton=True)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 5e-3
+    assert rel_err(out[:start], ref[:start]) < 5e-3

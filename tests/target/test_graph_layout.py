@@ -1,0 +1,107 @@
+"""target/graphs.py on the CPU: which graph a step replays (``graph_shape``), and the ragged layout a graph's
+static inputs take (``_Graph.load``), run through the eager forward: the batch's logits and K/V come out as
+the batch's own forward gives them. (Capture and replay need CUDA: tests/target/test_graphs_cuda.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft.tree import TokenTree
+from engine_util import random_weights, tiny_config
+from target.batch import Segment, build_batch
+from target.graphs import BATCH_BUCKETS, _Graph, graph_shape
+from target.model import Transformer
+
+
+def test_decode_steps_take_the_bucket_that_holds_them() -> None:
+    assert graph_shape((1,) * 5, 5, BATCH_BUCKETS, 64, 1024) == (8, 8, True)
+    assert graph_shape((1,) * 16, 16, BATCH_BUCKETS, 64, 1024) == (16, 16, True)
+    assert graph_shape((1,) * 129, 129, BATCH_BUCKETS, 64, 1024) is None  # past the largest bucket
+
+
+def test_ragged_steps_take_the_fewest_rows_with_a_segment_to_spare() -> None:
+    # 16 sequences, one with a 4-node tree: 19 rows in a 24-segment graph of 24 rows (padded per segment: 64)
+    assert graph_shape((4,) + (1,) * 15, 19, BATCH_BUCKETS, 64, 1024) == (24, 24, False)
+    # rows that fit exactly need no spare segment
+    assert graph_shape((2, 2, 2, 2), 8, BATCH_BUCKETS, 64, 1024) == (4, 8, False)
+    # 3 segments of 9 rows: 4 segments hold them in 16 rows
+    assert graph_shape((3, 1, 5), 9, BATCH_BUCKETS, 64, 1024) == (4, 16, False)
+    # a full bucket with padding rows moves to the next bucket
+    assert graph_shape((2,) + (1,) * 15, 17, BATCH_BUCKETS, 64, 1024) == (24, 24, False)
+    # among buckets a capture narrowed to, the best that remains
+    assert graph_shape((4,) + (1,) * 15, 19, (1, 2, 4, 8, 16), 64, 1024) is None
+    assert graph_shape((4,) + (1,) * 6, 10, (1, 2, 4, 8, 16), 64, 1024) == (8, 16, False)
+
+
+def test_long_segments_and_too_many_rows_run_eagerly() -> None:
+    assert graph_shape((70,), 70, BATCH_BUCKETS, 64, 1024) is None  # a prefill chunk past max_nodes
+    assert graph_shape((64,) * 20, 1280, BATCH_BUCKETS, 64, 1024) is None  # past max_tokens
+    assert graph_shape((40, 2), 42, (1, 2), 64, 1024) is None  # 2 segments, no spare one: 64 rows, 2 x 32 max
+    assert graph_shape((), 0, BATCH_BUCKETS, 64, 1024) is None
+
+
+@pytest.mark.parametrize("with_features", [False, True])
+def test_a_ragged_graph_batch_gives_the_batch_logits_and_kv(with_features: bool) -> None:
+    """Segments of 3 (causal, last logits), 1, and a 5-node tree (all logits) loaded into a (4, 16) graph:
+    one dummy segment of 7 padding rows. The eager forward of the graph's static batch gives the batch's
+    logits rows and the batch's K/V writes; the padding wrote only the scratch block."""
+    cfg = tiny_config(vocab=96, layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                      head_dim=16)
+    model = Transformer.from_weights(cfg, random_weights(cfg, scale=0.1), torch.float32, "cpu")
+    cache = model.new_cache(32, 4)
+    tables = [cache.new_table() for _ in range(3)]
+    for i, t in enumerate(tables):  # context lengths 5, 14, 23: across block boundaries
+        model.forward(build_batch([Segment(t, 0, list(range(5 + 9 * i)), logits="none")], cache, "cpu"), cache)
+    tree = TokenTree.from_lists([4, 5, 6, 7, 8], [-1, 0, 0, 1, 2])
+    segs = [Segment(tables[0], 5, [1, 2, 3], logits="last"), Segment(tables[1], 14, [9], logits="all"),
+            Segment(tables[2], 23, tree.tokens.tolist(), positions=(23 + tree.depths).tolist(),
+                    mask_bits=tree.ancestor_bits().tolist(), logits="all")]
+    batch = build_batch(segs, cache, "cpu")
+    assert graph_shape(batch.query_lens, batch.num_tokens, BATCH_BUCKETS, 64, 1024) == (4, 16, False)
+    g = _Graph(4, 16, False, max_blocks=12, device=torch.device("cpu"))
+    g.tokens.fill_(7)  # stale inputs from an earlier replay: load must overwrite every row
+    g.query_start.fill_(3)
+    g.context_lens.fill_(9)
+    rows = g.load(batch, cache.scratch_block, cache.page_size)
+    assert g.query_start.tolist() == [0, 3, 4, 9, 16] and g.context_lens.tolist() == [5, 14, 23, 0]
+    assert g.tokens[9:].eq(0).all() and g.slot_mapping[9:].eq(cache.scratch_block * cache.page_size).all()
+    assert rows is not None and rows.tolist() == batch.logits_indices.tolist() == [2, 3, 4, 5, 6, 7, 8]
+    k_before, v_before = cache.k.clone(), cache.v.clone()
+    if with_features:  # the forward that also returns features (a feature drafter's target)
+        padded_logits, padded_hidden = model.forward_hidden(g.batch, cache)
+        got, got_hidden = padded_logits.index_select(0, rows), padded_hidden[: batch.num_tokens]
+    else:
+        got = model.forward(g.batch, cache).index_select(0, rows)
+    k_graph, v_graph = cache.k.clone(), cache.v.clone()
+    cache.k.copy_(k_before)
+    cache.v.copy_(v_before)
+    if with_features:
+        want, want_hidden = model.forward_hidden(batch, cache)
+        torch.testing.assert_close(got_hidden, want_hidden, rtol=1e-5, atol=1e-5)
+    else:
+        want = model.forward(batch, cache)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    s = cache.scratch_block
+    torch.testing.assert_close(k_graph[:, :s], cache.k[:, :s])  # real rows wrote the same K/V, padding none
+    torch.testing.assert_close(v_graph[:, :s], cache.v[:, :s])
+    torch.testing.assert_close(k_graph[:, s + 1 :], cache.k[:, s + 1 :])
+
+
+def test_a_decode_graph_batch_pads_with_empty_segments() -> None:
+    cfg = tiny_config(vocab=96, layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                      head_dim=16)
+    model = Transformer.from_weights(cfg, random_weights(cfg, scale=0.1), torch.float32, "cpu")
+    cache = model.new_cache(32, 4)
+    tables = [cache.new_table() for _ in range(3)]
+    for i, t in enumerate(tables):
+        model.forward(build_batch([Segment(t, 0, list(range(3 + 4 * i)), logits="none")], cache, "cpu"), cache)
+    batch = build_batch([Segment(t, 3 + 4 * i, [10 + i], logits="all") for i, t in enumerate(tables)], cache, "cpu")
+    batch.is_decode = True
+    g = _Graph(4, 4, True, max_blocks=12, device=torch.device("cpu"))
+    assert g.load(batch, cache.scratch_block, cache.page_size) is None  # every row wanted, in order
+    assert g.query_start.tolist() == [0, 1, 2, 3, 4] and g.context_lens.tolist() == [3, 7, 11, 0]
+    k_before = cache.k.clone()
+    got = model.forward(g.batch, cache)[:3]
+    cache.k.copy_(k_before)
+    torch.testing.assert_close(got, model.forward(batch, cache), rtol=1e-5, atol=1e-5)
