@@ -1,6 +1,6 @@
 """Ragged graph replays against per-segment padding, in one run on the GPU.
 
-    python bench/graph_rows.py [--out bench/results/graph_rows.json] [--batch 16] [--trees 2,4,8]
+    python bench/graph_rows.py [--out bench/results/graph_rows.json] [--batch 16] [--trees 2,4,8] [--plot-only]
 
 A batch of ``--batch`` sequences (512 cached tokens each) where one sequence verifies a tree of ``k`` nodes
 and the rest decode one token: the step the adaptive budget makes whenever one request drafts and the
@@ -12,7 +12,7 @@ the same batch through the same ragged loader, in graphs of those two row counts
 logits are checked against the eager forward first.
 
 Targets: Llama-3-8B's shape in INT4 g128 (random weights, the synthetic target of bench/engine.py) and
-SmolLM2-135M's shape in INT4 g32 (the embedded model's). Writes JSON and prints a table.
+SmolLM2-135M's shape in INT4 g32 (the embedded model's). Writes JSON and a PNG beside it, and prints a table.
 """
 
 from __future__ import annotations
@@ -109,13 +109,43 @@ def measure(name: str, shape: dict, group: int, batch: int, trees: list[int], re
     return rows
 
 
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    targets = list(dict.fromkeys(r["target"] for r in res["rows"]))
+    fig, axes = plt.subplots(1, len(targets), figsize=(6 * len(targets), 4.5), squeeze=False)
+    for ax, target in zip(axes[0], targets):
+        rows = [r for r in res["rows"] if r["target"] == target]
+        xs = range(len(rows))
+        for i, (key, label) in enumerate((("ms_decode", "every sequence decoding (floor)"),
+                                          ("ms_ragged", "ragged rows"), ("ms_padded", "padded per segment"))):
+            ax.bar([x + (i - 1) * 0.27 for x in xs], [r[key] for r in rows], 0.27, label=label)
+        ax.set_xticks(list(xs), [f"{r['tree_nodes']}-node tree\n{r['rows_ragged']} vs {r['rows_padded']} rows"
+                                 for r in rows])
+        ax.set_ylabel("ms per replayed step")
+        ax.set_title(f"{target}, batch {rows[0]['batch']}")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"bench/graph_rows.py on {res['device']}, commit {res['commit']} ({res['date']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--trees", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 8])
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--out", default=str(HERE / "results" / "graph_rows.json"))
+    ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+        return
     rows = measure("smollm2-135m shape, int4 g32", SMOLLM2, 32, args.batch, args.trees, args.reps)
     rows += measure("llama-3-8b shape, int4 g128", LLAMA3_8B, 128, args.batch, args.trees, args.reps)
     res = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
@@ -123,6 +153,7 @@ def main() -> None:
            "command": " ".join(sys.argv)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
+    plot(res, Path(args.out).with_suffix(".png"))
     print(f"{'target':<30} {'k':>3} {'rows r/p':>9} {'ragged ms':>10} {'padded ms':>10} {'decode ms':>10} {'p/r':>6}")
     for r in rows:
         print(f"{r['target']:<30} {r['tree_nodes']:>3} {r['rows_ragged']:>4}/{r['rows_padded']:<4} "
