@@ -131,15 +131,13 @@ class CudaGraphRunner:
 
     def __init__(self, model: Transformer, cache: KVCache, max_blocks: int, max_nodes: int = 64,
                  max_tokens: int = 1024, buckets: tuple[int, ...] = BATCH_BUCKETS, hidden: bool = False) -> None:
-        if cache.k.device.type != "cuda":
-            raise ValueError("CUDA graphs need the model and its cache on a CUDA device")
         self.model, self.cache, self.max_blocks, self.max_nodes = model, cache, max_blocks, max_nodes
         self.max_tokens = max_tokens  # a graph's logits are [T, V] float32: bound what they pin
         self.buckets = tuple(sorted(buckets))
         self.shape_buckets = self.buckets  # the buckets steps choose among (``capture`` narrows them)
         self.device = cache.k.device
         self.hidden = hidden  # graphs also return every row's feature (forward_hidden)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None  # the graphs' shared memory pool, made by the first capture
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}  # (B, T, decode)
         self.replays = 0
         self.eager = 0
@@ -216,6 +214,15 @@ class CudaGraphRunner:
             g.mask_bits.fill_(1)
             g.query_start.zero_()  # the warm-up and the capture: one dummy segment of every row
             g.query_start[1:].fill_(T)
+        self._record(g)
+        return g
+
+    def _record(self, g: _Graph) -> None:
+        """Capture ``g``'s forward into ``g.graph`` (its outputs into ``g.out`` / ``g.hidden``)."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model and its cache on a CUDA device")
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         g.graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -225,7 +232,6 @@ class CudaGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         with torch.cuda.graph(g.graph, pool=self.pool):
             g.out, g.hidden = self._run(g)
-        return g
 
     def _run(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.hidden:

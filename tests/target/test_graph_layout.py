@@ -10,7 +10,7 @@ import torch
 from draft.tree import TokenTree
 from engine_util import random_weights, tiny_config
 from target.batch import Segment, build_batch
-from target.graphs import BATCH_BUCKETS, _Graph, graph_shape
+from target.graphs import BATCH_BUCKETS, CudaGraphRunner, _Graph, graph_shape
 from target.model import Transformer
 
 
@@ -105,3 +105,80 @@ def test_a_decode_graph_batch_pads_with_empty_segments() -> None:
     got = model.forward(g.batch, cache)[:3]
     cache.k.copy_(k_before)
     torch.testing.assert_close(got, model.forward(batch, cache), rtol=1e-5, atol=1e-5)
+
+
+class EagerLayoutRunner(CudaGraphRunner):
+    """The runner's shapes and ragged layout on the CPU: each "replay" runs the eager forward over the
+    graph's static batch, as the captured graph would."""
+
+    def _record(self, g: _Graph) -> None:
+        runner = self
+
+        class Replay:
+            def replay(self) -> None:
+                g.out, g.hidden = runner._run(g)
+
+        g.graph = Replay()
+
+
+def _with_layout_runners(engine, max_running: int | None = None):
+    """``engine`` with the target's and every model drafter's forwards going through ``EagerLayoutRunner``
+    (captured up front when ``max_running`` is given, as ``Engine.capture_graphs`` does)."""
+    from draft.model_drafter import CATCH_UP_NODES
+    from draft.tree import MAX_TREE_NODES
+
+    blocks = -(-(engine.max_model_len + MAX_TREE_NODES) // engine.config.page_size)
+    engine.graphs = EagerLayoutRunner(engine.target, engine.cache, blocks, max_nodes=MAX_TREE_NODES)
+    for d in engine.drafters.values():
+        if hasattr(d, "graphs"):
+            d.graphs = d.loop.runner = EagerLayoutRunner(d.model, d.cache, blocks, max_nodes=CATCH_UP_NODES)
+    if max_running is not None:
+        engine.graphs.capture(max_running)
+        for d in engine.drafters.values():
+            if getattr(d, "graphs", None) is not None:
+                d.graphs.capture(max_running)
+    return engine
+
+
+def _requests(seed: int):
+    from draft.params import SpeculationParams
+    from verify.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    s = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    # speculation on with several drafters and trees, and off, side by side: ragged steps every step
+    specs = [SpeculationParams(), SpeculationParams(enabled=False), SpeculationParams(drafter="exact", tree=(3, 2, 1)),
+             SpeculationParams(drafter="ngram"), SpeculationParams(drafter="self", tree=(1,)),
+             SpeculationParams(drafter="exact", tree=(1, 1, 1, 1, 1)), SpeculationParams(enabled=False)]
+    lengths = [5 + 7 * i for i in range(len(specs) - 1)] + [80]  # the last prefill is past 64 tokens: eager
+    return [(str(i), torch.randint(0, 64, (n,), generator=g).tolist(), s, spec)
+            for i, (n, spec) in enumerate(zip(lengths, specs))]
+
+
+def test_engine_output_is_the_same_through_the_ragged_layout() -> None:
+    """Greedy output through the runners' shapes and ragged static batches equals the eager engine's, mixed
+    batches of trees and plain decoding included; the target replayed ragged graphs with a spare segment."""
+    from engine_util import run_all, tiny_engine
+
+    want = run_all(tiny_engine(max_running=8), _requests(3))
+    eng = _with_layout_runners(tiny_engine(max_running=8))
+    assert run_all(eng, _requests(3)) == want
+    assert eng.graphs.replays > 0 and eng.drafters["draft"].graphs.replays > 0
+    ragged = [k for k in eng.graphs._graphs if not k[2]]
+    assert ragged and eng.graphs.eager > 0  # tree steps replayed ragged; the prompts' prefills ran eagerly
+
+
+def test_capture_up_front_covers_every_step_that_follows() -> None:
+    """After ``capture(max_running)`` no step needs a graph that was not captured: the buckets steps choose
+    among are narrowed to the captured ones, a spare bucket past ``max_running`` included."""
+    from engine_util import run_all, tiny_engine
+
+    eng = _with_layout_runners(tiny_engine(max_running=6), max_running=6)
+    held = {name: set(r._graphs) for name, r in [("target", eng.graphs)] + [
+        (n, d.graphs) for n, d in eng.drafters.items() if getattr(d, "graphs", None) is not None]}
+    assert max(b for b, _, _ in held["target"]) == 8  # the bucket past 6: its spare segment holds padding
+    run_all(eng, _requests(4))
+    assert set(eng.graphs._graphs) == held["target"] and eng.graphs.replays > 0
+    for n, d in eng.drafters.items():
+        if getattr(d, "graphs", None) is not None:
+            assert set(d.graphs._graphs) == held[n]
