@@ -5,6 +5,8 @@ the batch's own forward gives them. (Capture and replay need CUDA: tests/target/
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 from draft.tree import TokenTree
@@ -182,3 +184,28 @@ def test_capture_up_front_covers_every_step_that_follows() -> None:
     for n, d in eng.drafters.items():
         if getattr(d, "graphs", None) is not None:
             assert set(d.graphs._graphs) == held[n]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 90), st.sampled_from(["off", "draft", "exact", "ngram", "self"]),
+                          st.lists(st.integers(1, 3), min_size=1, max_size=4), st.integers(1, 16)),
+                min_size=1, max_size=9),
+       st.integers(1, 8), st.integers(0, 2**16))
+def test_random_batches_through_the_ragged_layout_match_the_eager_engine(reqs, max_running: int, seed: int) -> None:
+    """Random prompt lengths (prefills past 64 tokens run eagerly), drafters, trees and lengths, more requests
+    than running slots (admission mid-run): greedy output through the layout runners, captured up front,
+    equals the eager engine's token for token."""
+    from draft.params import SpeculationParams
+    from engine_util import run_all, tiny_engine
+    from verify.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    requests = [(str(i), torch.randint(0, 64, (n,), generator=g).tolist(),
+                 SamplingParams(temperature=0, max_tokens=m, ignore_eos=True),
+                 SpeculationParams(enabled=False) if d == "off" else SpeculationParams(drafter=d, tree=tuple(tree)))
+                for i, (n, d, tree, m) in enumerate(reqs)]
+    want = run_all(tiny_engine(max_running=max_running), requests)
+    eng = _with_layout_runners(tiny_engine(max_running=max_running), max_running=max_running)
+    held = set(eng.graphs._graphs)
+    assert run_all(eng, requests) == want
+    assert set(eng.graphs._graphs) == held  # nothing captured past the up-front set
