@@ -90,7 +90,8 @@ def tree_step(model: Transformer, nodes: int, context: int = 512):
     """A replayable step of one sequence with a tree of ``nodes`` (a binary tree's bitmask) over
     ``context`` cached tokens: a callable that replays the graph, input copies included."""
     cache = model.new_cache(context // 16 + 8, 16)
-    runner = CudaGraphRunner(model, cache, max_blocks=context // 16 + 8, buckets=(1,))
+    # bucket 2: a tree of a count that is no power of two pads into a spare segment (target/graphs.py)
+    runner = CudaGraphRunner(model, cache, max_blocks=context // 16 + 8, buckets=(1, 2))
     table = cache.new_table()
     model.forward(build_batch([Segment(table, 0, list(range(context)), logits="none")], cache, "cuda"), cache)
     parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
