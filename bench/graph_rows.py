@@ -157,7 +157,8 @@ def main() -> None:
     print(f"{'target':<30} {'k':>3} {'rows r/p':>9} {'ragged ms':>10} {'padded ms':>10} {'decode ms':>10} {'p/r':>6}")
     for r in rows:
         print(f"{r['target']:<30} {r['tree_nodes']:>3} {r['rows_ragged']:>4}/{r['rows_padded']:<4} "
-              f"{r['ms_ragged']:>10.3f} {r['ms_padded']:>10.3f} {r['ms_decode']:>10.3f} {r['padded_over_ragged']:>6.3f}")
+              f"{r['ms_ragged']:>10.3f} {r['ms_padded']:>10.3f} {r['ms_decode']:>10.3f} "
+              f"{r['padded_over_ragged']:>6.3f}")
 
 
 if __name__ == "__main__":

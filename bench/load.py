@@ -216,7 +216,8 @@ async def bench(args: argparse.Namespace) -> dict:
         cpu0 = time.process_time()
         if pool is not None and conc > 1:
             results, wall, cpu_shares = await run_level_procs(pool, args.procs, args.url, headers, jobs, conc,
-                                                              args.rate, args.max_tokens, health["model"], args.seed + k)
+                                                              args.rate, args.max_tokens, health["model"],
+                                                              args.seed + k)
         else:
             results, wall = await run_level(args.url, headers, jobs, conc, args.rate, args.max_tokens,
                                             health["model"], args.seed + k)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +35,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -62,6 +64,33 @@ DASHBOARD_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'uns
 
 
 @dataclass(frozen=True, slots=True)
+class CorsConfig:
+    """Cross-origin access for browser clients (a chat frontend served from another origin): which origins
+    may read the responses. No origins (the default): no CORS headers, and browsers keep other origins'
+    pages from reading anything. Preflights are answered before the API key check, since browsers send
+    them without credentials; every other request still needs the key."""
+
+    origins: tuple[str, ...] = ()  # "scheme://host[:port]" as browsers send Origin, or "*" for any
+    allow_credentials: bool = False  # cookies / HTTP auth on cross-origin requests (never with "*")
+
+    def __post_init__(self) -> None:
+        for origin in self.origins:
+            if origin != "*" and not re.fullmatch(r"[a-z][a-z0-9+.-]*://[^/\s]+", origin):
+                raise ValueError(f"allowed origin {origin!r} is not one a browser sends: write scheme://host[:port] "
+                                 "with no path or trailing slash (https://chat.example.com), or * for any")
+        if self.allow_credentials and "*" in self.origins:
+            raise ValueError("allowing credentials from any origin (*) is refused by browsers (the CORS spec): "
+                             "name the origins")
+
+    def middleware(self) -> list[Middleware]:
+        if not self.origins:
+            return []
+        return [Middleware(CORSMiddleware, allow_origins=list(self.origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], allow_credentials=self.allow_credentials,
+                           expose_headers=["X-Request-Id", "Retry-After"], max_age=600)]
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     model_name: str
     api_key: str | None = None  # None = no authentication
@@ -73,6 +102,7 @@ class ServerConfig:
     log_prompts: bool = False  # put prompt text in the request log line (off: prompts may be private)
     audit: AuditConfig = AuditConfig()  # the online losslessness audit (off by default)
     stats_interval_s: float = 1.0  # how often /v1/stats/stream pushes a snapshot
+    cors: CorsConfig = CorsConfig()  # browser clients on other origins (off by default)
 
 
 def json_response(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -481,7 +511,11 @@ def create_app(engine: Engine | None, tokenizer: Any, chat_template: str | None,
         Route("/v1/stats/reset", gw.stats_reset, methods=["POST"]),
         Route("/dashboard", gw.dashboard, methods=["GET"]),
     ]
-    middleware = [] if config.api_key is None else [Middleware(ApiKeyMiddleware, api_key=config.api_key)]
+    # CORS outermost: a browser's preflight carries no credentials, and a refused request's 401 must still
+    # carry the CORS headers for the page to read why
+    middleware = config.cors.middleware()
+    if config.api_key is not None:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
     app = Starlette(routes=routes, lifespan=gw.lifespan, middleware=middleware,
                     exception_handlers={HTTPException: _http_error, Exception: _server_error})
     app.state.gateway = gw

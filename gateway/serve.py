@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import uvicorn
 
-from gateway.app import ServerConfig, create_app
+from gateway.app import CorsConfig, ServerConfig, create_app
 from gateway.audit import AuditConfig
 from gateway.engine_proc import ProcessRunner
 
@@ -33,6 +33,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health and the "
                                                    "read-only stats GETs (/dashboard, /v1/stats[/stream])")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="browser origins allowed to call the API (CORS), as scheme://host[:port], or * for any "
+                        "(default: none, no CORS headers)")
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="let those origins send cookies or HTTP auth (CORS credentials; not with *)")
     p.add_argument("--max-in-flight", type=int, default=None,
                    help="generation requests at once before 429 (default: max-running + max-waiting)")
     p.add_argument("--log-prompts", action="store_true", help="put prompt text in the request log lines")
@@ -128,6 +133,7 @@ def device_label(device) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     audit = AuditConfig(fraction=args.audit_fraction, log_prompts=args.audit_log_prompts)  # checked before loading
+    cors = CorsConfig(tuple(args.allowed_origins), args.allow_credentials)  # so is this
     engine, runner = None, None
     if args.engine_process and audit.fraction > 0:  # its replays run between the engine's steps, in its thread
         print("the audit runs the engine in the server's process (--engine-thread)", file=sys.stderr)
@@ -142,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model_name=args.served_model_name or model_name, api_key=args.api_key,
                           warmup_tokens=args.warmup_tokens, device=device, max_body_bytes=args.max_body_bytes,
                           max_in_flight=args.max_in_flight, log_prompts=args.log_prompts,
-                          audit=audit)
+                          audit=audit, cors=cors)
     app = create_app(engine, tokenizer, chat_template, config, runner=runner)
     print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1 ({device}); "
           "/health says ready after warm-up", file=sys.stderr)

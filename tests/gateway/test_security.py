@@ -93,3 +93,76 @@ def test_logs_hold_prompt_text_only_when_asked(tokenizer, caplog, log_prompts: b
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "prompt tokens" in text
     assert (secret in text) == log_prompts
+
+
+ORIGIN = "https://chat.example.com"
+
+
+def test_cors_lets_a_named_origin_read_answers_and_keeps_the_key(tokenizer) -> None:
+    """A browser page on an allowed origin: its preflight is answered without the key; its requests still need
+    the key, and every answer, a 401 and a stream included, names the origin so the page can read it. Other
+    origins get no CORS headers, and a preflight from one is refused."""
+    from gateway.app import CorsConfig
+
+    async def fn(client, app):
+        pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"}
+        out = {"preflight": await client.options("/v1/chat/completions", headers=pre),
+               "preflight_other": await client.options("/v1/chat/completions",
+                                                       headers=pre | {"Origin": "https://evil.example"}),
+               "no_key": await client.post("/v1/chat/completions", json=CHAT, headers={"Origin": ORIGIN}),
+               "other": await client.post("/v1/chat/completions", json=CHAT,
+                                          headers=AUTH | {"Origin": "https://evil.example"})}
+        async with client.stream("POST", "/v1/chat/completions", json=CHAT | {"stream": True},
+                                 headers=AUTH | {"Origin": ORIGIN}) as r:
+            out["stream"], out["stream_body"] = r, (await r.aread()).decode()
+        return out
+
+    out = run(tokenizer, fn, api_key=API_KEY, cors=CorsConfig((ORIGIN,)))
+    pre = out["preflight"]
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "x-stainless-os" in pre.headers["access-control-allow-headers"]  # SDKs' own headers pass
+    assert out["preflight_other"].status_code == 400
+    assert "access-control-allow-origin" not in out["preflight_other"].headers
+    assert out["no_key"].status_code == 401 and out["no_key"].headers["access-control-allow-origin"] == ORIGIN
+    assert out["other"].status_code == 200 and "access-control-allow-origin" not in out["other"].headers
+    s = out["stream"]
+    assert s.status_code == 200 and s.headers["access-control-allow-origin"] == ORIGIN
+    assert "x-request-id" in s.headers["access-control-expose-headers"].lower()
+    assert s.headers["content-type"].startswith("text/event-stream") and "data: [DONE]" in out["stream_body"]
+
+
+def test_no_cors_headers_unless_origins_are_named(tokenizer) -> None:
+    async def fn(client, app):
+        return (await client.post("/v1/chat/completions", json=CHAT, headers={"Origin": ORIGIN}),
+                await client.options("/v1/chat/completions", headers={"Origin": ORIGIN,
+                                                                      "Access-Control-Request-Method": "POST"}))
+
+    post, pre = run(tokenizer, fn)
+    assert post.status_code == 200 and "access-control-allow-origin" not in post.headers
+    assert pre.status_code == 405 and "access-control-allow-origin" not in pre.headers
+
+
+@pytest.mark.parametrize("origins, credentials, message", [
+    (("https://chat.example.com/",), False, "no path or trailing slash"),
+    (("chat.example.com",), False, "scheme://host"),
+    (("*",), True, "name the origins"),
+])
+def test_cors_settings_a_browser_would_never_match_are_refused(origins, credentials, message, capsys) -> None:
+    from gateway.app import CorsConfig
+    from gateway.cli import main
+
+    with pytest.raises(ValueError, match=message):
+        CorsConfig(origins, credentials)
+    argv = ["serve", "--model", "none-such", "--allowed-origins", *origins]
+    argv += ["--allow-credentials"] if credentials else []
+    assert main(argv) == 2  # refused before any model is loaded
+    assert message in capsys.readouterr().err
+
+
+def test_cors_wildcard_without_credentials() -> None:
+    from gateway.app import CorsConfig
+
+    args = serve_options().parse_args(["--allowed-origins", "*", "http://localhost:5173"])
+    assert CorsConfig(tuple(args.allowed_origins), args.allow_credentials).origins == ("*", "http://localhost:5173")
