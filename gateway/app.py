@@ -329,6 +329,11 @@ class Gateway:
                            param="model", code="model_not_found")
         prompts = ([self._encode_chat(req.messages, tools=req.tools, tool_choice=req.tool_choice)] if req.is_chat
                    else [self._encode(p) for p in req.prompts])
+        if req.truncate_prompt_tokens is not None:
+            keep = req.truncate_prompt_tokens
+            if keep == -1:  # as many as fit: the context less the tokens asked for (one, when none are)
+                keep = self.max_model_len - (req.max_tokens or 1)
+            prompts = [p[-keep:] if keep > 0 else p for p in prompts]
         echoes: list[tuple[str, list[int]] | None] = [None] * len(prompts)
         if req.echo:  # before anything is submitted: nothing to take back if the client leaves meanwhile
             echoes = list(await asyncio.gather(*(asyncio.to_thread(echo_text, self.tokenizer, p) for p in prompts)))

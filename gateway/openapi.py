@@ -54,6 +54,7 @@ def _common(max_model_len: int) -> dict[str, Any]:
         "min_tokens": {"type": ["integer", "null"], "minimum": 0},
         "include_stop_str_in_output": {"type": ["boolean", "null"]},
         "skip_special_tokens": {"type": ["boolean", "null"]},
+        "truncate_prompt_tokens": {"type": ["integer", "null"], "minimum": -1, "not": {"const": 0}},
         "stop": {"oneOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOP_STRINGS},
                            {"type": "null"}]},
         "stop_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0},

@@ -89,6 +89,9 @@ class GenerateRequest:
     echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens' logprobs) before the output
     tools: tuple[dict[str, Any], ...] = ()  # chat: the functions offered, as OpenAI's tool objects
     tool_choice: str | None = None  # chat: "auto", "required" (any one tool) or a tool's name; None: text only
+    # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens (its start, a chat template's system
+    # turn included, is cut); -1 keeps as many as fit beside max_tokens. None: the prompt as given.
+    truncate_prompt_tokens: int | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -139,7 +142,7 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
         max_tokens=max_tokens, sampling=sampling, speculation=_speculation(body, spec_header),
         stop=_stop(body), include_stop=_get(body, "include_stop_str_in_output", bool, False),
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True), stream=stream, n=n, echo=echo,
-        tools=tools, tool_choice=tool_choice,
+        tools=tools, tool_choice=tool_choice, truncate_prompt_tokens=_truncation(body),
         include_usage=stream and _get(options, "include_usage", bool, False, "stream_options.include_usage"),
         continuous_usage=stream and _get(options, "continuous_usage_stats", bool, False,
                                          "stream_options.continuous_usage_stats"))
@@ -161,6 +164,14 @@ def _get(body: dict, name: str, kind: type, default: Any, param: str | None = No
         raise ApiError(400, f"{param or name} must be {_TYPE_NAMES[kind]}, got {orjson.dumps(value).decode()}",
                        param=param or name)
     return value
+
+
+def _truncation(body: dict) -> int | None:
+    k = _get(body, "truncate_prompt_tokens", int, None)
+    if k is not None and k < 1 and k != -1:
+        raise ApiError(400, f"truncate_prompt_tokens must be >= 1 (the prompt tokens kept, from its end) or -1 "
+                            f"(as many as fit beside max_tokens), got {k}", param="truncate_prompt_tokens")
+    return k
 
 
 def _choices(body: dict) -> int:

@@ -316,3 +316,38 @@ def test_health_is_503_until_warm_up_is_done(tokenizer) -> None:
     before, after = asyncio.run(main())
     assert before.status_code == 503 and before.json()["status"] == "warming up" and "retry-after" in before.headers
     assert after.status_code == 200
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(tokenizer) -> None:
+    """vLLM's truncate_prompt_tokens: the last k prompt tokens are what the model sees (usage and echo say so);
+    -1 keeps as many as fit beside max_tokens, so a prompt past the context is served instead of refused;
+    bad values are a 400 naming the field."""
+    ids = list(range(5, 95))  # 90 token ids: past the 64-token context below
+    base = {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    async def go(client, app):
+        out = {"whole": await client.post("/v1/completions", json=base),
+               "kept": await client.post("/v1/completions", json=base | {"truncate_prompt_tokens": 7, "echo": True,
+                                                                        "max_tokens": 1}),
+               "fit": await client.post("/v1/completions", json=base | {"truncate_prompt_tokens": -1}),
+               "same": await client.post("/v1/completions", json=base | {"prompt": ids[-7:], "max_tokens": 1})}
+        for bad in (0, -2, "7", 2.5):
+            out[f"bad {bad!r}"] = await client.post("/v1/completions", json=base | {"truncate_prompt_tokens": bad})
+        return out
+
+    from engine_util import tiny_engine
+
+    out = run(tokenizer, go, engine=tiny_engine(vocab=len(tokenizer), num_blocks=128, max_position_embeddings=64))
+    assert out["whole"].status_code == 400  # 90 prompt tokens do not fit a 64-token context
+    kept = out["kept"].json()
+    assert out["kept"].status_code == 200 and kept["usage"]["prompt_tokens"] == 7
+    same = out["same"].json()
+    text = same["choices"][0]["text"]
+    assert kept["choices"][0]["text"].endswith(text)  # the echo, then the same greedy token as the cut prompt's
+    assert kept["choices"][0]["text"] == tokenizer.decode(ids[-7:]) + text
+    fit = out["fit"].json()
+    assert out["fit"].status_code == 200 and fit["usage"]["prompt_tokens"] == 60  # 64 - max_tokens 4
+    assert fit["usage"]["completion_tokens"] == 4
+    for name in ("bad 0", "bad -2", "bad '7'", "bad 2.5"):
+        r = out[name]
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (name, r.text)
