@@ -179,12 +179,21 @@ class Engine:
             raise ValueError(f"unknown drafter {drafter!r}: available are {sorted(self.drafters)}")
         if sampling.logit_bias and sampling.logit_bias[-1][0] >= V:  # pairs are sorted by id
             raise ValueError(f"logit_bias names token {sampling.logit_bias[-1][0]}, outside the vocabulary [0, {V})")
+        if sampling.allowed_token_ids and sampling.allowed_token_ids[-1] >= V:  # sorted
+            raise ValueError(f"allowed_token_ids names token {sampling.allowed_token_ids[-1]}, outside the "
+                             f"vocabulary [0, {V})")
+        if sampling.allowed_token_ids and sampling.grammar is not None:
+            raise ValueError("allowed_token_ids cannot be combined with structured output or a tool call: the "
+                             "grammar may need a token the list leaves out")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting")
         if sampling.min_tokens and sampling.grammar is not None:
             raise ValueError("min_tokens cannot be combined with structured output or a tool call: a grammar may "
                              "allow nothing but the end of the output before min_tokens")
         stops = frozenset(sampling.stop_token_ids) | frozenset(() if sampling.ignore_eos else self.eos_token_ids)
+        if sampling.min_tokens and sampling.allowed_token_ids and stops.issuperset(sampling.allowed_token_ids):
+            raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens holds back: no token "
+                             "could be emitted")
         matcher = self._matcher(sampling.grammar) if sampling.grammar is not None else None
         seq = Sequence(request_id, list(prompt_ids), sampling, speculation,
                        make_generator(sampling, self.target.device), drafter, priority, stop_ids=stops)

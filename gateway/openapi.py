@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.protocol import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
@@ -54,6 +55,8 @@ def _common(max_model_len: int) -> dict[str, Any]:
         "min_tokens": {"type": ["integer", "null"], "minimum": 0},
         "include_stop_str_in_output": {"type": ["boolean", "null"]},
         "skip_special_tokens": {"type": ["boolean", "null"]},
+        "allowed_token_ids": {"type": ["array", "null"], "items": {"type": "integer", "minimum": 0}, "minItems": 1,
+                              "maxItems": MAX_ALLOWED_TOKEN_IDS},
         "truncate_prompt_tokens": {"type": ["integer", "null"], "minimum": -1, "not": {"const": 0}},
         "stop": {"oneOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": MAX_STOP_STRINGS},
                            {"type": "null"}]},

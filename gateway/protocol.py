@@ -28,6 +28,7 @@ MAX_STOP_CHARS = 256  # per stop string: the matcher holds back up to this much 
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 256
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_ALLOWED_TOKEN_IDS = 1 << 16  # vLLM sets no bound; this one keeps a body's list in proportion to a vocabulary
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: logits / 1e-30 overflow float32 to inf, then NaN
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # outside it, dividing logits overflows or zeroes them
 # A file path in an exception's text: anything ending in a file name with an extension, or under a system
@@ -226,6 +227,17 @@ def _sampling(body: dict, is_chat: bool) -> dict[str, Any]:
                        param="stop_token_ids")
     out["stop_token_ids"] = tuple(ids)
     out["logit_bias"] = _logit_bias(body)
+    allowed = _get(body, "allowed_token_ids", list, [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in allowed):
+        raise ApiError(400, "allowed_token_ids must be an array of token ids (integers >= 0)",
+                       param="allowed_token_ids")
+    if "allowed_token_ids" in body and body["allowed_token_ids"] is not None and not allowed:
+        raise ApiError(400, "allowed_token_ids is empty: no token could be emitted (leave it out to allow all)",
+                       param="allowed_token_ids")
+    if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+        raise ApiError(400, f"allowed_token_ids holds at most {MAX_ALLOWED_TOKEN_IDS} ids, got {len(allowed)}",
+                       param="allowed_token_ids")
+    out["allowed_token_ids"] = tuple(allowed)
     out["logprobs"] = _logprobs(body, is_chat)
     out["grammar"] = _grammar(body)
     return out

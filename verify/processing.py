@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import SamplingParams, penalise, tree_path_counts
+from verify.sampling import SamplingParams, allowed_mask, penalise, tree_path_counts
 
 BATCHED_CPU = False  # see the module's docstring
 
@@ -53,6 +53,9 @@ class PenaltyState:
             ids, values = zip(*params.logit_bias)
             bias = torch.zeros(vocab, device=device)
             bias[torch.tensor(ids, device=device)] = torch.tensor(values, device=device)
+        if params.allowed_token_ids:  # -inf off the allowed tokens, on top of any bias
+            mask = allowed_mask(params.allowed_token_ids, vocab, device)
+            bias = mask if bias is None else bias + mask
         return PenaltyState(counts, prompt, bias)
 
     def emit(self, tokens: list[int]) -> None:
@@ -98,4 +101,5 @@ def process_rows(logits: torch.Tensor, spans: list[tuple[int, int]], params: lis
 
 def stripped(params: SamplingParams) -> SamplingParams:
     """``params`` without bias and penalties: what acceptance sees once ``process_rows`` has applied them."""
-    return replace(params, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=())
+    return replace(params, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=(),
+                   allowed_token_ids=())

@@ -38,6 +38,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # OpenAI's logit_bias: (token id, bias) pairs added to the raw logits; a dict {id: bias} is accepted.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's allowed_token_ids: only these tokens can be emitted (every other logit is -inf after the bias);
+    # empty = every token. Sorted, without repeats.
+    allowed_token_ids: tuple[int, ...] = ()
     # Log-probabilities of each emitted token under the target's raw distribution, plus this many most likely
     # alternatives per position; None = none.
     logprobs: int | None = None
@@ -51,6 +54,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # accept a list
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
         checks = (
             ("temperature", self.temperature >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
@@ -66,6 +70,7 @@ class SamplingParams:
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "ints >= 0"),
             ("logit_bias", all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
              "token ids >= 0 with biases in [-100, 100]"),
+            ("allowed_token_ids", all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids), "ints >= 0"),
             ("logprobs", _top_ok(self.logprobs), f"None or an int in [0, {MAX_LOGPROBS}]"),
             ("prompt_logprobs", _top_ok(self.prompt_logprobs), f"None or an int in [0, {MAX_LOGPROBS}]"),
         )
@@ -83,9 +88,10 @@ class SamplingParams:
 
     @property
     def custom_logits(self) -> bool:
-        """Penalties or a logit bias: this request's logits need processing of their own before temperature
-        (per tree path, for penalties), so the verifier decides it alone instead of in a batched group."""
-        return bool(self.logit_bias) or self.use_penalties
+        """Penalties, a logit bias or allowed tokens: this request's logits need processing of their own before
+        temperature (per tree path, for penalties), so the verifier decides it alone instead of in a batched
+        group."""
+        return bool(self.logit_bias) or bool(self.allowed_token_ids) or self.use_penalties
 
 
 MAX_LOGPROBS = 20  # alternatives per position (vLLM's default max_logprobs; OpenAI's top_logprobs allows 20)
@@ -135,6 +141,8 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_mask: t
             raise ValueError(f"logit_bias names token {max(ids)}, outside the vocabulary [0, {V})")
         out = out.index_add(-1, torch.tensor(ids, device=out.device),
                             torch.tensor(bias, device=out.device).expand(*out.shape[:-1], len(ids)))
+    if params.allowed_token_ids:
+        out = out + allowed_mask(params.allowed_token_ids, out.shape[-1], out.device)
     if not params.use_penalties:
         return out
     counts = torch.zeros(1, logits.shape[-1], dtype=torch.int64, device=logits.device)  # [1, V]
@@ -144,6 +152,15 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_mask: t
         counts = counts + path_counts  # [N, V]
     return penalise(out, counts, prompt_mask, params.repetition_penalty, params.frequency_penalty,
                     params.presence_penalty)
+
+
+def allowed_mask(allowed: tuple[int, ...], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """[V] float32: 0 at the allowed token ids, -inf elsewhere (added to logits, it leaves only those)."""
+    if allowed[-1] >= vocab:  # sorted
+        raise ValueError(f"allowed_token_ids names token {allowed[-1]}, outside the vocabulary [0, {vocab})")
+    mask = torch.full((vocab,), float("-inf"), device=device)
+    mask[torch.tensor(allowed, device=device)] = 0.0
+    return mask
 
 
 def penalise(out: torch.Tensor, counts: torch.Tensor, prompt_mask: torch.Tensor | None,

@@ -351,3 +351,26 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(tokenizer) -> None:
     for name in ("bad 0", "bad -2", "bad '7'", "bad 2.5"):
         r = out[name]
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", (name, r.text)
+
+
+def test_allowed_token_ids_through_the_api(tokenizer) -> None:
+    """allowed_token_ids reach the engine (a single allowed token is all the output holds); bad lists are a
+    400 naming the field, an id past the vocabulary included."""
+    one = tokenizer.encode("a", add_special_tokens=False)[-1]
+    base = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0}
+
+    async def go(client, app):
+        out = {"one": await client.post("/v1/completions", json=base | {"allowed_token_ids": [one]})}
+        for name, bad in (("empty", []), ("strings", ["3"]), ("negative", [-1]), ("bools", [True]),
+                          ("too many", list(range(70000))), ("past vocab", [len(tokenizer) + 5])):
+            out[name] = await client.post("/v1/completions", json=base | {"allowed_token_ids": bad})
+        return out
+
+    out = run(tokenizer, go)
+    r = out["one"]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([one])] * 5
+    for name in ("empty", "strings", "negative", "bools", "too many", "past vocab"):
+        bad = out[name]
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids", (name, bad.text)

@@ -332,3 +332,58 @@ def test_min_tokens_is_checked() -> None:
     engine = tiny_engine()
     with pytest.raises(ValueError, match="min_tokens cannot be combined"):
         engine.add("g", PROMPTS[1], SamplingParams(max_tokens=8, min_tokens=2, grammar='{"type": "regex"}'))
+
+
+def allowed_reference(engine, prompt: list[int], allowed: list[int], max_tokens: int) -> list[int]:
+    """Plain greedy decoding by whole forwards, the argmax taken over the allowed tokens only."""
+    out: list[int] = []
+    keep = torch.tensor(allowed)
+    while len(out) < max_tokens:
+        row = teacher_forced(engine, prompt, out + [0])[-1]
+        out.append(int(keep[row[keep].argmax()]))
+    return out
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["per-sequence", "batched"])
+@pytest.mark.parametrize("spec", list(SPEC))
+def test_allowed_token_ids_restrict_greedy_output_under_every_drafter(spec: str, batched: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's allowed_token_ids: greedy output is the argmax over the allowed tokens at every position (the
+    definition, decoded one whole forward at a time), whatever a drafter proposes outside them; with a bias on
+    one allowed token, and through both logit-processing paths."""
+    monkeypatch.setattr(processing, "BATCHED_CPU", batched)
+    engine = tiny_engine()
+    allowed = [3, 11, 17, 29, 40, 41, 50]
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed)
+    got = run_all(engine, [(str(i), p, plain, SPEC[spec]) for i, p in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        assert got[str(i)] == allowed_reference(engine, prompt, allowed, 10), (spec, i)
+    biased = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed,
+                            logit_bias={29: 100.0, 5: 100.0})  # the bias on 5 cannot let it through
+    got = run_all(engine, [(str(i), p, biased, SPEC[spec]) for i, p in enumerate(PROMPTS)])
+    assert all(toks == [29] * 6 for toks in got.values())
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks
+
+
+def test_sampled_output_keeps_to_the_allowed_tokens() -> None:
+    allowed = list(range(1, 64, 3))
+    outs = run_all(tiny_engine(), [(str(i), PROMPTS[i % 3], SamplingParams(temperature=1.0, seed=i, max_tokens=16,
+                                                                          ignore_eos=True, allowed_token_ids=allowed),
+                                    SPEC["draft" if i % 2 else "exact"]) for i in range(8)])
+    emitted = {t for o in outs.values() for t in o}
+    assert emitted <= set(allowed) and len(emitted) > 3  # sampled, so more than one allowed token shows up
+
+
+def test_allowed_token_ids_are_checked() -> None:
+    engine = tiny_engine()
+    with pytest.raises(ValueError, match="allowed_token_ids names token 64"):
+        engine.add("a", [1, 2], SamplingParams(allowed_token_ids=[3, 64]))
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[-1])
+    with pytest.raises(ValueError, match="allowed_token_ids cannot be combined"):
+        engine.add("g", [1, 2], SamplingParams(allowed_token_ids=[3], grammar='{"type": "regex"}'))
+    with pytest.raises(ValueError, match="holds only stop tokens"):
+        engine.add("s", [1, 2], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(3, 4),
+                                               ignore_eos=True, allowed_token_ids=[4, 3]))
+    assert SamplingParams(allowed_token_ids=[9, 3, 9]).allowed_token_ids == (3, 9)
+    assert engine.cache.pool.num_free == engine.cache.pool.num_blocks and not engine.has_work()

@@ -26,7 +26,8 @@ FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p"
           "stream_options", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "ignore_eos", "n", "best_of", "logprobs", "top_logprobs", "logit_bias", "speculation", "response_format",
           "echo", "suffix", "tools", "user", "min_p", "structured_outputs", "prompt_logprobs", "tool_choice",
-          "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens"]
+          "min_tokens", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+          "allowed_token_ids"]
 HUGE = [1e308, -1e308, 5e-324, 2**63, 2**64, 2**70, -(2**70), 10**30, 0, -1, 1, 0.5]
 
 
