@@ -102,8 +102,9 @@ class Engine:
             max_blocks = -(-(self.max_model_len + MAX_TREE_NODES) // config.page_size)
             # Trees never exceed the verify cap; longer segments are prefill chunks and run eagerly.
             max_nodes = min(MAX_TREE_NODES, config.scheduler.budget.max_verify_tokens)
+            # one logits buffer for every graph: the step reads its logits before the next target forward
             self.graphs = CudaGraphRunner(target, self.cache, max_blocks, max_nodes=max_nodes,
-                                          hidden=bool(self._feature_drafters))
+                                          hidden=bool(self._feature_drafters), shared_logits=True)
         if config.capture_at_start:
             self.capture_graphs()
         self._seqs: dict[str, Sequence] = {}

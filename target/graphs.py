@@ -130,8 +130,17 @@ class CudaGraphRunner:
     cache): the graphs bake in the cache's tensors."""
 
     def __init__(self, model: Transformer, cache: KVCache, max_blocks: int, max_nodes: int = 64,
-                 max_tokens: int = 1024, buckets: tuple[int, ...] = BATCH_BUCKETS, hidden: bool = False) -> None:
+                 max_tokens: int = 1024, buckets: tuple[int, ...] = BATCH_BUCKETS, hidden: bool = False,
+                 shared_logits: bool = False) -> None:
         self.model, self.cache, self.max_blocks, self.max_nodes = model, cache, max_blocks, max_nodes
+        # Every graph writes its logits into one [max_tokens, V] buffer instead of holding its own [T, V]: with
+        # the buckets up to 64 sequences and 64 nodes captured, the target's graphs hold 12,576 rows of float32
+        # logits, 6.45 GB at a 128k vocabulary (10,937 rows before the ragged layout). A replay of any graph then overwrites the last one's logits,
+        # which suits a caller that reads them before its next forward (the engine's target). The default keeps
+        # one buffer a graph: a drafter runs several forwards a step, not audited for a read of one forward's
+        # logits after a later one.
+        self.shared_logits = shared_logits
+        self._logits: torch.Tensor | None = None
         self.max_tokens = max_tokens  # a graph's logits are [T, V] float32: bound what they pin
         self.buckets = tuple(sorted(buckets))
         self.shape_buckets = self.buckets  # the buckets steps choose among (``capture`` narrows them)
@@ -204,6 +213,9 @@ class CudaGraphRunner:
         return graph_shape(batch.query_lens, batch.num_tokens, self.shape_buckets, self.max_nodes, self.max_tokens)
 
     def _capture(self, B: int, T: int, decode: bool) -> _Graph:
+        if self.shared_logits and self._logits is None:  # on the current stream, before any graph's warm-up
+            head = self.model.lm_head.weight
+            self._logits = torch.empty(self.max_tokens, head.shape[0], dtype=torch.float32, device=self.device)
         fc = self.model.fc
         g = _Graph(B, T, decode, self.max_blocks, self.device, 0 if fc is None else self.model.config.hidden_size,
                    self.model.dtype)
@@ -234,9 +246,10 @@ class CudaGraphRunner:
             g.out, g.hidden = self._run(g)
 
     def _run(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self._logits[: g.T] if self._logits is not None else None
         if self.hidden:
-            return self.model.forward_hidden(g.batch, self.cache, g.features)
-        return self.model.forward(g.batch, self.cache, g.features), None
+            return self.model.forward_hidden(g.batch, self.cache, g.features, logits_out=out)
+        return self.model.forward(g.batch, self.cache, g.features, logits_out=out), None
 
     @property
     def num_graphs(self) -> int:

@@ -104,6 +104,13 @@ class Linear:
         return int4_linear(q, self.bias)
 
 
+def _as_float(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` as float32: a new tensor, or written into ``out``'s first rows."""
+    if out is None:
+        return logits.float()
+    return out[: logits.shape[0]].copy_(logits)
+
+
 def cpu_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + bias`` for ``x`` ``[M, K]`` on the CPU, computed as ``(w @ x.T).T``, one row padded to two.
 
@@ -288,20 +295,23 @@ class Transformer:
         return KVCache(self.num_layers, num_blocks, page_size, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: KVCache, features: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache: KVCache, features: torch.Tensor | None = None,
+                logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """Run every new token, write its K/V into ``cache``, return logits ``[R, V]`` float32.
-        ``features`` ``[T, hidden]``: a feature draft's second input (see ``fc``)."""
+        ``features`` ``[T, hidden]``: a feature draft's second input (see ``fc``). ``logits_out``: a float32
+        buffer of at least ``R`` rows the logits are written into (the float conversion's own kernel), and
+        returned a view of (target/graphs.py: one buffer for every graph)."""
         h = self._layers(batch, cache, features)
         h = fused_rms_norm(h[batch.logits_indices], self.norm, self.config.rms_norm_eps)  # [R, hidden]
-        return self.lm_head(h).float()  # [R, V]
+        return _as_float(self.lm_head(h), logits_out)  # [R, V]
 
     @torch.inference_mode()
-    def forward_hidden(self, batch: ForwardBatch, cache: KVCache,
-                       features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_hidden(self, batch: ForwardBatch, cache: KVCache, features: torch.Tensor | None = None,
+                       logits_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward``'s logits, and every token's feature ``[T, hidden]``: the final-normed hidden state the
         LM head reads (what a feature draft is fed, and what it predicts)."""
         hn = fused_rms_norm(self._layers(batch, cache, features), self.norm, self.config.rms_norm_eps)  # [T, hidden]
-        return self.lm_head(hn[batch.logits_indices]).float(), hn
+        return _as_float(self.lm_head(hn[batch.logits_indices]), logits_out), hn
 
     def _layers(self, batch: ForwardBatch, cache: KVCache, features: torch.Tensor | None) -> torch.Tensor:
         c = self.config

@@ -130,7 +130,8 @@ def _with_layout_runners(engine, max_running: int | None = None):
     from draft.tree import MAX_TREE_NODES
 
     blocks = -(-(engine.max_model_len + MAX_TREE_NODES) // engine.config.page_size)
-    engine.graphs = EagerLayoutRunner(engine.target, engine.cache, blocks, max_nodes=MAX_TREE_NODES)
+    engine.graphs = EagerLayoutRunner(engine.target, engine.cache, blocks, max_nodes=MAX_TREE_NODES,
+                                      shared_logits=True)  # as the engine builds its target's runner
     for d in engine.drafters.values():
         if hasattr(d, "graphs"):
             d.graphs = d.loop.runner = EagerLayoutRunner(d.model, d.cache, blocks, max_nodes=CATCH_UP_NODES)
@@ -168,6 +169,11 @@ def test_engine_output_is_the_same_through_the_ragged_layout() -> None:
     assert eng.graphs.replays > 0 and eng.drafters["draft"].graphs.replays > 0
     ragged = [k for k in eng.graphs._graphs if not k[2]]
     assert ragged and eng.graphs.eager > 0  # tree steps replayed ragged; the prompts' prefills ran eagerly
+    # every target graph wrote its logits into the one shared buffer; the drafter's graphs each hold their own
+    outs = [g.out for g in eng.graphs._graphs.values() if g.out is not None]
+    assert len(outs) > 2 and {o.untyped_storage().data_ptr() for o in outs} == {eng.graphs._logits.data_ptr()}
+    draft_outs = [g.out for g in eng.drafters["draft"].graphs._graphs.values() if g.out is not None]
+    assert len({o.untyped_storage().data_ptr() for o in draft_outs}) == len(draft_outs) > 1
 
 
 def test_capture_up_front_covers_every_step_that_follows() -> None:
