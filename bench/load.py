@@ -142,6 +142,29 @@ async def run_level_procs(pool: ProcessPoolExecutor, procs: int, url: str, heade
     return [r for res, _, _ in parts for r in res], wall, [round(cpu / wall, 3) for _, cpu, _ in parts]
 
 
+SERVER_FIELDS = ("steps", "drafted_tokens", "accepted_tokens", "verified_nodes", "mean_accepted_length")
+
+
+async def server_stats(url: str, headers: dict, reset: bool = False) -> dict | None:
+    """The server's per-arm counters since the last reset (``/v1/stats``), keyed by its arm labels
+    (speculation/drafter/tree), with ``drafted_per_step``: draft nodes per request-step, the budget the
+    scheduler gave that arm at this load. ``reset``: start the counters afresh (this clears the server's
+    dashboard figures too). None when the server has no stats route."""
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as c:
+        if reset:
+            r = await c.post("/v1/stats/reset")
+            return None if r.status_code != 200 else {}
+        r = await c.get("/v1/stats")
+        if r.status_code != 200:
+            return None
+    out = {}
+    for label, arm in r.json().get("arms", {}).items():
+        row = {k: arm.get(k) for k in SERVER_FIELDS}
+        row["drafted_per_step"] = round(arm["drafted_tokens"] / arm["steps"], 4) if arm.get("steps") else None
+        out[label] = row
+    return out
+
+
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
@@ -210,6 +233,8 @@ async def bench(args: argparse.Namespace) -> dict:
     # spawned, not forked: a fork from inside the running event loop would copy it into the children
     pool = ProcessPoolExecutor(args.procs, mp_context=multiprocessing.get_context("spawn")) if args.procs > 1 else None
     for k, conc in enumerate(args.concurrency):
+        if args.server_stats:
+            await server_stats(args.url, headers, reset=True)
         chunk = prompts[k * per_arm : (k + 1) * per_arm]
         jobs = [(p, name, spec) for p in chunk for name, spec in arms.items()]
         random.Random(args.seed + k).shuffle(jobs)
@@ -229,6 +254,8 @@ async def bench(args: argparse.Namespace) -> dict:
                "host_load_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # host 1-min load before/after, this server included
                "tokens_per_s": round(sum(r.tokens for r in results if r.ok) / wall, 3),
                "arms": {name: summarize(results, name, wall) for name in arms}}
+        if args.server_stats:  # what the server chose at this load: per arm, its drafts per request-step
+            row["server"] = await server_stats(args.url, headers)
         levels.append(row)
         load_before = os.getloadavg()[0]
         print(f"concurrency {conc}: {len(results)} requests in {wall:.1f}s, {row['tokens_per_s']} tok/s, "
@@ -302,6 +329,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--arm", action="append", help='NAME=JSON speculation field, e.g. on=\'{"max_nodes": 4}\'')
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-server-stats", dest="server_stats", action="store_false",
+                    help="leave the server's /v1/stats alone (by default they are reset before each level and read "
+                         "after it: the budget the server chose at that load)")
     ap.add_argument("--procs", type=int, default=1,
                     help="client processes per level (at most its concurrency): one asyncio client saturates a core "
                          "near 10k streamed tokens/s")

@@ -16,6 +16,9 @@ speculation-off server's, same requests and concurrency -- the throughput a user
 speculation on (the issue's ratio). ``ratio`` / ``ratio_mean``: the arms of the mixed run, per request
 (``load.ab_rows``).
 
+``drafted_per_step_on`` / ``on_only_drafted_per_step``: draft nodes per request-step of the speculating
+requests at that level, from the server's counters (reset before each level): the budget it chose at that load.
+
 ``off_arm_tpot_vs_off_only_server``: the off arm's p50 time per output token in the speculating server over
 the same figure in the off-only server -- the per-token penalty a speculation-off request pays for sharing
 batches with speculating ones (the load issue allows 5%).
@@ -38,6 +41,14 @@ def _levels(parts: list[dict] | None) -> dict | None:
             "levels": [lv for p in parts for lv in p["levels"]]}
 
 
+def _drafted_per_step(level: dict) -> float | None:
+    """Draft nodes per request-step over the server's speculating arms at this level (``load.server_stats``):
+    the tree budget the scheduler chose at that load. None for a level without server counters."""
+    arms = [a for label, a in (level.get("server") or {}).items() if label.startswith("on/")]
+    steps = sum(a["steps"] or 0 for a in arms)
+    return round(sum(a["drafted_tokens"] or 0 for a in arms) / steps, 4) if steps else None
+
+
 def merge(mixed: list[dict], off_only: list[dict] | None, stats: dict | None, notes: list[str],
           on_only: list[dict] | None = None) -> dict:
     first = mixed[0]
@@ -57,6 +68,7 @@ def merge(mixed: list[dict], off_only: list[dict] | None, stats: dict | None, no
         row["p99_itl_ms_on"] = round(on["itl_s"]["p99"] * 1e3, 2) if on["itl_s"]["p99"] is not None else None
         row["p99_itl_ms_off"] = (round(level["arms"]["off"]["itl_s"]["p99"] * 1e3, 2)
                                  if level["arms"]["off"]["itl_s"]["p99"] is not None else None)
+        row["drafted_per_step_on"] = _drafted_per_step(level)
     off_server, on_server = _levels(off_only), _levels(on_only)
     if off_server is not None:
         report["off_only_server"] = off_server
@@ -82,6 +94,7 @@ def merge(mixed: list[dict], off_only: list[dict] | None, stats: dict | None, no
             row["on_only_total_tok_s"] = lv["tokens_per_s"]
             row["on_only_p50_tpot_ms"] = round(on["tpot_s"]["p50"] * 1e3, 2) if on["tpot_s"]["p50"] else None
             row["on_only_mean_accepted_length"] = on["mean_accepted_length"]
+            row["on_only_drafted_per_step"] = _drafted_per_step(lv)
             off_total = row.get("off_only_server_total_tok_s")
             row["server_ratio"] = round(lv["tokens_per_s"] / off_total, 3) if off_total else None
     if stats is not None:
@@ -98,7 +111,8 @@ def main() -> None:
     ap.add_argument("--mixed", nargs="+", required=True, help="load.py reports of the on/off server, in order")
     ap.add_argument("--off-only", nargs="*", default=[], help="load.py reports of the speculation-off server")
     ap.add_argument("--on-only", nargs="*", default=[], help="load.py reports of the speculating server, every request on")
-    ap.add_argument("--stats", default=None, help="the mixed server's /v1/stats after the run")
+    ap.add_argument("--stats", default=None, help="the mixed server's /v1/stats after the run (load.py resets them "
+                                                  "before each level: the last level's counters)")
     ap.add_argument("--note", action="append", default=[], help="a line for the report's notes")
     ap.add_argument("--out", required=True, help="writes OUT.json and OUT.png")
     args = ap.parse_args()

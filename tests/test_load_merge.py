@@ -69,6 +69,22 @@ def test_server_ratio_compares_the_single_arm_runs_level_by_level() -> None:
     assert r2["rows"][1]["server_ratio"] is None and "off_only_server_total_tok_s" not in r2["rows"][1]
 
 
+def test_rows_carry_the_budget_the_server_chose_at_each_level() -> None:
+    """Draft nodes per request-step of the speculating arms, from each level's server counters; None where a
+    level has none (an older server, or --no-server-stats)."""
+    arm = lambda steps, drafted: {"steps": steps, "drafted_tokens": drafted, "accepted_tokens": 0,  # noqa: E731
+                                  "verified_nodes": steps + drafted, "mean_accepted_length": 1.0}
+    mixed = _report("abc", [(1, {"on": _arm(600.0, 0.0015, 2.0), "off": _arm(400.0, 0.002, 1.0)}),
+                            (64, {"on": _arm(30.0, 0.02, 1.1), "off": _arm(60.0, 0.021, 1.0)})])
+    mixed["levels"][0]["server"] = {"on/ngram/adaptive": arm(100, 300), "on/draft/2,1": arm(100, 100),
+                                    "off/none/none": arm(200, 0)}
+    on_only = _report("abc", [(64, {"on": _arm(50.0, 0.019, 1.2)})])
+    on_only["levels"][0]["server"] = {"on/ngram/adaptive": arm(400, 20)}
+    one, many = merge([mixed], None, None, [], on_only=[on_only])["rows"]
+    assert one["drafted_per_step_on"] == 2.0 and many["drafted_per_step_on"] is None
+    assert many["on_only_drafted_per_step"] == 0.05
+
+
 def test_merge_refuses_parts_of_different_commits() -> None:
     a = _report("abc", [(1, {"on": _arm(1.0, 0.1, 1.0), "off": _arm(1.0, 0.1, 1.0)})])
     b = _report("def", [(4, {"on": _arm(1.0, 0.1, 1.0), "off": _arm(1.0, 0.1, 1.0)})])

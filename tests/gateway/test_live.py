@@ -160,6 +160,15 @@ def test_load_bench_reports_every_arm(tokenizer, tmp_path) -> None:
             assert s["request_tokens_per_s"]["p50"] > 0
             assert s["itl_s"]["n"] > 0 and s["ttft_s"]["p50"] <= s["e2e_s"]["p99"]
     assert level["arms"]["off"]["mean_accepted_length"] == 1.0
+    for level in report["levels"]:  # the server's counters, reset before the level: its requests alone
+        server = level["server"]
+        on = [a for label, a in server.items() if label.startswith("on/")]
+        off = [a for label, a in server.items() if label.startswith("off/")]
+        assert on and off and sum(a["drafted_tokens"] for a in off) == 0
+        # a step emits one token a request, or more when drafts are kept
+        assert sum(a["steps"] for a in off) == level["arms"]["off"]["tokens"]
+        assert 0 < sum(a["steps"] for a in on) <= level["arms"]["on"]["tokens"]
+        assert all(a["drafted_per_step"] == round(a["drafted_tokens"] / a["steps"], 4) for a in on)
     for row, level in zip(report["rows"], report["levels"]):  # the on/off table of the load issue's schema
         on, off = level["arms"]["on"], level["arms"]["off"]
         assert row["concurrency"] == level["concurrency"]
