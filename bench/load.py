@@ -114,13 +114,19 @@ async def run_level(url: str, headers: dict, jobs: list[tuple[str, str, dict]], 
 
 
 def _client_process(url: str, headers: dict, jobs: list[tuple[str, str, dict]], concurrency: int, rate: float,
-                    max_tokens: int, model: str, seed: int, start_at: float) -> tuple[list[Result], float, float]:
-    """One client process's share of a level (``--procs``): its results, CPU seconds and end time (time.time()).
-    It starts at ``start_at`` so that the processes' shares overlap as one level."""
+                    max_tokens: int, model: str, seed: int,
+                    start_at: float) -> tuple[list[Result], float, float, float]:
+    """One client process's share of a level (``--procs``): its results, CPU seconds, and start and end times
+    (time.time()). It starts at ``start_at`` so that the processes' shares overlap as one level."""
     time.sleep(max(0.0, start_at - time.time()))
-    cpu0 = time.process_time()
+    cpu0, t0 = time.process_time(), time.time()
     results, _ = asyncio.run(run_level(url, headers, jobs, concurrency, rate, max_tokens, model, seed))
-    return results, time.process_time() - cpu0, time.time()
+    return results, time.process_time() - cpu0, t0, time.time()
+
+
+def _client_ready() -> float:
+    """Nothing: a first task that makes the pool start its processes (each imports this module) before a level."""
+    return time.time()
 
 
 async def run_level_procs(pool: ProcessPoolExecutor, procs: int, url: str, headers: dict,
@@ -138,8 +144,8 @@ async def run_level_procs(pool: ProcessPoolExecutor, procs: int, url: str, heade
         loop.run_in_executor(pool, _client_process, url, headers, share, conc, rate / n, max_tokens, model,
                              seed + i, start_at)
         for i, (share, conc) in enumerate(zip(shares, concs))))
-    wall = max(end for _, _, end in parts) - start_at
-    return [r for res, _, _ in parts for r in res], wall, [round(cpu / wall, 3) for _, cpu, _ in parts]
+    wall = max(end for *_, end in parts) - min(start for _, _, start, _ in parts)
+    return [r for res, *_ in parts for r in res], wall, [round(cpu / wall, 3) for _, cpu, _, _ in parts]
 
 
 SERVER_FIELDS = ("steps", "drafted_tokens", "accepted_tokens", "verified_nodes", "mean_accepted_length")
@@ -232,6 +238,9 @@ async def bench(args: argparse.Namespace) -> dict:
     levels, load_before = [], os.getloadavg()[0]
     # spawned, not forked: a fork from inside the running event loop would copy it into the children
     pool = ProcessPoolExecutor(args.procs, mp_context=multiprocessing.get_context("spawn")) if args.procs > 1 else None
+    if pool is not None:  # start (and import in) every process now, not inside the first level's timing
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(pool, _client_ready) for _ in range(args.procs)))
     for k, conc in enumerate(args.concurrency):
         if args.server_stats:
             await server_stats(args.url, headers, reset=True)
