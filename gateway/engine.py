@@ -59,6 +59,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., with the first token, when asked
     stop_token: bool = False  # it ended at a stop token (EOS or stop_token_ids), the last of new_token_ids
+    cached_tokens: int = 0  # prompt tokens the prefix cache held when the request was admitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -633,4 +634,5 @@ class Engine:
             drafter.release(seq.request_id)
 
     def _output(self, seq: Sequence, new: list[int]) -> RequestOutput:
-        return RequestOutput(seq.request_id, new, False, None, seq.stats, None, len(seq.prompt_ids), len(seq.output_ids))
+        return RequestOutput(seq.request_id, new, False, None, seq.stats, None, len(seq.prompt_ids), len(seq.output_ids),
+                             cached_tokens=seq.cached_prompt_tokens or 0)

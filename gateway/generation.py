@@ -63,6 +63,7 @@ class Generation:
         self._text_base = len(self._echo[0]) if self._echo else 0
         self.stats = SpecStats()
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the prefix cache held (from the engine's events)
         self.finish_reason: str | None = None
         self.first_time: float | None = None
         self.first_tokens = 0
@@ -180,6 +181,7 @@ class Generation:
                     store.observe_token_gaps(self.sub.arm, per_token, n, event.time)
             self.last_time = event.time
         self.completion_tokens = event.completion_tokens
+        self.cached_tokens = event.cached_tokens
         self.stats = event.stats
 
     # --- reports ----------------------------------------------------------------------------------
@@ -193,7 +195,7 @@ class Generation:
         report = speculation_report(self.sub.is_speculative, self.stats, ttft, rate, self.sub.arm)
         if not final:  # live figures on every chunk: the counters only
             report = {k: report[k] for k in ("drafted_tokens", "accepted_tokens", "mean_accepted_length", "steps")}
-        return usage(self.sub.prompt_tokens, self.completion_tokens, report)
+        return usage(self.sub.prompt_tokens, self.completion_tokens, report, self.cached_tokens)
 
     def _chunk_usage(self) -> dict[str, Any] | None | bool:
         if self.req.continuous_usage:
@@ -310,8 +312,9 @@ class Choices:
     def usage(self) -> dict[str, Any]:
         """Each prompt counted once (choice 0 of each), completions summed over every sequence."""
         parts = [g.usage() for g in self.gens]
-        prompt = sum(p["prompt_tokens"] for g, p in zip(self.gens, parts) if g.index % self.req.n == 0)
-        return usage(prompt, sum(p["completion_tokens"] for p in parts), [p["speculation"] for p in parts])
+        first = [p for g, p in zip(self.gens, parts) if g.index % self.req.n == 0]
+        return usage(sum(p["prompt_tokens"] for p in first), sum(p["completion_tokens"] for p in parts),
+                     [p["speculation"] for p in parts], sum(p["prompt_tokens_details"]["cached_tokens"] for p in first))
 
     async def collect(self) -> dict[str, Any]:
         return await _collect(self, self.gens)

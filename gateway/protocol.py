@@ -570,10 +570,12 @@ def speculation_report(is_speculative: bool, stats: SpecStats, ttft_s: float | N
 
 
 def usage(prompt_tokens: int, completion_tokens: int,
-          speculation: dict[str, Any] | list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """OpenAI's usage, with ``speculation``: the request's report, or one per choice when n > 1."""
+          speculation: dict[str, Any] | list[dict[str, Any]] | None = None, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage, with ``prompt_tokens_details.cached_tokens`` (prompt tokens the prefix cache held) and
+    ``speculation``: the request's report, or one per choice when n > 1."""
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                           "total_tokens": prompt_tokens + completion_tokens}
+                           "total_tokens": prompt_tokens + completion_tokens,
+                           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if speculation is not None:
         out["speculation"] = speculation
     return out

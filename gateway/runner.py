@@ -56,12 +56,14 @@ class Event:
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., on the first event, when asked
     stop_token: bool = False  # ended at a stop token, the last of token_ids: its text is not the output's
+    cached_tokens: int = 0  # prompt tokens the prefix cache held at admission
 
     def __reduce__(self):
         # positional: dataclasses' slots state calls fields() per object, which made unpickling the larger
         # part of an engine process's message (gateway/engine_proc.py)
         return Event, (self.token_ids, self.finished, self.finish_reason, self.stats, self.error,
-                       self.completion_tokens, self.time, self.logprobs, self.prompt_logprobs, self.stop_token)
+                       self.completion_tokens, self.time, self.logprobs, self.prompt_logprobs, self.stop_token,
+                       self.cached_tokens)
 
 
 @dataclass(slots=True)
@@ -256,7 +258,8 @@ class EngineRunner:
                 self._observe(live, stats.since(live.stats), out.new_token_ids, now)
             live.stats = stats
             batch.append((live, Event(list(out.new_token_ids), out.finished, out.finish_reason, stats, out.error,
-                                      out.completion_tokens, now, out.logprobs, out.prompt_logprobs, out.stop_token)))
+                                      out.completion_tokens, now, out.logprobs, out.prompt_logprobs, out.stop_token,
+                                      out.cached_tokens)))
             if out.finished:
                 del self._live[out.request_id]
                 self._busy_at = now

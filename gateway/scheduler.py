@@ -222,6 +222,8 @@ class Scheduler:
             # for prompt logprobs computes every prompt position (the cache holds K/V, not logits).
             if not seq.wants_prompt_logprobs:
                 seq.num_cached = seq.table.adopt_prefix(seq.token_ids, seq.num_tokens - 1)
+            if seq.cached_prompt_tokens is None:
+                seq.cached_prompt_tokens = min(seq.num_cached, len(seq.prompt_ids))
             self.running.append(seq)
             candidates.append(seq)
         for seq in candidates:

@@ -146,6 +146,9 @@ class Sequence:
     # handed out once with the first emitted token.
     prompt_logprobs: list[Any] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # Prompt tokens the prefix cache held at the first admission (OpenAI's usage.prompt_tokens_details.cached_tokens);
+    # None until admitted. A recompute after preemption does not change it: the count is what the client saved.
+    cached_prompt_tokens: int | None = None
     matcher: Any = None  # with sampling.grammar: the llguidance parser state after the emitted tokens
     penalty: Any = None  # with a bias or penalties: verify.processing.PenaltyState, made at the first decode
     verify_sampling: Any = None  # what acceptance sees: sampling, less what the step's processing applied

@@ -374,3 +374,29 @@ def test_allowed_token_ids_through_the_api(tokenizer) -> None:
     for name in ("empty", "strings", "negative", "bools", "too many", "past vocab"):
         bad = out[name]
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids", (name, bad.text)
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(tokenizer) -> None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: for a prompt seen first, at most the chat template's
+    head that the warm-up left cached; the second time, whole blocks of it (all but the last token, which every
+    request computes), in streams' usage chunks too."""
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea. " * 6}],
+            "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+
+    async def go(client, app):
+        first = (await client.post("/v1/chat/completions", json=long)).json()["usage"]
+        again = (await client.post("/v1/chat/completions", json=long)).json()["usage"]
+        r = await client.post("/v1/chat/completions", json=long | {"stream": True,
+                                                                   "stream_options": {"include_usage": True}})
+        streamed = [e for e in events(r.text) if isinstance(e, dict) and e.get("usage")][-1]["usage"]
+        other = (await client.post("/v1/chat/completions",
+                                   json=long | {"messages": [{"role": "user", "content": "Quite another prompt."}]}))
+        return first, again, streamed, other.json()["usage"]
+
+    first, again, streamed, other = run(tokenizer, go)
+    page = 4  # the tiny engine's page size
+    assert first["prompt_tokens_details"]["cached_tokens"] <= page and first["prompt_tokens"] > 3 * page
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert cached % page == 0 and again["prompt_tokens"] - page <= cached < again["prompt_tokens"]
+    assert streamed["prompt_tokens_details"]["cached_tokens"] == cached
+    assert other["prompt_tokens_details"]["cached_tokens"] <= page  # the shared template head at most
