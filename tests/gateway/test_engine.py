@@ -272,3 +272,22 @@ def test_a_lookup_that_finds_nothing_counts_against_its_sequences_acceptance() -
     assert seqs["miss"].acceptance.alpha < 0.2
     assert seqs["hit"].acceptance.alpha > 0.8  # the exact drafter is always right
     assert eng.scheduler.priors.start("ngram").alpha < 0.2  # the next n-gram request starts from that record
+
+
+def test_cached_tokens_are_the_first_admissions_prefix_hits() -> None:
+    """RequestOutput.cached_tokens: whole blocks of a prompt the prefix cache held when the request was first
+    admitted (never its last token); a preemption's recompute, which finds its own blocks, does not change it."""
+    ps = prompts(8)
+    eng = tiny_engine(num_blocks=24, page_size=4)  # too small for 8 sequences of ~40 tokens at once: preemption
+    first: dict[str, int] = {}
+    for i, p in enumerate(ps):
+        eng.add(str(i), p, GREEDY, SpeculationParams(drafter="draft"))
+    eng.add("again", ps[0], GREEDY, SpeculationParams(enabled=False))  # the same prompt as request 0, queued last
+    while eng.has_work():
+        for out in eng.step():
+            first.setdefault(out.request_id, out.cached_tokens)
+            assert out.cached_tokens == first[out.request_id]  # one figure for the request's whole life
+    assert eng.num_preemptions > 0
+    assert all(first[str(i)] == 0 for i in range(len(ps)))  # distinct prompts (a shared head would be cached)
+    n = len(ps[0])
+    assert first["again"] % 4 == 0 and n - 4 <= first["again"] < n  # request 0's blocks, all but the last token
