@@ -222,8 +222,8 @@ class Scheduler:
             # for prompt logprobs computes every prompt position (the cache holds K/V, not logits).
             if not seq.wants_prompt_logprobs:
                 seq.num_cached = seq.table.adopt_prefix(seq.token_ids, seq.num_tokens - 1)
-            if seq.cached_prompt_tokens is None:
-                seq.cached_prompt_tokens = min(seq.num_cached, len(seq.prompt_ids))
+            if seq.cached_prompt_tokens is None:  # the first admission: no output yet, num_cached < the prompt
+                seq.cached_prompt_tokens = seq.num_cached
             self.running.append(seq)
             candidates.append(seq)
         for seq in candidates:

@@ -9,6 +9,7 @@ softmax.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -154,8 +155,10 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_mask: t
                     params.presence_penalty)
 
 
+@functools.lru_cache(maxsize=16)
 def allowed_mask(allowed: tuple[int, ...], vocab: int, device: torch.device | str) -> torch.Tensor:
-    """[V] float32: 0 at the allowed token ids, -inf elsewhere (added to logits, it leaves only those)."""
+    """[V] float32: 0 at the allowed token ids, -inf elsewhere (added to logits, it leaves only those). Cached:
+    the per-sequence path asks for it every step; callers read it, never write it."""
     if allowed[-1] >= vocab:  # sorted
         raise ValueError(f"allowed_token_ids names token {allowed[-1]}, outside the vocabulary [0, {vocab})")
     mask = torch.full((vocab,), float("-inf"), device=device)
