@@ -28,8 +28,11 @@ from pathlib import Path
 # scheduler trims 48 trees a step to fit 16 draft nodes (cost-blind here: step times do not steer it).
 # "+penalties": repetition, frequency and presence penalties on every request, over SmolLM2's vocabulary size
 # (their per-step work scales with it).
+# "idle ngram": every request speculates with the n-gram drafter, whose lookups the target never confirms (its
+# next token depends on the position too), so the budget soon leaves them plain but for probes: what speculating
+# requests cost the host in a batch where speculation does not pay.
 CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48), ("plain+penalties", 64),
-           ("tree 2,2,2,1+penalties", 16)]
+           ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64)]
 VOCAB = 512
 PENALTY_VOCAB = 49152
 
@@ -52,17 +55,19 @@ def measure(steps: int) -> dict[str, float]:
         arm, _, penalties = config.partition("+")
         V = PENALTY_VOCAB if penalties else VOCAB
 
-        def rule(batch, cache, V=V):
+        def rule(batch, cache, V=V, shift=3 if arm == "idle ngram" else 0):
             rows = batch.logits_indices.shape[0]
             out = torch.zeros(rows, V)
-            out[torch.arange(rows), (batch.tokens[batch.logits_indices] * 7 + 1) % V] = 5.0
+            at = batch.logits_indices
+            out[torch.arange(rows), (batch.tokens[at] * 7 + batch.positions[at] * shift + 1) % V] = 5.0
             return out
 
         engine = tiny_engine(num_blocks=8192, page_size=16, max_running=64, vocab=V, tree=(2, 2, 2, 1))
         engine.target.forward = rule
         engine.drafters["draft"].model.forward = rule
-        spec = {"plain": SpeculationParams(enabled=False), "adaptive": SpeculationParams()}.get(
-            arm, SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)))
+        spec = {"plain": SpeculationParams(enabled=False), "adaptive": SpeculationParams(),
+                "idle ngram": SpeculationParams(drafter="ngram")}.get(arm, SpeculationParams(drafter="draft",
+                                                                                             tree=(2, 2, 2, 1)))
         if arm == "adaptive":
             sched = engine.scheduler
             sched.config = replace(sched.config, budget=BudgetConfig(max_verify_tokens=64, cost_aware=False))
@@ -72,7 +77,7 @@ def measure(steps: int) -> dict[str, float]:
                                       frequency_penalty=0.2, presence_penalty=0.1)
         for i in range(streams):
             engine.add(str(i), [(13 * i + j) % V for j in range(40)], sampling, spec)
-        for _ in range(5):  # prefill and first drafts
+        for _ in range(30 if arm == "idle ngram" else 5):  # prefill and first drafts (idle: until the budget gives up)
             engine.step()
         t0 = time.perf_counter()
         for _ in range(steps):

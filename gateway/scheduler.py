@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gateway.budget import (BudgetConfig, DrafterPriors, StepCosts, adaptive_widths, cap_total, drafter_set,
-                            expected_tokens, probe_due, probe_interval)
+from gateway.budget import (BudgetConfig, DrafterPriors, StepCosts, cap_total, drafter_set, expected_tokens,
+                            paying_depth, probe_due, probe_interval)
 from gateway.sequence import Sequence, Status
 from target.blocks import BlockPool, BlockTable
 
@@ -110,8 +110,11 @@ class Scheduler:
             widths = [()] * len(decoding)
         else:
             asked = [self._widths(s, template_of) for s in decoding]
-            widths = self._cap_depth(decoding, asked) if self.config.budget.cost_aware else [w for w, _ in asked]
-            widths = cap_total(widths, [s.acceptance.alpha for s in decoding], cap)
+            if not any(w for w, _ in asked):  # nobody drafts this step (the usual case where speculation is off)
+                widths = [()] * len(decoding)
+            else:
+                widths = self._cap_depth(decoding, asked) if self.config.budget.cost_aware else [w for w, _ in asked]
+                widths = cap_total(widths, [s.acceptance.alpha for s in decoding], cap)
         budget = self.config.max_step_tokens
         reserved = 0  # blocks this plan will allocate
         for seq, w in zip(decoding, widths):
@@ -140,8 +143,18 @@ class Scheduler:
     def _widths(self, seq: Sequence, template_of: TemplateOf) -> tuple[tuple[int, ...], bool]:
         """The sequence's widths this step, and whether the budget may cut them further."""
         template, adapt = template_of(seq)
+        if not template:  # speculation off
+            return template, adapt
         if adapt:
-            template = adaptive_widths(template, seq.acceptance.alpha, self.config.budget, self._probe_due(seq))
+            # adaptive_widths, with the probe's schedule looked up only where no depth pays: this runs for
+            # every decoding sequence every step
+            depth = paying_depth(seq.acceptance.alpha, len(template), self.config.budget.min_gain)
+            if depth:
+                template = template[:depth]
+            elif self._probe_due(seq):
+                template = (1,)
+            else:
+                return (), adapt
         # No deeper than the tokens still wanted (a step emits depth + 1) or the context allows.
         depth = min(len(template), seq.remaining_tokens - 1, self.config.max_model_len - seq.num_tokens)
         return template[: max(depth, 0)], adapt
