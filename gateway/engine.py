@@ -444,10 +444,11 @@ class Engine:
     def _template_of(self, seq: Sequence) -> tuple[tuple[int, ...], bool]:
         """The tree template, and whether the adaptive budget may cut it: a tree or node budget the
         request set itself is kept (A/B experiments need the shape they asked for)."""
-        if not seq.drafter:
-            return (), False
-        spec = seq.speculation
-        return spec.widths(self.config.default_tree), spec.tree is None and spec.max_nodes is None
+        if seq.template is None:
+            spec = seq.speculation
+            seq.template = ((), False) if not seq.drafter else (
+                spec.widths(self.config.default_tree), spec.tree is None and spec.max_nodes is None)
+        return seq.template
 
     def _propose(self, decodes: list[tuple[Sequence, tuple[int, ...]]]) -> list[TokenTree]:
         """Each decoding sequence's tree from its drafter; a root alone for plain decoding. A speculating

@@ -148,7 +148,8 @@ class Scheduler:
         if adapt:
             # adaptive_widths, with the probe's schedule looked up only where no depth pays: this runs for
             # every decoding sequence every step
-            depth = paying_depth(seq.acceptance.alpha, len(template), self.config.budget.min_gain)
+            alpha, min_gain = seq.acceptance.alpha, self.config.budget.min_gain
+            depth = paying_depth(alpha, len(template), min_gain) if alpha >= min_gain else 0
             if depth:
                 template = template[:depth]
             elif self._probe_due(seq):

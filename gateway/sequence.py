@@ -138,6 +138,9 @@ class Sequence:
     num_preemptions: int = 0
     acceptance: AcceptanceEMA = field(default_factory=AcceptanceEMA)  # live per-depth acceptance
     steps_without_draft: int = 0  # decode steps since the last drafted tree (adaptive fallback)
+    # (tree template, may the budget cut it): fixed for the request's life; the engine's template_of fills it on
+    # first use, since the scheduler asks for it every step for every decoding sequence
+    template: tuple[tuple[int, ...], bool] | None = None
     stop_ids: frozenset[int] = frozenset()  # tokens that end the request (its stop ids, EOS unless ignored)
     # A sibling with the same prompt (a choice of the same n > 1 request): this one is admitted only once
     # the leader's prompt is in the prefix cache, and then prefills only what the cache does not hold.
