@@ -148,8 +148,7 @@ class Scheduler:
         if adapt:
             # adaptive_widths, with the probe's schedule looked up only where no depth pays: this runs for
             # every decoding sequence every step
-            alpha, min_gain = seq.acceptance.alpha, self.config.budget.min_gain
-            depth = paying_depth(alpha, len(template), min_gain) if alpha >= min_gain else 0
+            depth = paying_depth(seq.acceptance.alpha, len(template), self.config.budget.min_gain)
             if depth:
                 template = template[:depth]
             elif self._probe_due(seq):
