@@ -55,6 +55,11 @@
 # A fresh machine costs about 4.5 minutes to start (counted as device time) and the CUDA tests 7 more while
 # Triton builds every kernel; a warm machine is given back after 30 s idle, so issue the calls back to back
 # and end a call that built much with `triton_out`. The 8B A/B stages (pdl, ab) take ~100 s a pair warm.
+# What a call carries: the tracked tree (~32 MB) plus the named ignored paths, 64 MiB in all, so ~35 MB more a
+# call: .whl/ (the GPU image's missing wheels, llguidance's among them: 3.4 MB), .cache/mt_bench.jsonl, one or
+# two Triton cache parts (.cache/triton_tgz/, 15 MB each), or one GGUF part (.cache/gguf/part.NN, the embedded
+# model split into 31 MB pieces: `split -b 31m -d -a 2 MODEL.gguf .cache/gguf/part.`). A warm machine keeps
+# what earlier calls carried. Failed starts cost 90-210 s of device time each (2026-12-05: three in a row).
 # Results go to $OUT (the device tool brings them back). Put the commit in the command text, as the host's
 # checkout names it (BENCH_COMMIT=abc1234 bash bench/gpu_run.sh ...): the device's copy of .git is stale,
 # and `$(git rev-parse HEAD)` inside the command runs there.
