@@ -6,7 +6,8 @@ drafter's accepted length is a function of that text alone: at each step the dra
 output so far, proposes its tree, and the step keeps the longest branch prefix that equals the next output
 tokens, plus the bonus token. This replays exactly that with ``draft.ngram.NgramDrafter`` itself, so
 settings (n-gram sizes, window, trees) compare in seconds once the text is written. The adaptive budget is
-left out: every step drafts the whole tree, as in bench/drafters.py's fixed-tree rows.
+left out of the plain rows (every step drafts the whole tree, as bench/drafters.py's fixed-tree rows); the
+``_adaptive`` rows apply its acceptance rule to one request alone (``simulate``).
 
 Settings are chosen on prompts the repo ships for distillation (every 50th of draft/data/distill_prompts.txt,
 the distillation's held-out set); MT-bench first turns are scored only to report the chosen setting:
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from draft.base import DraftRequest  # noqa: E402
 from draft.ngram import NgramDrafter  # noqa: E402
+from gateway.budget import AcceptanceEMA, BudgetConfig, adaptive_widths, probe_due  # noqa: E402
 from provenance import commit  # noqa: E402
 
 MT_BENCH = ROOT / ".cache" / "mt_bench.jsonl"
@@ -53,22 +55,35 @@ def accepted_path(tokens: list[int], parents: list[int], future: list[int]) -> i
 
 
 def simulate(texts: list[tuple[list[int], int]], max_ngram: int, min_ngram: int, window: int,
-             widths: tuple[int, ...]) -> dict:
-    """Steps, emitted tokens and drafted nodes over every text (prompt + greedy output, prompt length)."""
+             widths: tuple[int, ...], adaptive: bool = False) -> dict:
+    """Steps, emitted tokens and drafted nodes over every text (prompt + greedy output, prompt length).
+
+    ``adaptive``: each step's tree is the template cut by the budget's acceptance rule, as the scheduler cuts a
+    request alone (``gateway.budget``: per-request EMA from the fixed prior, depths while alpha ** d >=
+    min_gain, a one-level probe every ``probe_every`` steps when none pays); cost-blind, so it shows what the
+    acceptance rule keeps, not what a measured step price would add."""
+    cfg = BudgetConfig()
     drafter = NgramDrafter("sim", max_ngram=max_ngram, min_ngram=min_ngram, window=window)
     steps = emitted = drafted = 0
     for k, (seq, P) in enumerate(texts):
         t = P  # the root is seq[t - 1]; seq[t:] is the output still to emit
         sid = str(k)
+        ema, plain_run, step = AcceptanceEMA(), 0, 0
         while t < len(seq):
+            step += 1
             left = len(seq) - t
-            w = widths[: max(0, min(len(widths), left - 1))]  # as the scheduler: a step emits depth + 1 at most
+            w = widths
+            if adaptive:
+                w = adaptive_widths(widths, ema.alpha, cfg, probe_due(plain_run, step, cfg.probe_every))
+            w = w[: max(0, min(len(w), left - 1))]  # as the scheduler: a step emits depth + 1 at most
             tree = drafter.propose([DraftRequest(sid, seq[:t], w, None, None)])[0] if w else None
-            kept = 0
+            kept = depth = 0
             if tree is not None and tree.num_nodes > 1:
-                tokens, parents, _ = tree.host()
+                tokens, parents, depths = tree.host()
                 drafted += tree.num_nodes - 1
-                kept = accepted_path(tokens, parents, seq[t : t + len(w)])
+                kept, depth = accepted_path(tokens, parents, seq[t : t + len(w)]), max(depths)
+            ema.update(kept, depth if depth else min(len(w), 1))  # an empty lookup is one failed level (engine)
+            plain_run = 0 if depth else plain_run + 1
             steps += 1
             emitted += kept + 1
             t += kept + 1
@@ -123,8 +138,10 @@ def main() -> None:
             for split, texts in sets.items():
                 if texts:
                     row[split] = simulate(texts, hi, lo, window, widths)
+                    row[f"{split}_adaptive"] = simulate(texts, hi, lo, window, widths, adaptive=True)
             rows.append(row)
-            print(name, widths, {s: row[s]["mean_accepted_length"] for s in sets if sets[s]}, flush=True)
+            print(name, widths, {s: (row[s]["mean_accepted_length"], row[f"{s}_adaptive"]["mean_accepted_length"])
+                                 for s in sets if sets[s]}, flush=True)
     report = {"date": datetime.date.today().isoformat(), "commit": commit(), "device": "cpu (simulation)",
               "target": "smollm2-135m-instruct (embedded, float32 activations), greedy",
               "max_tokens": args.max_tokens, "held_out_prompts": len(sets["held_out"]),
