@@ -68,7 +68,7 @@ def simulate(texts: list[tuple[list[int], int]], max_ngram: int, min_ngram: int,
     for k, (seq, P) in enumerate(texts):
         t = P  # the root is seq[t - 1]; seq[t:] is the output still to emit
         sid = str(k)
-        ema, plain_run, step = AcceptanceEMA(), 0, 0
+        ema, plain_run, step = AcceptanceEMA(), 0, 1  # the scheduler's count: its first plan was the prefill
         while t < len(seq):
             step += 1
             left = len(seq) - t

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -49,3 +50,40 @@ def test_simulation_matches_the_engine(tree):
     assert sim["tokens"] == sum(len(o) for o in out.values()) == engine_tokens
     assert sim["steps"] == engine_steps
     assert sim["steps"] < sim["tokens"]  # some drafts were kept: the comparison is not vacuous
+
+
+def test_adaptive_replay_matches_the_engine_for_one_request():
+    # One request (the replay's model), the budget's acceptance rule and probes, no step prices. The target follows
+    # a rule the lookups can learn (next = 7 t + 1 mod V) but breaks it at every 6th position, so drafts are kept
+    # and rejected by turns and the rule raises and cuts the tree.
+    V = 64
+
+    def rule(batch, cache):
+        at = batch.logits_indices
+        pos, tok = batch.positions[at], batch.tokens[at]
+        nxt = torch.where(pos % 6 == 5, (tok + 3) % V, (tok * 7 + 1) % V)
+        out = torch.zeros(at.shape[0], V)
+        out[torch.arange(at.shape[0]), nxt] = 5.0
+        return out
+
+    engine = tiny_engine(max_running=1, tree=(2, 2, 1), vocab=V)
+    engine.target.forward = rule
+    prompt = [1]
+    for _ in range(40):
+        prompt.append((prompt[-1] * 7 + 1) % V)
+    stats = {}
+    orig = engine._finish
+
+    def finish(seq, reason, error=None):
+        stats[seq.request_id] = seq.stats.copy()
+        return orig(seq, reason, error)
+
+    engine._finish = finish
+    sampling = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    out = run_all(engine, [("a", prompt, sampling, SpeculationParams(drafter="ngram"))])
+    text = [(prompt + out["a"], len(prompt))]
+    sim = simulate(text, 3, 1, 4096, (2, 2, 1), adaptive=True)
+    assert sim["steps"] == stats["a"].steps and sim["tokens"] == len(out["a"])
+    assert sim["drafted"] == stats["a"].drafted_tokens
+    whole = simulate(text, 3, 1, 4096, (2, 2, 1))
+    assert sim["steps"] < sim["tokens"] and sim["drafted"] < whole["drafted"]  # kept some drafts, cut some trees
