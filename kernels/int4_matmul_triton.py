@@ -1031,6 +1031,7 @@ def sass_configs() -> list[KernelConfig]:
     return [KernelConfig("hgemv", 1, 512, 64, 16, 4, 2),
             KernelConfig("hgemv", 1, 512, 128, 16, 4, 1),
             KernelConfig("hgemv", 2, 512, 64, 16, 4, 2),
+            KernelConfig("hgemv", 2, 512, 128, 16, 4, 1),
             KernelConfig("hgemv", 4, 512, 64, 16, 4, 2),
             KernelConfig("hgemv", 4, 256, 64, 16, 4, 2),
             KernelConfig("gemv", 1, 512, 64, 16, 4, 1),
