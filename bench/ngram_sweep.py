@@ -165,12 +165,17 @@ def plot(report: dict, path: Path) -> None:
         for name, *_ in SETTINGS:
             rows = [r for r in report["rows"] if r["setting"] == name]
             ax.plot(trees, [r[split]["mean_accepted_length"] for r in rows], marker="o", label=name)
+        rows = [r for r in report["rows"] if r["setting"] == SETTINGS[0][0] and f"{split}_adaptive" in r]
+        if rows:  # the default sizes under the budget's acceptance rule
+            ax.plot(trees, [r[f"{split}_adaptive"]["mean_accepted_length"] for r in rows], marker="s", color="black",
+                    linestyle="--", label=f"{SETTINGS[0][0]}, adaptive")
         ax.set_title(f"{split} ({report[f'{split}_prompts']} prompts x {report['max_tokens']} tokens)")
         ax.set_xlabel("tree (widths per depth)")
         ax.tick_params(axis="x", rotation=20)
     axes[0][0].set_ylabel("tokens per target step")
-    axes[0][-1].legend(title="n-gram sizes", fontsize=8)
-    fig.suptitle(f"n-gram drafting on the target's greedy text, simulated ({report['date']}, {report['commit']})")
+    axes[0][0].legend(title="n-gram sizes", fontsize=8, ncol=2, loc="upper left")
+    fig.suptitle(f"n-gram drafting on the target's greedy text, simulated ({report['date']}, "
+                 f"{report['commit'].split()[0]})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
