@@ -65,9 +65,9 @@ def measure(steps: int) -> dict[str, float]:
         engine = tiny_engine(num_blocks=8192, page_size=16, max_running=64, vocab=V, tree=(2, 2, 2, 1))
         engine.target.forward = rule
         engine.drafters["draft"].model.forward = rule
-        spec = {"plain": SpeculationParams(enabled=False), "adaptive": SpeculationParams(),
-                "idle ngram": SpeculationParams(drafter="ngram")}.get(arm, SpeculationParams(drafter="draft",
-                                                                                             tree=(2, 2, 2, 1)))
+        named = {"plain": SpeculationParams(enabled=False), "adaptive": SpeculationParams(),
+                 "idle ngram": SpeculationParams(drafter="ngram")}
+        spec = named.get(arm, SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)))
         if arm == "adaptive":
             sched = engine.scheduler
             sched.config = replace(sched.config, budget=BudgetConfig(max_verify_tokens=64, cost_aware=False))

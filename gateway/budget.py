@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(slots=True)
@@ -134,19 +135,15 @@ def drafter_set(names) -> tuple[str, ...]:
     return tuple(sorted({n for n in names if n}))
 
 
-def paying_depth(alpha: float, max_depth: int, min_gain: float) -> int:
-    """The deepest level, up to ``max_depth``, whose expected gain ``alpha ** d`` is at least ``min_gain``."""
-    depth = 0
-    while depth < max_depth and alpha ** (depth + 1) >= min_gain:
-        depth += 1
-    return depth
-
-
-def adaptive_widths(template: tuple[int, ...], alpha: float, cfg: BudgetConfig, probe: bool = False) -> tuple[int, ...]:
+def adaptive_widths(template: tuple[int, ...], alpha: float, cfg: BudgetConfig,
+                    probe: bool | Callable[[], bool] = False) -> tuple[int, ...]:
     """The template cut to the depths that pay at this acceptance, or a one-token probe when none does
-    and ``probe`` (``probe_due``) says one is due."""
-    depth = paying_depth(alpha, len(template), cfg.min_gain)
-    if depth == 0 and template and probe:
+    and ``probe`` (``probe_due``) says one is due. ``probe`` may be a function, asked only then: the
+    scheduler runs this for every decoding sequence every step."""
+    depth = 0
+    while depth < len(template) and alpha ** (depth + 1) >= cfg.min_gain:
+        depth += 1
+    if depth == 0 and template and (probe() if callable(probe) else probe):
         return (1,)
     return template[:depth]
 

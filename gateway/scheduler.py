@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gateway.budget import (BudgetConfig, DrafterPriors, StepCosts, cap_total, drafter_set, expected_tokens,
-                            paying_depth, probe_due, probe_interval)
+from gateway.budget import (BudgetConfig, DrafterPriors, StepCosts, adaptive_widths, cap_total, drafter_set,
+                            expected_tokens, probe_due, probe_interval)
 from gateway.sequence import Sequence, Status
 from target.blocks import BlockPool, BlockTable
 
@@ -145,16 +145,9 @@ class Scheduler:
         template, adapt = template_of(seq)
         if not template:  # speculation off
             return template, adapt
-        if adapt:
-            # adaptive_widths, with the probe's schedule looked up only where no depth pays: this runs for
-            # every decoding sequence every step
-            depth = paying_depth(seq.acceptance.alpha, len(template), self.config.budget.min_gain)
-            if depth:
-                template = template[:depth]
-            elif self._probe_due(seq):
-                template = (1,)
-            else:
-                return (), adapt
+        if adapt:  # the probe's schedule is looked up only where no depth pays
+            template = adaptive_widths(template, seq.acceptance.alpha, self.config.budget,
+                                       lambda: self._probe_due(seq))
         # No deeper than the tokens still wanted (a step emits depth + 1) or the context allows.
         depth = min(len(template), seq.remaining_tokens - 1, self.config.max_model_len - seq.num_tokens)
         return template[: max(depth, 0)], adapt

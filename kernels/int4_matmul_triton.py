@@ -332,10 +332,10 @@ def _hgemv_scale_row(x_row, row_ok, k_lo, R8, scr, K_ITERS, CHUNK8: tl.constexpr
     # 1a. the split's largest |x|
     amax = tl.zeros([CHUNK8, 4], tl.float32)
     for r0 in range(0, R8, CHUNK8):
-        ok = (r0 + c8 < R8)[:, None] & row_ok
+        ok = (r0 + c8 < R8)[:, None]
         offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
-        lo = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-        hi = tl.load(x_row + offs + 4, mask=ok, other=0.0).to(tl.float32)
+        lo = tl.load(x_row + offs, mask=ok & row_ok, other=0.0).to(tl.float32)
+        hi = tl.load(x_row + offs + 4, mask=ok & row_ok, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.maximum(tl.abs(lo), tl.abs(hi)))
     e = (tl.max(tl.max(amax, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
     e = tl.maximum(e, 10)
