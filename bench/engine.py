@@ -47,7 +47,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=3
                  intermediate_size=14336, tie_word_embeddings=False)
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
                   intermediate_size=8192, tie_word_embeddings=True)
-NODES = (1, 4, 8, 16, 32, 64)
+NODES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def log(msg: str) -> None:

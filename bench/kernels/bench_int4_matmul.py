@@ -118,7 +118,8 @@ def check_asm_order() -> bool:
 def correctness_specs() -> list[tuple]:
     """(dtype, M, N, K, G, zero points, mode): every path, both 16-bit dtypes, edge and real shapes."""
     bf, fp = torch.bfloat16, torch.float16
-    specs = [(bf, M, N, K, 128, True, "configs") for M, K, N in [(1, 4096, 4096), (16, 4096, 6144), (64, 14336, 4096),
+    specs = [(bf, M, N, K, 128, True, "configs") for M, K, N in [(1, 4096, 4096), (2, 4096, 28672), (4, 14336, 4096),
+                                                                  (16, 4096, 6144), (64, 14336, 4096),
                                                                   (128, 4096, 4096), (256, 4096, 4096)]]
     for dt in (bf, fp):
         specs += [(dt, 3, 1000, 576, 64, True, "dispatch"), (dt, 17, 300, 4096, 32, True, "dispatch"),

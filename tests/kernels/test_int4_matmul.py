@@ -390,6 +390,26 @@ def test_gpu_llama_shape(M, dtype):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [2, 3, 4])
+def test_gpu_multi_row_hgemv_every_shape(M, dtype):
+    """The 2-4 row GEMV's asm decode at a real size, whatever SPECGATE_INT4_MGEMV says: every tuner shape,
+    split and unsplit K, factored and whole zero points, one row 30 times the others."""
+    w = _weight(1024, 4096, 128, True, dtype)
+    x = _x(M, 4096, dtype)
+    x[-1] *= 30.0
+    ref = _ref(x, w)
+    for bn, bk, warps, depth in T._HGEMV_SHAPES:
+        for split in (1, 4):
+            cfg = T.KernelConfig("hgemv", 2 if M == 2 else 4, bn, bk, split, warps, depth)
+            for whole in (False, True):
+                y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, config=cfg, whole_zeros=whole)
+                for m in range(M):
+                    assert _rel_err(y[m : m + 1], ref[m : m + 1]) < TOL[dtype], (cfg, whole, m)
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_graph_replay():
     w = _weight(512, 1024, 128, True, torch.bfloat16)
     x = _x(16, 1024, torch.bfloat16)
