@@ -124,7 +124,8 @@ for stage in "$@"; do
         --commit "${BENCH_COMMIT:-unknown}" ${INT4_ARGS:-} 2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
     pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_PDL=int4 --arm SPECGATE_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
-    ab) timeout 540 python bench/engine_ab.py --arm "$AB_A" --arm "$AB_B" --runs 3 --out "$OUT/engine_ab.json" 2>&1 | tail -8 ;;
+    ab) timeout "${AB_TIMEOUT:-540}" python bench/engine_ab.py --arm "$AB_A" --arm "$AB_B" --runs "${AB_RUNS:-3}" \
+          --out "$OUT/engine_ab.json" 2>&1 | tail -12 ;;
     quant)  # the log is written as it goes (.cache/quant/quant.log), so a poll can read the run's progress
       mkdir -p .cache/quant
       timeout "${QUANT_TIMEOUT:-540}" python bench/quant.py --arms \
