@@ -143,11 +143,11 @@ class Scheduler:
     def _widths(self, seq: Sequence, template_of: TemplateOf) -> tuple[tuple[int, ...], bool]:
         """The sequence's widths this step, and whether the budget may cut them further."""
         template, adapt = template_of(seq)
-        if not template:  # speculation off
-            return template, adapt
-        if adapt:  # the probe's schedule is looked up only where no depth pays
+        if template and adapt:  # the probe's schedule is looked up only where no depth pays
             template = adaptive_widths(template, seq.acceptance.alpha, self.config.budget,
                                        lambda: self._probe_due(seq))
+        if not template:  # speculation off, or plain decoding this step (the common case at high load)
+            return template, adapt
         # No deeper than the tokens still wanted (a step emits depth + 1) or the context allows.
         depth = min(len(template), seq.remaining_tokens - 1, self.config.max_model_len - seq.num_tokens)
         return template[: max(depth, 0)], adapt
