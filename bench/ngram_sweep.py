@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from draft.base import DraftRequest  # noqa: E402
-from draft.ngram import NgramDrafter  # noqa: E402
+from draft.ngram import NgramDrafter, NgramTable  # noqa: E402
 from gateway.budget import AcceptanceEMA, BudgetConfig, adaptive_widths, probe_due  # noqa: E402
 from provenance import commit  # noqa: E402
 
@@ -55,7 +55,7 @@ def accepted_path(tokens: list[int], parents: list[int], future: list[int]) -> i
 
 
 def simulate(texts: list[tuple[list[int], int]], max_ngram: int, min_ngram: int, window: int,
-             widths: tuple[int, ...], adaptive: bool = False) -> dict:
+             widths: tuple[int, ...], adaptive: bool = False, table: NgramTable | None = None) -> dict:
     """Steps, emitted tokens and drafted nodes over every text (prompt + greedy output, prompt length).
 
     ``adaptive``: each step's tree is the template cut by the budget's acceptance rule, as the scheduler cuts a
@@ -63,7 +63,7 @@ def simulate(texts: list[tuple[list[int], int]], max_ngram: int, min_ngram: int,
     min_gain, a one-level probe every ``probe_every`` steps when none pays); cost-blind, so it shows what the
     acceptance rule keeps, not what a measured step price would add."""
     cfg = BudgetConfig()
-    drafter = NgramDrafter("sim", max_ngram=max_ngram, min_ngram=min_ngram, window=window)
+    drafter = NgramDrafter("sim", max_ngram=max_ngram, min_ngram=min_ngram, window=window, table=table)
     steps = emitted = drafted = 0
     for k, (seq, P) in enumerate(texts):
         t = P  # the root is seq[t - 1]; seq[t:] is the output still to emit
@@ -116,6 +116,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--texts", default=None, help="a JSON cache of the greedy texts (written if missing)")
+    ap.add_argument("--table", default=None,
+                    help="an ngram_table.json.gz (draft/ngram.py): rows for the default sizes with it too")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cache = Path(args.texts) if args.texts else None
@@ -132,13 +134,15 @@ def main() -> None:
         if cache is not None:
             cache.write_text(json.dumps(sets))
     rows = []
-    for name, hi, lo, window in SETTINGS:
+    table = NgramTable.load(Path(args.table)) if args.table else None
+    settings = [(*s, None) for s in SETTINGS] + ([(SETTINGS[0][0] + "+table", *SETTINGS[0][1:], table)] if table else [])
+    for name, hi, lo, window, tab in settings:
         for widths in TREES:
             row = {"setting": name, "max_ngram": hi, "min_ngram": lo, "window": window, "tree": list(widths)}
             for split, texts in sets.items():
                 if texts:
-                    row[split] = simulate(texts, hi, lo, window, widths)
-                    row[f"{split}_adaptive"] = simulate(texts, hi, lo, window, widths, adaptive=True)
+                    row[split] = simulate(texts, hi, lo, window, widths, table=tab)
+                    row[f"{split}_adaptive"] = simulate(texts, hi, lo, window, widths, adaptive=True, table=tab)
             rows.append(row)
             print(name, widths, {s: (row[s]["mean_accepted_length"], row[f"{s}_adaptive"]["mean_accepted_length"])
                                  for s in sets if sets[s]}, flush=True)
@@ -146,6 +150,7 @@ def main() -> None:
               "target": "smollm2-135m-instruct (embedded, float32 activations), greedy",
               "max_tokens": args.max_tokens, "held_out_prompts": len(sets["held_out"]),
               "mt_bench_prompts": len(sets["mt_bench"]), "command": "python bench/ngram_sweep.py " + " ".join(sys.argv[1:]),
+              "table": {"path": args.table, "contexts": len(table.entries), "source": table.source} if table else None,
               "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
@@ -162,13 +167,14 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(splits), figsize=(6 * len(splits), 4), sharey=True, squeeze=False)
     trees = [",".join(map(str, t)) for t in TREES]
     for ax, split in zip(axes[0], splits):
-        for name, *_ in SETTINGS:
+        for name in dict.fromkeys(r["setting"] for r in report["rows"]):
             rows = [r for r in report["rows"] if r["setting"] == name]
             ax.plot(trees, [r[split]["mean_accepted_length"] for r in rows], marker="o", label=name)
-        rows = [r for r in report["rows"] if r["setting"] == SETTINGS[0][0] and f"{split}_adaptive" in r]
-        if rows:  # the default sizes under the budget's acceptance rule
-            ax.plot(trees, [r[f"{split}_adaptive"]["mean_accepted_length"] for r in rows], marker="s", color="black",
-                    linestyle="--", label=f"{SETTINGS[0][0]}, adaptive")
+        for name, color in ((SETTINGS[0][0], "black"), (SETTINGS[0][0] + "+table", "red")):
+            rows = [r for r in report["rows"] if r["setting"] == name and f"{split}_adaptive" in r]
+            if rows:  # the default sizes under the budget's acceptance rule
+                ax.plot(trees, [r[f"{split}_adaptive"]["mean_accepted_length"] for r in rows], marker="s",
+                        color=color, linestyle="--", label=f"{name}, adaptive")
         ax.set_title(f"{split} ({report[f'{split}_prompts']} prompts x {report['max_tokens']} tokens)")
         ax.set_xlabel("tree (widths per depth)")
         ax.tick_params(axis="x", rotation=20)

@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from draft.dense_lm import draft_from_checkpoint, student_from_teacher, teacher_from_checkpoint
+from draft.ngram import TABLE_FILE, NgramTable
 from draft.vocab import continuation_counts, save_counts
 from draft.distill_train import Tokens, evaluate, feature_loss, save_draft, teacher_targets, train
 from draft.params import SpeculationParams
@@ -120,16 +121,17 @@ class Corpus:
 
 def sample_corpus(target: str, prompts: list[str], samples: int, max_tokens: int, temperatures: list[float],
                   seed: int, device: str, batch: int = 32, dtype: str = "float32",
-                  self_instruct: int = 0) -> tuple[Corpus, list[str]]:
-    """Prompt + sampled continuation token ids, ``samples`` per prompt, from the unquantized target, and the
-    prompts it answered: ``prompts`` then the ``self_instruct`` ones it wrote itself (``write_prompts``).
-    Sample ``s`` uses ``temperatures[s % len(temperatures)]``; every request has its own seed."""
+                  self_instruct: int = 0, quantize: str = "none") -> tuple[Corpus, list[str]]:
+    """Prompt + sampled continuation token ids, ``samples`` per prompt, from the target (unquantized unless
+    ``quantize`` says otherwise), and the prompts it answered: ``prompts`` then the ``self_instruct`` ones it
+    wrote itself (``write_prompts``). Sample ``s`` uses ``temperatures[s % len(temperatures)]``; every request
+    has its own seed."""
     ids_max = 512 + max_tokens  # a prompt longer than this is cut (see below)
     # A step may prefill a whole batch of prompts at once: sampling is throughput work, not latency work.
     engine_cfg = EngineConfig(num_blocks=batch * -(-ids_max // 16) + 64, page_size=16,
                               scheduler=SchedulerConfig(max_running=batch, max_waiting=max(256, batch),
                                                         max_step_tokens=max(1024, 64 * batch)))
-    llm = LLM.load(LoadConfig(model=target, draft="none", quantize="none", device=device, dtype=dtype),
+    llm = LLM.load(LoadConfig(model=target, draft="none", quantize=quantize, device=device, dtype=dtype),
                    engine_cfg, log=lambda m: print(m, file=sys.stderr))
     if self_instruct:
         prompts = prompts + write_prompts(llm, self_instruct, seed, batch)
@@ -245,6 +247,9 @@ def main(argv: list[str] | None = None) -> Path:
     out = save_draft(student, ckpt.tokenizer, ckpt.chat_template, Path(args.out), meta)
     # the cut head's ranking (draft/vocab.py): the tokens of the target's own continuations it was trained on
     save_counts(out, continuation_counts(seqs, corpus.prompt_lens), f"{meta['command']} (its corpus)")
+    # the n-gram drafter's table of the same continuations (draft/ngram.py), for the training sequences alone
+    NgramTable.build([seqs[i][corpus.prompt_lens[i] :] for i in train_idx],
+                     source=f"{meta['command']} (its corpus)").save(out / TABLE_FILE)
     print(json.dumps(meta), file=sys.stderr)
     return out
 

@@ -12,14 +12,28 @@ lookup, made the first draft step over 16 fresh prompts take 6 ms on the H200 ag
 -- bench/results/engine_real_04c440b.json. On the CPU the search makes later lookups dearer than the
 index's, 0.45 against 0.12 ms a step for 16 sequences of 2000 tokens -- bench/results/host_micro_cpu.json.)
 Results are the scan's, match for match (tests/draft/test_ngram.py checks it against one).
+
+A lookup in the sequence's own text finds nothing on most steps of a chat answer. ``NgramTable`` is a second
+source for those steps: next-token counts after every 1..3-gram of the target's own text on the distillation
+prompts, frozen to the most frequent few (a static n-gram language model of the target, shipped beside a
+draft as ``ngram_table.json.gz``). Where the sequence's own text leaves branches of the first level free,
+the table's next tokens fill them, each grown by the table's top token per level (after REST, He et al. 2023,
+"REST: Retrieval-Based Speculative Decoding", which drafts from a datastore of text instead of a model).
 """
 
 from __future__ import annotations
 
+import gzip
+import json
 from array import array
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
 
 from draft.base import DraftRequest
 from draft.tree import TokenTree
+
+TABLE_FILE = "ngram_table.json.gz"
 
 _WIDTH = array("i").itemsize  # bytes per token in the byte string
 
@@ -37,12 +51,73 @@ class _Tokens:
         self.size, self.last = len(ids), ids[-1] if ids else -1
 
 
+class NgramTable:
+    """The most frequent next tokens after each n-gram (``min_n <= n <= max_n``) of a corpus, most frequent first
+    (ties: the smaller id). A lookup backs off from the longest context the table holds to the shortest."""
+
+    def __init__(self, entries: dict[tuple[int, ...], tuple[int, ...]], min_n: int, max_n: int,
+                 source: str = "") -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram table sizes must satisfy 1 <= min <= max, got {min_n}, {max_n}")
+        self.entries, self.min_n, self.max_n, self.source = entries, min_n, max_n, source
+
+    @classmethod
+    def build(cls, texts: Iterable[list[int]], min_n: int = 1, max_n: int = 3, keep: int = 3,
+              min_count: int = 2, source: str = "") -> NgramTable:
+        """``keep`` next tokens per context, each seen at least ``min_count`` times after it: a continuation seen
+        once is mostly noise (and most of the table's size)."""
+        counts: dict[tuple[int, ...], Counter] = {}
+        for ids in texts:
+            for n in range(min_n, max_n + 1):
+                for i in range(n, len(ids)):
+                    counts.setdefault(tuple(ids[i - n : i]), Counter())[ids[i]] += 1
+        entries = {}
+        for ctx, c in counts.items():
+            top = sorted((kv for kv in c.items() if kv[1] >= min_count), key=lambda kv: (-kv[1], kv[0]))[:keep]
+            if top:
+                entries[ctx] = tuple(t for t, _ in top)
+        return cls(entries, min_n, max_n, source)
+
+    def next_tokens(self, ids: list[int]) -> tuple[int, ...]:
+        """The next tokens after the longest suffix of ``ids`` the table holds; () when it holds none."""
+        for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
+            found = self.entries.get(tuple(ids[-n:]))
+            if found:
+                return found
+        return ()
+
+    def save(self, path: Path) -> Path:
+        """Gzipped JSON: sizes, source, and [context, next tokens] pairs."""
+        doc = {"min_n": self.min_n, "max_n": self.max_n, "source": self.source,
+               "entries": [[list(c), list(v)] for c, v in self.entries.items()]}
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            json.dump(doc, f, separators=(",", ":"))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: Path) -> NgramTable:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            doc = json.load(f)
+        return cls({tuple(c): tuple(v) for c, v in doc["entries"]}, doc["min_n"], doc["max_n"], doc["source"])
+
+    @classmethod
+    def find(cls, directory: str | Path | None) -> NgramTable | None:
+        """The table a draft directory holds, or None."""
+        path = Path(directory) / TABLE_FILE if directory else None
+        return cls.load(path) if path is not None and path.is_file() else None
+
+    def max_token(self) -> int:
+        return max((max(*c, *v) for c, v in self.entries.items()), default=-1)
+
+
 class NgramDrafter:
-    def __init__(self, name: str = "ngram", max_ngram: int = 3, min_ngram: int = 1, window: int = 4096) -> None:
+    def __init__(self, name: str = "ngram", max_ngram: int = 3, min_ngram: int = 1, window: int = 4096,
+                 table: NgramTable | None = None) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes must satisfy 1 <= min <= max, got {min_ngram}, {max_ngram}")
         self.name = name
         self.max_ngram, self.min_ngram, self.window = max_ngram, min_ngram, window
+        self.table = table
         self._tokens: dict[str, _Tokens] = {}
 
     def continuations(self, ids: list[int], depth: int, branches: int, seq_id: str | None = None) -> list[list[int]]:
@@ -79,6 +154,8 @@ class NgramDrafter:
         trees = []
         for r in reqs:
             conts = self.continuations(r.token_ids, len(r.widths), r.widths[0], r.seq_id) if r.widths else []
+            if self.table is not None and r.widths and len(conts) < r.widths[0]:
+                conts += self.table_continuations(r.token_ids, len(r.widths), r.widths[0] - len(conts), conts)
             tokens, parents = [r.token_ids[-1]], [-1]
             children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node: shared prefixes merge
             for cont in conts:
@@ -93,6 +170,26 @@ class NgramDrafter:
                     node = children[(node, tok)]
             trees.append(TokenTree.from_lists(tokens, parents))
         return trees
+
+    def table_continuations(self, ids: list[int], depth: int, branches: int,
+                            taken: list[list[int]] = ()) -> list[list[int]]:
+        """Up to ``branches`` continuations from the table whose first token no continuation in ``taken`` starts
+        with: one per next token the table gives after ``ids``, each grown by the table's top token per level."""
+        firsts = {c[0] for c in taken}
+        out = []
+        for tok in self.table.next_tokens(ids):
+            if len(out) == branches:
+                break
+            if tok in firsts:
+                continue
+            cont = [tok]
+            while len(cont) < depth:
+                nxt = self.table.next_tokens(ids[-self.table.max_n :] + cont)
+                if not nxt:
+                    break
+                cont.append(nxt[0])
+            out.append(cont)
+        return out
 
     def commit(self, seq_id: str, tree: TokenTree, accepted_nodes: list[int]) -> None:
         pass  # stateless

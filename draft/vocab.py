@@ -9,11 +9,15 @@ acceptance can fall, when the target's next token lies outside the K.
 
 Frequencies come from the target's own text: ``token_counts.json`` beside the draft's weights counts the
 tokens of the target's continuations of the distillation prompts (``draft.distill`` writes it from its
-corpus; ``python -m draft.vocab`` samples one for an existing draft). Tokens are ranked by count, then by
+corpus; ``python -m draft.vocab`` samples one for an existing draft, and with ``--write table`` the n-gram
+drafter's table of the same text instead, ``draft.ngram.NgramTable``). Tokens are ranked by count, then by
 id: a BPE vocabulary's ids follow its merge order, so among tokens never seen the earlier merges, the more
 frequent ones in the tokenizer's own corpus, come first. The target's end-of-turn tokens always make the cut.
 
     python -m draft.vocab --target embedded --out DRAFT_DIR [--num-prompts 768 --max-tokens 128 ...]
+    python -m draft.vocab --target embedded --out draft/weights/smollm2-135m-instruct-ngram --write table \
+        --prompts draft/data/distill_prompts.txt --skip-every 50 --num-prompts 0 --samples 1 --temperature 0 \
+        --quantize int4
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
+
+from draft.ngram import TABLE_FILE, NgramTable
 
 COUNTS_FILE = "token_counts.json"
 # Tokens a draft with counts keeps by default (gateway.llm.LoadConfig.draft_vocab). With the shipped draft on a
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> Path:
     root = Path(__file__).resolve().parent
     ap = argparse.ArgumentParser(description="Sample the target's token counts for a draft's cut head (FR-Spec).")
     ap.add_argument("--target", required=True, help="the target's HF directory or .gguf ('embedded': the default model)")
-    ap.add_argument("--out", required=True, help=f"the draft's directory: {COUNTS_FILE} goes there")
+    ap.add_argument("--out", required=True, help=f"the draft's directory: {COUNTS_FILE} or {TABLE_FILE} goes there")
     ap.add_argument("--prompts", nargs="+", default=[str(root / "data" / "distill_prompts.txt"),
                                                       str(root / "data" / "distill_prompts_mix.txt")])
     ap.add_argument("--num-prompts", type=int, default=768, help="spread evenly over the prompt files (0: all)")
@@ -109,20 +115,46 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write", choices=["counts", "table"], default="counts",
+                    help=f"counts: {COUNTS_FILE} (the cut head's ranking); table: the n-gram drafter's {TABLE_FILE}")
+    ap.add_argument("--skip-every", type=int, default=0,
+                    help="leave out every N-th line of each prompt file (50: draft.distill's held-out prompts)")
+    ap.add_argument("--quantize", choices=["none", "int4"], default="none",
+                    help="the target sampled: unquantized (as draft.distill's teacher) or INT4 as served (for the "
+                         "embedded target, its own Q4_1 weights)")
+    ap.add_argument("--table-sizes", default="1,3", help="the table's shortest and longest contexts, in tokens")
+    ap.add_argument("--table-min-count", type=int, default=2, help="a next token seen fewer times is left out")
+    ap.add_argument("--table-keep", type=int, default=3, help="next tokens kept per context")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    if not (out / "config.json").is_file():
+    if args.write == "counts" and not (out / "config.json").is_file():
         raise ValueError(f"{out} holds no draft (no config.json)")
-    target = str(resolve_model_path(LoadConfig())) if args.target == "embedded" else args.target
-    lines = [line.strip() for f in args.prompts for line in Path(f).read_text().splitlines()]
+    out.mkdir(parents=True, exist_ok=True)
+    if args.target != "embedded":
+        target = args.target
+    else:  # as served under int4: the embedded model's own Q4_1 weights (LoadConfig with no model)
+        target = None if args.quantize == "int4" else str(resolve_model_path(LoadConfig()))
+    lines = []
+    for f in args.prompts:
+        file_lines = [line.strip() for line in Path(f).read_text().splitlines()]
+        lines += [line for i, line in enumerate(file_lines) if not (args.skip_every and i % args.skip_every
+                                                                     == args.skip_every - 1)]
     prompts = spread([line for line in lines if line], args.num_prompts)
     t0 = time.perf_counter()
     temps = [float(t) for t in args.temperature.split(",")]
     corpus, _ = sample_corpus(target, prompts, args.samples, args.max_tokens, temps, args.seed, args.device,
-                              args.batch)
-    counts = continuation_counts(corpus.sequences, corpus.prompt_lens)
+                              args.batch, quantize=args.quantize)
     command = "python -m draft.vocab " + " ".join(argv if argv is not None else sys.argv[1:])
-    path = save_counts(out, counts, f"{command} ({len(prompts)} prompts, {time.perf_counter() - t0:.0f} s)")
+    source = f"{command} ({len(prompts)} prompts, {time.perf_counter() - t0:.0f} s)"
+    if args.write == "table":
+        lo, hi = (int(v) for v in args.table_sizes.split(","))
+        texts = [s[n:] for s, n in zip(corpus.sequences, corpus.prompt_lens)]
+        table = NgramTable.build(texts, lo, hi, args.table_keep, args.table_min_count, source)
+        path = table.save(out / TABLE_FILE)
+        print(f"{sum(map(len, texts))} tokens, {len(table.entries)} contexts -> {path}", file=sys.stderr)
+        return path
+    counts = continuation_counts(corpus.sequences, corpus.prompt_lens)
+    path = save_counts(out, counts, source)
     print(f"{sum(counts.values())} tokens, {len(counts)} distinct -> {path}", file=sys.stderr)
     return path
 

@@ -35,6 +35,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="cut a draft model's LM head to its target's K most frequent tokens (FR-Spec; the draft's "
                         "token_counts.json ranks them); 0 keeps the whole head (default: the draft's own choice)")
+    p.add_argument("--ngram-table", default="auto",
+                   help="the n-gram drafter's table of the target's own text: auto (the draft model's, or the shipped "
+                        "draft's for the embedded model), none, or an ngram_table.json.gz file")
     p.add_argument("--quantize", choices=["int4", "gptq", "none"], default="int4",
                    help="target weights: int4 (W4A16 RTN, default), gptq (calibrated once, cached) or none")
     p.add_argument("--group-size", type=int, choices=[32, 64, 128], default=128)
@@ -61,6 +64,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapt", choices=["cost", "acceptance"], default="cost",
                    help="how default trees are cut: by acceptance and this machine's measured step times (cost), "
                         "or by acceptance alone")
+    p.add_argument("--min-gain", type=float, default=BudgetConfig().min_gain,
+                   help="an adaptive tree keeps draft level d while its acceptance alpha ** d is at least this "
+                        "(0 keeps every level the step costs allow)")
     p.add_argument("--plain-penalty", type=float, default=0.05,
                    help="with --adapt cost: a step holding a request with speculation off may cost at most this "
                         "share more than a plain step (negative: no bound)")
@@ -72,7 +78,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def load(args: argparse.Namespace) -> LLM:
     cfg = LoadConfig(model=args.model, draft=args.draft, self_draft_layers=args.self_draft_layers,
-                     draft_vocab=args.draft_vocab,
+                     draft_vocab=args.draft_vocab, ngram_table=args.ngram_table,
                      quantize=args.quantize, group_size=args.group_size, gptq_tune_steps=args.gptq_tune_steps,
                      gptq_tune=args.gptq_tune,
                      dtype=args.dtype, device=args.device,
@@ -82,6 +88,7 @@ def load(args: argparse.Namespace) -> LLM:
                         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                                   max_model_len=args.max_model_len, policy=args.policy,
                                                   budget=BudgetConfig(max_verify_tokens=args.max_verify_tokens,
+                                                                      min_gain=args.min_gain,
                                                                       cost_aware=args.adapt == "cost",
                                                                       plain_penalty=penalty)),
                         cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start, **({"default_tree": args.tree} if args.tree else {}))

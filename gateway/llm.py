@@ -19,9 +19,9 @@ from draft.base import Drafter
 from draft.hybrid import HybridDrafter
 from draft.feature_drafter import FeatureDrafter
 from draft.model_drafter import ModelDrafter
-from draft.ngram import NgramDrafter
+from draft.ngram import TABLE_FILE, NgramDrafter, NgramTable
 from draft.params import SpeculationParams
-from draft.shipped import embedded_draft
+from draft.shipped import embedded_draft, embedded_ngram_dir
 from draft.tree import MAX_TREE_NODES
 from draft.vocab import COUNTS_FILE, DEFAULT_HEAD_VOCAB, head_vocab, load_counts
 from gateway.detok import TextAssembler
@@ -60,6 +60,10 @@ class LoadConfig:
     device: str | None = None  # None = cuda when available
     cache_dir: str | None = None  # where the embedded model is converted and kept
     tensor_parallel: int = 1  # ranks the target is sharded over (GPUs on CUDA); workers are spawned processes
+    # The n-gram drafter's table of the target's own text (draft/ngram.py, NgramTable): "auto" takes the
+    # ngram_table.json.gz of the draft model's directory, else the one shipped for the embedded target
+    # (draft/weights/smollm2-135m-instruct-ngram); "none" drafts from each sequence's own text alone; else a file.
+    ngram_table: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
@@ -78,6 +82,8 @@ class LoadConfig:
                              f"widest level), got {self.draft_vocab}")
         if self.group_size not in (32, 64, 128):
             raise ValueError(f"group_size must be 32, 64 or 128, got {self.group_size}")
+        if self.ngram_table not in ("auto", "none") and not Path(self.ngram_table).expanduser().is_file():
+            raise ValueError(f"ngram_table {self.ngram_table!r}: no such file (a {TABLE_FILE}, auto or none)")
 
 
 @dataclass(slots=True)
@@ -131,6 +137,23 @@ def resolve_draft(cfg: LoadConfig) -> str:
     return str(shipped) if shipped is not None else ("self" if cfg.tensor_parallel == 1 else "ngram")
 
 
+def ngram_table(cfg: LoadConfig, draft: str, vocab_size: int) -> NgramTable | None:
+    """The n-gram drafter's table (``LoadConfig.ngram_table``); a table of another tokenizer's ids is an error."""
+    if cfg.ngram_table == "none":
+        return None
+    if cfg.ngram_table != "auto":
+        table = NgramTable.load(Path(cfg.ngram_table).expanduser())
+    else:
+        dirs = [Path(draft).expanduser()] if draft not in ("self", "ngram", "none") else []
+        if cfg.model is None and embedded_ngram_dir() is not None:  # the embedded target's own, whatever the draft
+            dirs.append(embedded_ngram_dir())
+        table = next((t for t in map(NgramTable.find, (d for d in dirs if d.is_dir())) if t is not None), None)
+    if table is not None and table.max_token() >= vocab_size:
+        raise ValueError(f"the n-gram table holds token {table.max_token()}, past the target's vocabulary of "
+                         f"{vocab_size}: it was built for another tokenizer")
+    return table
+
+
 def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=print) -> Loaded:
     """Load, quantize and wire the target and its drafters. Errors name the bad path or option."""
     draft = resolve_draft(cfg)
@@ -147,7 +170,10 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
     # Under tensor parallelism the full target is only a source of shards: keep it off the GPU.
     target = load_target(cfg, ckpt, dtype, "cpu" if tp > 1 else device, log)
     engine_cfg = engine_cfg or EngineConfig()
-    drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+    table = ngram_table(cfg, draft, ckpt.config.vocab_size)
+    if table is not None:
+        log(f"n-gram table: {len(table.entries)} contexts of {table.min_n}..{table.max_n} tokens")
+    drafters: dict[str, Drafter] = {"ngram": NgramDrafter(table=table)}
     if tp == 1:
         # Untrained early exits predict poorly: on SmolLM2 (RTN target) a quarter of the layers accepted ~1.05
         # tokens per step, two thirds ~1.3 (bench/results/drafters.json). Against the file's own Q4_1 weights two

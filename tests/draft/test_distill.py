@@ -16,6 +16,7 @@ from draft.dense_lm import student_from_teacher, teacher_from_checkpoint
 from draft.distill import Corpus, draft_config, main, write_prompts
 from draft.distill_train import Tokens, evaluate, feature_loss, teacher_targets, train
 from draft.feature_drafter import FeatureDrafter
+from draft.ngram import TABLE_FILE, NgramTable
 from draft.params import SpeculationParams
 from draft.vocab import COUNTS_FILE, load_counts, main as vocab_main
 from engine_util import random_weights, tiny_config
@@ -140,6 +141,8 @@ def test_distill_command_writes_a_loadable_lossless_draft(tmp_path: Path) -> Non
     assert json.loads((out / "distill.json").read_text())["seed"] == 3
     llm = LLM.load(LoadConfig(model=str(target), draft=str(out), quantize="none"), log=lambda m: None)
     assert llm.engine.drafters["draft"].model.num_layers == 1
+    # the n-gram drafter's table of the same corpus (draft/ngram.py), found beside the draft
+    assert llm.engine.drafters["ngram"].table.entries == NgramTable.load(out / TABLE_FILE).entries
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     asks = ["Say hello.", "Hello world"]
     off = llm.generate(asks, greedy, SpeculationParams(enabled=False))
@@ -164,6 +167,12 @@ def test_distill_command_writes_a_loadable_lossless_draft(tmp_path: Path) -> Non
     assert counts["tokens"] == sum(counts["counts"].values()) > 0 and counts["source"].startswith("python -m draft.vocab")
     with pytest.raises(ValueError, match="no draft"):
         vocab_main(["--target", str(target), "--out", str(tmp_path), "--prompts", str(prompts)])
+    # ... and with --write table the n-gram table, into any directory, leaving out every 2nd prompt line
+    vocab_main(["--target", str(target), "--out", str(tmp_path / "table"), "--prompts", str(prompts), "--num-prompts",
+                "0", "--samples", "1", "--temperature", "0", "--max-tokens", "8", "--batch", "2", "--write", "table",
+                "--skip-every", "2", "--table-min-count", "1"])
+    table = NgramTable.find(tmp_path / "table")
+    assert table.entries and table.source.startswith("python -m draft.vocab") and "(2 prompts" in table.source
     with pytest.raises(ValueError, match="draft_vocab"):
         LoadConfig(draft_vocab=10)
 

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--prompt", "hi", "--logprobs", "21"], "logprobs must be"),
     (["--prompt", "hi", "--max-tokens", "4", "--min-tokens", "5"], "min_tokens must be"),
     (["--prompt", "hi", "--regex", "a", "--json-schema", "s.json"], "not allowed with argument"),
+    (["--prompt", "hi", "--min-gain", "1.5"], "min_gain must be in [0, 1]"),
+    (["--prompt", "hi", "--ngram-table", "/nonexistent/table.safetensors"], "no such file"),
 ])
 def test_bad_input_names_the_problem(argv, message, capsys) -> None:
     try:

@@ -291,3 +291,30 @@ def test_cached_tokens_are_the_first_admissions_prefix_hits() -> None:
     assert all(first[str(i)] == 0 for i in range(len(ps)))  # distinct prompts (a shared head would be cached)
     n = len(ps[0])
     assert first["again"] % 4 == 0 and n - 4 <= first["again"] < n  # request 0's blocks, all but the last token
+
+
+
+def test_an_ngram_table_of_the_targets_own_text_drafts_losslessly_and_is_accepted(ref20) -> None:
+    """With a table built from the target's greedy text (draft/ngram.py, NgramTable), the n-gram drafter drafts
+    on steps its own lookup finds nothing: output is still plain decoding's, and more drafts are kept."""
+    from draft.ngram import NgramTable
+
+    ps, want = ref20
+    spec = SpeculationParams(drafter="ngram", tree=(2, 2, 1))
+    kept = {}
+    for arm in ("alone", "table"):
+        eng = tiny_engine()
+        if arm == "table":
+            eng.drafters["ngram"].table = NgramTable.build(want, min_n=1, max_n=3, min_count=1)
+        for i, p in enumerate(ps):
+            eng.add(str(i), p, GREEDY, spec)
+        got = {str(i): [] for i in range(len(ps))}
+        kept[arm] = 0
+        while eng.has_work():
+            for o in eng.step():
+                got[o.request_id] += o.new_token_ids
+                if o.finished:
+                    kept[arm] += o.stats.accepted_tokens
+        assert [got[str(i)] for i in range(len(ps))] == want, arm
+        assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+    assert kept["table"] > 2 * kept["alone"], kept
