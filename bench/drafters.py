@@ -44,8 +44,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--quantize", default="int4")
-    ap.add_argument("--arms", default="off,self,ngram")
-    ap.add_argument("--tree", default="2,2,2,1")
+    ap.add_argument("--arms", default="off,self,ngram",
+                    help="off, a drafter, or ngram-alone (the n-gram drafter without its table of the target's text)")
+    ap.add_argument("--tree", default="2,2,2,1",
+                    help="widths per depth, kept whole; auto: the engine's default template, cut by the adaptive budget")
     ap.add_argument("--out", default=str(HERE / "results" / "drafters.json"))
     ap.add_argument("--sweep", action="store_true", help="drafter x tree x temperature table -> drafts.json")
     ap.add_argument("--temperatures", default="0,0.7")
@@ -63,14 +65,19 @@ def main() -> None:
         return plot_sweep(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
     if args.sweep:
         return sweep(args, [json.loads(l)["turns"][0] for l in open(args.prompts_file)][: args.prompts])
-    tree = tuple(int(x) for x in args.tree.split(","))
+    tree = None if args.tree == "auto" else tuple(int(x) for x in args.tree.split(","))
     qs = [json.loads(l)["turns"][0] for l in open(args.prompts_file)][: args.prompts]
     llm = LLM.load(LoadConfig(model=args.model, quantize=args.quantize), log=lambda m: None)
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.generate(qs[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     rows, ref = [], None
+    lookup = llm.engine.drafters["ngram"]
+    table = lookup.table
     for arm in args.arms.split(","):
-        spec = SpeculationParams(enabled=False) if arm == "off" else SpeculationParams(drafter=arm, tree=tree)
+        drafter = "ngram" if arm == "ngram-alone" else arm  # the n-gram drafter without its table (draft/ngram.py)
+        lookup.table = None if arm == "ngram-alone" else table
+        spec = (SpeculationParams(enabled=False) if arm == "off" else SpeculationParams(drafter=drafter)
+                if tree is None else SpeculationParams(drafter=drafter, tree=tree))
         t0, gens = time.perf_counter(), []
         for i in range(0, len(qs), args.batch):
             gens += llm.generate(qs[i : i + args.batch], greedy, spec)
@@ -79,7 +86,8 @@ def main() -> None:
         steps = sum(g.stats.steps for g in gens)
         acc = sum(g.stats.accepted_tokens for g in gens)
         ref = ref or [g.token_ids for g in gens]
-        rows.append({"arm": arm, "tree": None if arm == "off" else list(tree), "tokens": toks, "steps": steps,
+        rows.append({"arm": arm, "tree": None if arm == "off" else list(tree) if tree else "adaptive", "tokens": toks,
+                     "steps": steps,
                      "drafted_tokens": sum(g.stats.drafted_tokens for g in gens), "accepted_tokens": acc,
                      "mean_accepted_length": round((acc + steps) / steps, 4), "seconds": round(secs, 2),
                      "tokens_per_s": round(toks / secs, 2),

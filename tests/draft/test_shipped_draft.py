@@ -9,7 +9,8 @@ import json
 import pytest
 
 from draft.params import SpeculationParams
-from draft.shipped import EMBEDDED_DRAFT, embedded_draft
+from draft.ngram import NgramTable
+from draft.shipped import EMBEDDED_DRAFT, EMBEDDED_NGRAM, embedded_draft
 from draft.vocab import COUNTS_FILE, DEFAULT_HEAD_VOCAB
 from gateway.llm import LLM, LoadConfig, resolve_draft
 from target.embedded import default_model_dir
@@ -54,10 +55,22 @@ def test_greedy_speculation_with_the_shipped_draft_matches_the_target(embedded_m
     prompts = ["What is the capital of France?", "Write a short poem about rivers.", "List three prime numbers."]
     greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
     off = llm.generate(prompts, greedy, SpeculationParams(enabled=False))
-    for drafter in ("draft", "hybrid"):
+    # the n-gram drafter drafts from the embedded target's shipped table too (draft/ngram.py)
+    assert llm.engine.drafters["ngram"].table.entries == NgramTable.find(EMBEDDED_NGRAM).entries
+    for drafter in ("draft", "hybrid", "ngram"):
         on = llm.generate(prompts, greedy, SpeculationParams(drafter=drafter, tree=(2, 2, 2, 1)))
         assert [g.token_ids for g in on] == [g.token_ids for g in off], drafter
         assert sum(g.stats.accepted_tokens for g in on) > 0
         for a, b in zip(on, off):  # the logprobs too, up to rounding: tree rows score what plain steps do
             assert [e.token_id for e in a.logprobs] == a.token_ids
             assert [e.logprob for e in a.logprobs] == pytest.approx([e.logprob for e in b.logprobs], abs=1e-3)
+
+
+def test_shipped_ngram_table_is_recorded_and_held_out_free() -> None:
+    table = NgramTable.find(EMBEDDED_NGRAM)
+    assert (table.min_n, table.max_n) == (1, 3) and len(table.entries) > 10_000
+    # sampled from the served target on the distillation prompts, leaving out draft.distill's held-out lines
+    # (MT-bench, the evaluation set, is not among the prompt files at all)
+    assert table.source.startswith("python -m draft.vocab --target embedded") and "--skip-every 50" in table.source
+    assert "distill_prompts.txt" in table.source and "--quantize int4" in table.source
+    assert sum(p.stat().st_size for p in EMBEDDED_NGRAM.iterdir()) < 10**6
