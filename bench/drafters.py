@@ -180,8 +180,12 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
         rows.append({"drafter": "off", "tree": [], "temperature": temp, "mean_accepted_length": 1.0,
                      "tokens_per_s": round(off_tok_s[temp], 1)})
         print(rows[-1], flush=True)
+    lookup = llm.engine.drafters["ngram"]
+    table = lookup.table
     for arm in args.arms.split(","):
-        drafter = llm.engine.drafters[arm]
+        lookup.table = None if arm == "ngram-alone" else table  # the n-gram drafter without its table, or with it
+        registered = "ngram" if arm == "ngram-alone" else arm
+        drafter = llm.engine.drafters[registered]
         model = getattr(getattr(drafter, "draft", drafter), "model", None)  # a hybrid costs its draft model
         cost = None if model is None else round(forward_seconds(model) / target_s, 4)
         cost_g = None if model is None or not cuda else round(forward_seconds(model, graphs=True) / target_g, 4)
@@ -191,7 +195,7 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
             tree = tuple(int(x) for x in tree_s.split(","))
             for temp in (float(t) for t in args.temperatures.split(",")):
                 sampling = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=0)
-                spec = SpeculationParams(drafter=arm, tree=tree)
+                spec = SpeculationParams(drafter=registered, tree=tree)
                 lookup_only = getattr(drafter, "lookup_only", 0)
                 t0 = time.perf_counter()
                 gens = [g for i in range(0, len(qs), args.batch) for g in llm.generate(qs[i : i + args.batch], sampling, spec)]

@@ -393,10 +393,17 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                "speedup": round(on / off, 3), "mean_accepted_length": round(mal, 3),
                "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}, "first_use": first_use,
                "runs_tok_s": {k: [round(t, 1) for t, _ in v] for k, v in runs.items()}, "later_runs": later}
-        for name in [a for a in arms if a in llm.engine.drafters and a != llm.engine.config.default_drafter]:
-            spec = SpeculationParams(drafter=name)
+        lookup = llm.engine.drafters["ngram"]
+        table = lookup.table
+        for name in [a for a in arms if (a in llm.engine.drafters or a == "ngram-alone")
+                     and a != llm.engine.config.default_drafter]:
+            # ngram-alone: the n-gram drafter without its table of the target's text (draft/ngram.py); it shares
+            # the drafter's name, so its step prices and acceptance prior too
+            lookup.table = None if name == "ngram-alone" else table
+            spec = SpeculationParams(drafter="ngram" if name == "ngram-alone" else name)
             llm.generate(warm, warm_sampling, spec)
             arm_runs = [generate_tok_s(llm, ps, greedy, spec, record(name, rep)) for rep in range(repeats)]
+            lookup.table = table
             tok_s, arm_mal = max(arm_runs)
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),
                                          "mean_accepted_length": round(arm_mal, 3),
@@ -502,7 +509,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--repeats", type=int, default=2, help="--real: timed calls per arm (the best is reported)")
-    ap.add_argument("--arms", default="ngram,hybrid,lookup-first,draft",
+    ap.add_argument("--arms", default="ngram,ngram-alone,hybrid,lookup-first,draft",
                     help="--real: drafters also timed alone at each batch size ('' for none)")
     ap.add_argument("--out", default=str(HERE / "results" / "engine.json"))
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON")

@@ -76,7 +76,7 @@ mkdir -p "$OUT"
 # drafts_<name>.json for a candidate draft (arms draft and ngram) and for the shipped draft (arm draft)
 sweep_beside_shipped() {
   for d in "$1" draft/weights/smollm2-135m-instruct; do
-    arms=draft; [ "$d" = "$1" ] && arms=draft,ngram
+    arms=draft; [ "$d" = "$1" ] && arms=draft,ngram,ngram-alone
     timeout "${DRAFTS_TIMEOUT:-240}" python bench/drafters.py --sweep --arms "$arms" --prompts 16 --batch 8 --max-tokens 128 \
       --trees "${DRAFT_TREES:-1,1,1,1/2,2,2,1/3,3,3,2,2,1}" --temperatures 0,0.7 --device cuda --dtype bfloat16 \
       --draft "$d" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts_$(basename $d).json" 2>&1 | tail -8
@@ -165,7 +165,7 @@ for stage in "$@"; do
     identity) timeout "${IDENTITY_TIMEOUT:-300}" python bench/greedy_identity.py --device cuda ${IDENTITY_ARGS:-} \
                 --prompts-file .cache/mt_bench.jsonl --out "$OUT/greedy_identity.json" 2>&1 | grep -v Warning | tail -14 ;;
     drafts)
-      timeout "${DRAFTS_TIMEOUT:-200}" python bench/drafters.py --sweep --arms "${ARMS:-draft,ngram,self}" --prompts 16 --batch 8 --max-tokens 128 \
+      timeout "${DRAFTS_TIMEOUT:-200}" python bench/drafters.py --sweep --arms "${ARMS:-draft,ngram,ngram-alone,self}" --prompts 16 --batch 8 --max-tokens 128 \
         --trees "${DRAFT_TREES:-1,1,1,1/2,2,2,1/3,3,3,2,2,1}" --temperatures 0,0.7 --device cuda --dtype bfloat16 \
         --draft "${DRAFT:-$OUT/draft}" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts.json" 2>&1 | tail -25 ;;
     real)
