@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> Path:
     from gateway.llm import LoadConfig, resolve_model_path
 
     root = Path(__file__).resolve().parent
-    ap = argparse.ArgumentParser(description="Sample the target's token counts for a draft's cut head (FR-Spec).")
+    ap = argparse.ArgumentParser(description="Sample the target's token counts for a draft's cut head (FR-Spec), "
+                                             "or the n-gram drafter's table of its text (--write table).")
     ap.add_argument("--target", required=True, help="the target's HF directory or .gguf ('embedded': the default model)")
     ap.add_argument("--out", required=True, help=f"the draft's directory: {COUNTS_FILE} or {TABLE_FILE} goes there")
     ap.add_argument("--prompts", nargs="+", default=[str(root / "data" / "distill_prompts.txt"),
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--table-min-count", type=int, default=2, help="a next token seen fewer times is left out")
     ap.add_argument("--table-keep", type=int, default=3, help="next tokens kept per context")
     args = ap.parse_args(argv)
+    if args.skip_every < 0:
+        raise ValueError(f"--skip-every must be >= 0, got {args.skip_every}")
     out = Path(args.out)
     if args.write == "counts" and not (out / "config.json").is_file():
         raise ValueError(f"{out} holds no draft (no config.json)")
