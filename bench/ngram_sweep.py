@@ -55,14 +55,15 @@ def accepted_path(tokens: list[int], parents: list[int], future: list[int]) -> i
 
 
 def simulate(texts: list[tuple[list[int], int]], max_ngram: int, min_ngram: int, window: int,
-             widths: tuple[int, ...], adaptive: bool = False, table: NgramTable | None = None) -> dict:
+             widths: tuple[int, ...], adaptive: bool = False, table: NgramTable | None = None,
+             min_gain: float | None = None) -> dict:
     """Steps, emitted tokens and drafted nodes over every text (prompt + greedy output, prompt length).
 
     ``adaptive``: each step's tree is the template cut by the budget's acceptance rule, as the scheduler cuts a
     request alone (``gateway.budget``: per-request EMA from the fixed prior, depths while alpha ** d >=
     min_gain, a one-level probe every ``probe_every`` steps when none pays); cost-blind, so it shows what the
     acceptance rule keeps, not what a measured step price would add."""
-    cfg = BudgetConfig()
+    cfg = BudgetConfig() if min_gain is None else BudgetConfig(min_gain=min_gain)
     drafter = NgramDrafter("sim", max_ngram=max_ngram, min_ngram=min_ngram, window=window, table=table)
     steps = emitted = drafted = 0
     for k, (seq, P) in enumerate(texts):
@@ -116,6 +117,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--texts", default=None, help="a JSON cache of the greedy texts (written if missing)")
+    ap.add_argument("--min-gains", default="",
+                    help="more adaptive rows for the default sizes (and the table), one per min_gain, e.g. 0.1,0.05")
     ap.add_argument("--table", default=None,
                     help="an ngram_table.json.gz (draft/ngram.py): rows for the default sizes with it too")
     ap.add_argument("--out", default=None)
@@ -143,6 +146,11 @@ def main() -> None:
                 if texts:
                     row[split] = simulate(texts, hi, lo, window, widths, table=tab)
                     row[f"{split}_adaptive"] = simulate(texts, hi, lo, window, widths, adaptive=True, table=tab)
+                    if name.startswith(SETTINGS[0][0]):  # the default sizes: the acceptance rule's threshold too
+                        for g in filter(None, args.min_gains.split(",")):
+                            row[f"{split}_adaptive_min_gain_{g}"] = simulate(texts, hi, lo, window, widths,
+                                                                             adaptive=True, table=tab,
+                                                                             min_gain=float(g))
             rows.append(row)
             print(name, widths, {s: (row[s]["mean_accepted_length"], row[f"{s}_adaptive"]["mean_accepted_length"])
                                  for s in sets if sets[s]}, flush=True)
