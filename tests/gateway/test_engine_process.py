@@ -204,7 +204,10 @@ def test_many_streams_and_disconnects_leave_nothing_open() -> None:
                 "max_tokens": rng.randint(4, 40), "ignore_eos": True, "temperature": rng.choice([0, 0, 0.8]),
                 "seed": i, "stream": rng.random() < 0.7,
                 "speculation": {"enabled": rng.random() < 0.6}}
-        plans.append((body, body["stream"] and rng.random() < 0.25, rng.randrange(1, 6)))
+        # a dropped stream leaves after its first or second data line: every stream sends at least two (a chunk
+        # and [DONE]), while a later drop point could fall past the end of a short stream whose tokens the
+        # server sent in few chunks (one did so in CI: it finished instead of dropping)
+        plans.append((body, body["stream"] and rng.random() < 0.25, rng.randrange(1, 3)))
 
     async def one(http, url: str, body: dict, drop: bool, keep: int) -> str:
         if not body["stream"]:
