@@ -71,11 +71,9 @@ def main() -> None:
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llm.generate(qs[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     rows, ref = [], None
-    lookup = llm.engine.drafters["ngram"]
-    table = lookup.table
+    table = llm.engine.drafters["ngram"].table
     for arm in args.arms.split(","):
-        drafter = "ngram" if arm == "ngram-alone" else arm  # the n-gram drafter without its table (draft/ngram.py)
-        lookup.table = None if arm == "ngram-alone" else table
+        drafter = select_arm(llm, arm, table)
         spec = (SpeculationParams(enabled=False) if arm == "off" else SpeculationParams(drafter=drafter)
                 if tree is None else SpeculationParams(drafter=drafter, tree=tree))
         t0, gens = time.perf_counter(), []
@@ -102,6 +100,16 @@ def main() -> None:
         "date": datetime.date.today().isoformat(), "device": dev, "commit": commit, "quantize": args.quantize,
         "prompts": len(qs), "max_tokens": args.max_tokens, "batch": args.batch, "temperature": 0,
         "self_draft_layers": llm.engine.drafters["self"].model.num_layers, "rows": rows}, indent=2))
+
+
+NGRAM_ALONE = "ngram-alone"  # the n-gram drafter without its table of the target's text (draft/ngram.py)
+
+
+def select_arm(llm: LLM, arm: str, table) -> str:
+    """The registered drafter an arm runs, with the n-gram drafter's ``table`` put back or, for
+    ``ngram-alone``, taken away (the arm shares the drafter's name, so its step prices and prior too)."""
+    llm.engine.drafters["ngram"].table = None if arm == NGRAM_ALONE else table
+    return "ngram" if arm == NGRAM_ALONE else arm
 
 
 def forward_seconds(model: Transformer, context: int = 128, batch: int = 1, reps: int = 20,
@@ -180,11 +188,9 @@ def sweep(args: argparse.Namespace, qs: list[str]) -> None:
         rows.append({"drafter": "off", "tree": [], "temperature": temp, "mean_accepted_length": 1.0,
                      "tokens_per_s": round(off_tok_s[temp], 1)})
         print(rows[-1], flush=True)
-    lookup = llm.engine.drafters["ngram"]
-    table = lookup.table
+    table = llm.engine.drafters["ngram"].table
     for arm in args.arms.split(","):
-        lookup.table = None if arm == "ngram-alone" else table  # the n-gram drafter without its table, or with it
-        registered = "ngram" if arm == "ngram-alone" else arm
+        registered = select_arm(llm, arm, table)
         drafter = llm.engine.drafters[registered]
         model = getattr(getattr(drafter, "draft", drafter), "model", None)  # a hybrid costs its draft model
         cost = None if model is None else round(forward_seconds(model) / target_s, 4)

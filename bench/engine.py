@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import provenance  # noqa: E402  (bench/, this script's own folder)
+from drafters import NGRAM_ALONE, select_arm  # noqa: E402  (the ngram-alone arm, as bench/drafters.py runs it)
 from bench.kernels.bench_int4_matmul import copy_tbps  # noqa: E402  (the same probe as the kernel bench)
 from draft.params import SpeculationParams  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
@@ -393,17 +394,13 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                "speedup": round(on / off, 3), "mean_accepted_length": round(mal, 3),
                "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}, "first_use": first_use,
                "runs_tok_s": {k: [round(t, 1) for t, _ in v] for k, v in runs.items()}, "later_runs": later}
-        lookup = llm.engine.drafters["ngram"]
-        table = lookup.table
-        for name in [a for a in arms if (a in llm.engine.drafters or a == "ngram-alone")
+        table = llm.engine.drafters["ngram"].table
+        for name in [a for a in arms if (a in llm.engine.drafters or a == NGRAM_ALONE)
                      and a != llm.engine.config.default_drafter]:
-            # ngram-alone: the n-gram drafter without its table of the target's text (draft/ngram.py); it shares
-            # the drafter's name, so its step prices and acceptance prior too
-            lookup.table = None if name == "ngram-alone" else table
-            spec = SpeculationParams(drafter="ngram" if name == "ngram-alone" else name)
+            spec = SpeculationParams(drafter=select_arm(llm, name, table))
             llm.generate(warm, warm_sampling, spec)
             arm_runs = [generate_tok_s(llm, ps, greedy, spec, record(name, rep)) for rep in range(repeats)]
-            lookup.table = table
+            select_arm(llm, "ngram", table)
             tok_s, arm_mal = max(arm_runs)
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),
                                          "mean_accepted_length": round(arm_mal, 3),

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draft.ngram import TABLE_FILE
+
 WEIGHTS = Path(__file__).resolve().parent / "weights"
 EMBEDDED_DRAFT = WEIGHTS / "smollm2-135m-instruct"  # for the embedded SmolLM2-135M-Instruct target
-EMBEDDED_NGRAM = WEIGHTS / "smollm2-135m-instruct-ngram"  # its ngram_table.json.gz (draft/ngram.py)
+EMBEDDED_NGRAM = WEIGHTS / "smollm2-135m-instruct-ngram"  # its TABLE_FILE (draft/ngram.py)
 
 
 def embedded_draft() -> Path | None:
@@ -17,4 +19,4 @@ def embedded_draft() -> Path | None:
 
 def embedded_ngram_dir() -> Path | None:
     """The directory of the embedded target's shipped n-gram table, or None when this install lacks it."""
-    return EMBEDDED_NGRAM if (EMBEDDED_NGRAM / "ngram_table.json.gz").is_file() else None
+    return EMBEDDED_NGRAM if (EMBEDDED_NGRAM / TABLE_FILE).is_file() else None

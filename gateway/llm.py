@@ -145,9 +145,9 @@ def ngram_table(cfg: LoadConfig, draft: str, vocab_size: int) -> NgramTable | No
         table = NgramTable.load(Path(cfg.ngram_table).expanduser())
     else:
         dirs = [Path(draft).expanduser()] if draft not in ("self", "ngram", "none") else []
-        if cfg.model is None and embedded_ngram_dir() is not None:  # the embedded target's own, whatever the draft
+        if cfg.model is None:  # the embedded target's own, whatever the draft
             dirs.append(embedded_ngram_dir())
-        table = next((t for t in map(NgramTable.find, (d for d in dirs if d.is_dir())) if t is not None), None)
+        table = next((t for t in map(NgramTable.find, (d for d in dirs if d and d.is_dir())) if t is not None), None)
     if table is not None and table.max_token() >= vocab_size:
         raise ValueError(f"the n-gram table holds token {table.max_token()}, past the target's vocabulary of "
                          f"{vocab_size}: it was built for another tokenizer")
