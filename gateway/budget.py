@@ -253,6 +253,14 @@ class StepCosts:
                 return c
         return best
 
+    def within(self, batch: int, depth: int, drafters: tuple[str, ...], max_ratio: float | None) -> bool:
+        """Whether a step of ``depth`` levels costs at most ``max_ratio`` times a plain step, by fresh
+        figures; True when either is unmeasured (or stale: the step re-measures it) or there is no bound."""
+        if max_ratio is None:
+            return True
+        plain, cost = self._fresh(batch, 0, ()), self._fresh(batch, depth, drafters)
+        return plain is None or cost is None or cost <= plain * max_ratio
+
     def _fresh(self, batch: int, depth: int, drafters: tuple[str, ...]) -> float | None:
         """The depth's step seconds, if measured within the last ``reprobe`` steps."""
         seen = self._seen.get(self._key(batch, depth, drafters))

@@ -179,12 +179,20 @@ class Scheduler:
         kinds = drafter_set(s.drafter for s, (w, _) in zip(decoding, asked) if w)
         penalty = self.config.budget.plain_penalty
         bounded = penalty is not None and any(not s.drafter for s in decoding)  # a speculation-off request rides along
-        c = self.costs.best_depth(len(decoding), gains, floor, kinds, 1.0 + penalty if bounded else None)
+        max_ratio = 1.0 + penalty if bounded else None
+        c = self.costs.best_depth(len(decoding), gains, floor, kinds, max_ratio)
+        # A probe is a draft level like any other for the plain requests riding along: where the bound rules
+        # depth 1 out, a probe would cost them its price and could not return the batch to speculation.
+        # (H100, 2485e10: a one-level n-gram step cost 1.4x a plain one at batch 16 in
+        # engine_real_h100_2485e10.json, so the mixed server's drafting at 16 streams could only be probes: one
+        # every 16 steps, about 2.5% of its plain requests' time. They ran 6% slower a token than an all-plain
+        # server's, load_gpu_h100_2485e10.json.)
+        may_probe = c == 0 and self.costs.within(len(decoding), 1, kinds, max_ratio)
         for i in cut:
             # A sequence the cap keeps from drafting never updates its acceptance, so a cap set on a low
             # early estimate would hold for good: every probe interval it drafts one level anyway (on the
             # scheduler's probe steps, with every other due sequence).
-            stale = c == 0 and self._probe_due(decoding[i])
+            stale = may_probe and self._probe_due(decoding[i])
             widths[i] = widths[i][:1] if stale else widths[i][:c]
         return widths
 

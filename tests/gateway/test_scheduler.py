@@ -263,6 +263,40 @@ def test_probes_of_a_batch_fall_on_the_same_steps() -> None:
     assert len(steps_with_a_probe) <= 4
 
 
+def test_no_probe_costs_riding_plain_requests_more_than_their_bound() -> None:
+    """A probe is a draft level like any other for the batch's speculation-off requests: where a one-level
+    step is measured dearer than ``plain_penalty`` allows, a batch holding such a request does not probe (no
+    depth could follow it); the same batch without one probes on schedule, and so does the mixed batch once
+    the level is cheap enough."""
+
+    def probe_steps(with_plain: bool, level_cost: float) -> int:
+        cfg = SchedulerConfig(max_running=4, budget=BudgetConfig(probe_overhead=1.0))  # probe every 8 steps
+        sched = Scheduler(cfg, BlockPool(256, 4), Clock())
+        seqs = [make_seq(i, 4, 1000, 0, 0.0) for i in range(3)]
+        if with_plain:
+            seqs[2].drafter = None
+        for s in seqs:
+            sched.add(s)
+            s.acceptance.successes, s.acceptance.trials = 0.5, 10.0  # alpha 0.05: plain by acceptance
+        plan = sched.schedule(lambda s: ((2, 2, 1), True) if s.drafter else ((), False))
+        for s, n in plan.prefills:
+            s.table.ensure(s.num_cached + n)
+            s.num_cached += n
+        for depth in (1, 1, 0, 0):
+            sched.costs.observe(3, depth, 1.0 + (level_cost - 1.0) * depth, ("draft",))
+        drafted = 0
+        for _ in range(4 * cfg.budget.probe_every):
+            plan = sched.schedule(lambda s: ((2, 2, 1), True) if s.drafter else ((), False))
+            drafted += any(w for _, w in plan.decodes)
+            for s, w in plan.decodes:
+                s.steps_without_draft = 0 if w else s.steps_without_draft + 1
+        return drafted
+
+    assert probe_steps(with_plain=False, level_cost=1.4) >= 3
+    assert probe_steps(with_plain=True, level_cost=1.4) == 0  # 1.4x a plain step: past the 5% bound
+    assert probe_steps(with_plain=True, level_cost=1.03) >= 3  # within it
+
+
 def test_a_new_request_starts_from_its_drafters_acceptance() -> None:
     """Requests of a drafter that has kept little so far start plain instead of four levels deep; a drafter
     with no record yet (or too little) starts from the fixed prior of 0.5. (Cost-blind: a fresh engine would
