@@ -10,8 +10,6 @@ The launcher times the candidates of each (M bucket, shape) once and keeps the f
 * ``_int4_matmul_t_kernel``: the same with the operands swapped (y^T = W x^T), so the decoded weights
   sit on wgmma's register side and are decoded once per program whatever the token count.
 * ``_int4_gemv_f16_kernel`` ("hgemv"): M = 1, two codes per instruction in packed fp16 FMAs.
-* ``_int4_mgemv_f16_kernel`` ("hgemv" with block_m 2 or 4): the same for 2-4 rows, each word decoded once for
-  all of them (a verify step of a few tree nodes); a tuner candidate only with ``SPECGATE_INT4_MGEMV=1``.
 * ``_int4_gemv_kernel``: CUDA-core FMAs for M <= 4 (a candidate at M = 1), split-K; ~4 instructions per
   weight, so it wins only on some shapes.
 * M >= 64 turns compute-bound: ``_int4_dequant_kernel`` writes a bf16/fp16 ``[K, N]`` scratch copy and
@@ -322,42 +320,6 @@ def _hgemv_pairs(x_ptrs, sum_ptr, i, K_ITERS, BLOCK_K8: tl.constexpr):
 
 
 @triton.jit
-def _hgemv_scale_row(x_row, row_ok, k_lo, R8, scr, K_ITERS, CHUNK8: tl.constexpr, BLOCK_K8: tl.constexpr):
-    """Step 1 of the packed-fp16 GEMV for one row of x: its split's largest |x| sets a power-of-two scale;
-    the scaled pairs (x_i, x_i+4) as f16x2 and each tile's sum of x go to ``scr`` (R8 * 4 pair words, then
-    K_ITERS sums). Returns the scale's inverse. ``row_ok`` False: a row past M, read as zeros (and written:
-    its accumulator then stays finite)."""
-    c8 = tl.arange(0, CHUNK8)
-    c4 = tl.arange(0, 4)
-    # 1a. the split's largest |x|
-    amax = tl.zeros([CHUNK8, 4], tl.float32)
-    for r0 in range(0, R8, CHUNK8):
-        ok = (r0 + c8 < R8)[:, None]
-        offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
-        lo = tl.load(x_row + offs, mask=ok & row_ok, other=0.0).to(tl.float32)
-        hi = tl.load(x_row + offs + 4, mask=ok & row_ok, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.maximum(tl.abs(lo), tl.abs(hi)))
-    e = (tl.max(tl.max(amax, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e = tl.maximum(e, 10)
-    scale = ((263 - e) << 23).to(tl.float32, bitcast=True)  # 2^(136 - e): max |x| * scale in [2^9, 2^10)
-    inv_scale = ((e - 9) << 23).to(tl.float32, bitcast=True)
-    # 1b. pairs and tile sums
-    for r0 in range(0, R8, CHUNK8):
-        ok = (r0 + c8 < R8)[:, None]
-        offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
-        lo = (tl.load(x_row + offs, mask=ok & row_ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
-        hi = (tl.load(x_row + offs + 4, mask=ok & row_ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
-        pair = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-        tl.store(scr + 4 * (r0 + c8)[:, None] + c4[None, :], pair, mask=ok)
-        rows = tl.sum(lo.to(tl.float32) + hi.to(tl.float32), axis=1)  # [CHUNK8]
-        tiles = tl.sum(tl.reshape(rows, [CHUNK8 // BLOCK_K8, BLOCK_K8]), axis=1)
-        t_idx = r0 // BLOCK_K8 + tl.arange(0, CHUNK8 // BLOCK_K8)
-        tl.store(scr + R8 * 4 + t_idx, tiles.to(tl.int32, bitcast=True), mask=t_idx < K_ITERS)
-    tl.debug_barrier()  # the scratch rows are written before any thread reads them
-    return inv_scale
-
-
-@triton.jit
 def _int4_gemv_f16_kernel(
     # pointers
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr, scr_ptr,
@@ -399,7 +361,33 @@ def _int4_gemv_f16_kernel(
     if USE_PDL:  # everything above reads weights only; x and every buffer wait for the previous kernel
         gdc_wait()
     scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)  # pairs, then tile sums
-    inv_scale = _hgemv_scale_row(x_ptr, True, k_lo, R8, scr, K_ITERS, CHUNK8, BLOCK_K8)
+    c8 = tl.arange(0, CHUNK8)
+    c4 = tl.arange(0, 4)
+    # 1a. the split's largest |x|
+    amax = tl.zeros([CHUNK8, 4], tl.float32)
+    for r0 in range(0, R8, CHUNK8):
+        ok = (r0 + c8 < R8)[:, None]
+        offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
+        lo = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.maximum(tl.abs(lo), tl.abs(hi)))
+    e = (tl.max(tl.max(amax, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.maximum(e, 10)
+    scale = ((263 - e) << 23).to(tl.float32, bitcast=True)  # 2^(136 - e): max |x| * scale in [2^9, 2^10)
+    inv_scale = ((e - 9) << 23).to(tl.float32, bitcast=True)
+    # 1b. pairs and tile sums
+    for r0 in range(0, R8, CHUNK8):
+        ok = (r0 + c8 < R8)[:, None]
+        offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
+        lo = (tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
+        hi = (tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
+        pair = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+        tl.store(scr + 4 * (r0 + c8)[:, None] + c4[None, :], pair, mask=ok)
+        rows = tl.sum(lo.to(tl.float32) + hi.to(tl.float32), axis=1)  # [CHUNK8]
+        tiles = tl.sum(tl.reshape(rows, [CHUNK8 // BLOCK_K8, BLOCK_K8]), axis=1)
+        t_idx = r0 // BLOCK_K8 + tl.arange(0, CHUNK8 // BLOCK_K8)
+        tl.store(scr + R8 * 4 + t_idx, tiles.to(tl.int32, bitcast=True), mask=t_idx < K_ITERS)
+    tl.debug_barrier()  # the scratch rows are written before any thread reads them
     # 2. the weights
     x_ptrs = scr + 4 * offs_k8[:, None]  # [BLOCK_K8, 1]
     sum_ptr = scr + R8 * 4
@@ -427,146 +415,6 @@ def _int4_gemv_f16_kernel(
     _finish(acc[None, :], pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
             HAS_BIAS, HAS_RES, SILU, USE_SPLIT, 1, BLOCK_N, FIX_R)
-
-
-# M = 2..4: the same, the decode shared by the rows. The word's decode (its first half) gives four f16x2
-# registers of codes minus 8; each row of x then costs the four packed FMAs and the fp32 sum alone, so at M
-# rows a word costs 9 + 7 M instructions where M separate decodes would cost 16 M.
-_DECODE_F16 = tl.constexpr("""{
-.reg .b32 q2, m, k16, k72;
-mov.b32 m, 0x64086408;
-mov.b32 k16, 0x2c002c00;
-mov.b32 k72, 0xd480d480;
-lop3.b32 $0, $4, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 $1, $4, 0x00f000f0, 0x64006400, 0xea;
-shr.u32 q2, $4, 8;
-lop3.b32 $2, q2, 0x000f000f, 0x64006400, 0xea;
-lop3.b32 $3, q2, 0x00f000f0, 0x64006400, 0xea;
-sub.f16x2 $0, $0, m;
-fma.rn.f16x2 $1, $1, k16, k72;
-sub.f16x2 $2, $2, m;
-fma.rn.f16x2 $3, $3, k16, k72;
-}""")
-_DOT_DECODED_F16 = tl.constexpr("""{
-.reg .b32 t;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mul.f16x2 t, $1, $5;
-fma.rn.f16x2 t, $2, $6, t;
-fma.rn.f16x2 t, $3, $7, t;
-fma.rn.f16x2 t, $4, $8, t;
-mov.b32 {lo, hi}, t;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 flo, flo, fhi;
-mov.b32 $0, flo;
-}""")
-
-
-@triton.jit
-def _decode_words(q, USE_ASM: tl.constexpr):
-    """[R, C] words -> four [R, C] f16x2 words: codes (0, 4), (1, 5), (2, 6), (3, 7) minus 8, for
-    ``_dot_decoded``. The interpreter runs no asm: it hands the words on and ``_dot_decoded`` decodes them."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise(asm=_DECODE_F16, constraints="=r,=r,=r,=r,r", args=[q],
-                                         dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        return q, q, q, q
-
-
-@triton.jit
-def _dot_decoded(a, b, c, d, x04, x15, x26, x37, USE_ASM: tl.constexpr):
-    """``_word_dot`` from decoded words: [R, C] against [R, 1] f16x2 pairs -> [R, C] fp32."""
-    if USE_ASM:
-        out = tl.inline_asm_elementwise(asm=_DOT_DECODED_F16, constraints="=r,r,r,r,r,r,r,r,r",
-                                        args=[a, b, c, d, x04, x15, x26, x37], dtype=tl.int32, is_pure=True, pack=1)
-        return out.to(tl.float32, bitcast=True)
-    else:
-        return _word_dot(a, x04, x15, x26, x37, False)
-
-
-@triton.jit
-def _mgemv_row(acc, a, b, c, d, s, z, scr, R8, i, K_ITERS, offs_k8, HAS_ZEROS: tl.constexpr, USE_ASM: tl.constexpr,
-               BLOCK_K8: tl.constexpr):
-    """One row's share of tile i: its pairs from its scratch row, the shared decoded words, the group scale."""
-    x04, x15, x26, x37, xsum = _hgemv_pairs(scr + 4 * offs_k8[:, None], scr + R8 * 4, i, K_ITERS, BLOCK_K8)
-    t = tl.sum(_dot_decoded(a, b, c, d, x04, x15, x26, x37, USE_ASM), axis=0)  # [BLOCK_N]
-    if HAS_ZEROS:
-        t += (8.0 - z) * xsum
-    return acc + s * t
-
-
-@triton.jit
-def _int4_mgemv_f16_kernel(
-    # pointers
-    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr, scr_ptr,
-    # sizes
-    M, N, K,
-    # strides (qweight, scales, zeros, bias, workspace are contiguous)
-    stride_xm, stride_ym, stride_rm,
-    split_k, K_ITERS,  # K splits; K blocks per split (splits cover K exactly: BLOCK_K divides K)
-    # meta-parameters
-    G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
-    FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr, DEPTH: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """``_int4_gemv_f16_kernel`` for M <= BLOCK_M rows (BLOCK_M 2 or 4): each row of x scaled into fp16 range
-    on its own and given its own scratch row, each tile's words loaded and decoded once for every row. Rows
-    are separate accumulators, as in ``_int4_gemv_kernel``: a 3D tile would lose the words' 16-byte loads."""
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    BLOCK_K8: tl.constexpr = BLOCK_K // 8
-    R8 = K_ITERS * BLOCK_K8  # packed rows in this split
-    RS = R8 * 4 + K_ITERS  # scratch words per row: pairs, then tile sums
-    k_lo = pid_k * K_ITERS * BLOCK_K
-    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)  # [BLOCK_N]
-    offs_k8 = tl.arange(0, BLOCK_K8)
-    q_ptrs = qw_ptr + (k_lo // 8 + offs_k8)[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
-    q_a, s_a, z_a = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, 0, n_mask, N, K_ITERS, G, BLOCK_K,
-                                HAS_ZEROS)
-    if DEPTH > 1:
-        q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, 1, n_mask, N, K_ITERS, G, BLOCK_K,
-                                    HAS_ZEROS)
-    if USE_PDL:  # everything above reads weights only; x and every buffer wait for the previous kernel
-        gdc_wait()
-    scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * BLOCK_M * RS
-    inv0 = _hgemv_scale_row(x_ptr, 0 < M, k_lo, R8, scr, K_ITERS, CHUNK8, BLOCK_K8)
-    inv1 = _hgemv_scale_row(x_ptr + stride_xm, 1 < M, k_lo, R8, scr + RS, K_ITERS, CHUNK8, BLOCK_K8)
-    inv2 = inv0
-    inv3 = inv0
-    if BLOCK_M > 2:
-        inv2 = _hgemv_scale_row(x_ptr + 2 * stride_xm, 2 < M, k_lo, R8, scr + 2 * RS, K_ITERS, CHUNK8, BLOCK_K8)
-        inv3 = _hgemv_scale_row(x_ptr + 3 * stride_xm, 3 < M, k_lo, R8, scr + 3 * RS, K_ITERS, CHUNK8, BLOCK_K8)
-    acc0 = tl.zeros([BLOCK_N], tl.float32)
-    acc1 = tl.zeros([BLOCK_N], tl.float32)
-    acc2 = tl.zeros([BLOCK_N], tl.float32)
-    acc3 = tl.zeros([BLOCK_N], tl.float32)
-    for i in range(K_ITERS):
-        q, s, z = q_a, s_a, z_a
-        if DEPTH > 1:
-            q_a, s_a, z_a = q_b, s_b, z_b
-            q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, i + 2, n_mask, N, K_ITERS, G,
-                                        BLOCK_K, HAS_ZEROS)
-        else:
-            q_a, s_a, z_a = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, i + 1, n_mask, N, K_ITERS, G,
-                                        BLOCK_K, HAS_ZEROS)
-        a, b, c, d = _decode_words(q, USE_ASM)
-        acc0 = _mgemv_row(acc0, a, b, c, d, s, z, scr, R8, i, K_ITERS, offs_k8, HAS_ZEROS, USE_ASM, BLOCK_K8)
-        acc1 = _mgemv_row(acc1, a, b, c, d, s, z, scr + RS, R8, i, K_ITERS, offs_k8, HAS_ZEROS, USE_ASM, BLOCK_K8)
-        if BLOCK_M > 2:
-            acc2 = _mgemv_row(acc2, a, b, c, d, s, z, scr + 2 * RS, R8, i, K_ITERS, offs_k8, HAS_ZEROS, USE_ASM,
-                              BLOCK_K8)
-            acc3 = _mgemv_row(acc3, a, b, c, d, s, z, scr + 3 * RS, R8, i, K_ITERS, offs_k8, HAS_ZEROS, USE_ASM,
-                              BLOCK_K8)
-    if USE_PDL:
-        gdc_launch_dependents()
-    offs_m = tl.arange(0, BLOCK_M)
-    out = tl.where(offs_m[:, None] == 0, (acc0 * inv0)[None, :], (acc1 * inv1)[None, :])  # [BLOCK_M, BLOCK_N]
-    if BLOCK_M > 2:
-        out = tl.where(offs_m[:, None] == 2, (acc2 * inv2)[None, :], out)
-        out = tl.where(offs_m[:, None] == 3, (acc3 * inv3)[None, :], out)
-    _finish(out, pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
-            y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
-            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -923,11 +771,6 @@ SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "0") == "1"
 ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
 # SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs).
 MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
-# The packed-fp16 GEMV for 2 <= M <= 4 rows (_int4_mgemv_f16_kernel) among the tuner's candidates. Off by default:
-# written and checked under the interpreter (its asm runs only on a GPU) but not yet built or timed on one. A
-# verify step of a few tree nodes runs at these M, where the MMA path costs 1.34x the one-row GEMV on the H200
-# (int4_matmul.json, 8B shapes: 71.1 against 53.4 us per layer).
-MGEMV = os.environ.get("SPECGATE_INT4_MGEMV", "0") == "1"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
@@ -978,8 +821,6 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
     shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[bucket]]
     if M > 1 and MMAT:  # (M = 1 belongs to the GEMVs)
         shapes += [("mmat", bm, bn, 128, w, st) for bm, bn, w, st in _MMAT_SHAPES[bucket]]
-    if x16 and MGEMV and 2 <= M <= 4:  # the rows share each word's decode; after the default (see MGEMV)
-        shapes += [("hgemv", 2 if M == 2 else 4, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES]
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
         if x16:
             shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES] + shapes
@@ -1007,11 +848,8 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
     ``whole_zeros``: the zero points are whole numbers (or absent), so a 16-bit decode can subtract them."""
     if cfg.kind == "hgemv":
         # partials read per fix-up step: the fix-up's L2 round trips are the tail of a short kernel
-        extra = {"FIX_R": max(1, min(16, 8192 // cfg.block_n)), "USE_ASM": on_gpu, "CHUNK8": 128,
-                 "DEPTH": cfg.num_stages, "USE_PDL": pdl}
-        if cfg.block_m > 1:
-            return _int4_mgemv_f16_kernel, {**extra, "BLOCK_M": cfg.block_m}
-        return _int4_gemv_f16_kernel, extra
+        return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(16, 8192 // cfg.block_n)), "USE_ASM": on_gpu,
+                                       "CHUNK8": 128, "DEPTH": cfg.num_stages, "USE_PDL": pdl}
     if cfg.kind == "gemv":
         # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
@@ -1030,10 +868,6 @@ def sass_configs() -> list[KernelConfig]:
     """The configs ``bench/kernels/sass.py`` compiles for sm_90: each path at its usual M."""
     return [KernelConfig("hgemv", 1, 512, 64, 16, 4, 2),
             KernelConfig("hgemv", 1, 512, 128, 16, 4, 1),
-            KernelConfig("hgemv", 2, 512, 64, 16, 4, 2),
-            KernelConfig("hgemv", 2, 512, 128, 16, 4, 1),
-            KernelConfig("hgemv", 4, 512, 64, 16, 4, 2),
-            KernelConfig("hgemv", 4, 256, 64, 16, 4, 2),
             KernelConfig("gemv", 1, 512, 64, 16, 4, 1),
             KernelConfig("mma", 16, 128, 128, 8, 4, 3),
             KernelConfig("mma", 16, 256, 128, 8, 8, 3),
@@ -1078,13 +912,12 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps,
                 **extra, **({"launch_pdl": True} if extra.get("USE_PDL") else {}))
     if cfg.kind == "hgemv":
-        if (cfg.block_m not in (1, 2, 4) or M > cfg.block_m or G % cfg.block_k or K % cfg.block_k
-                or not _is_16bit(x)):
-            raise ValueError(f"hgemv needs at most block_m (1, 2 or 4) 16-bit rows and block_k dividing G and K: "
-                             f"{tuple(x.shape)} {x.dtype}, G {G}, {cfg}")
-        # per program and row: the split's f16x2 pairs (4 words per packed row) and one sum of x per tile
-        scratch = torch.empty(grid_n * cfg.split_k * cfg.block_m * (k_iters * cfg.block_k // 2 + k_iters),
-                              dtype=torch.int32, device=x.device)
+        if M != 1 or G % cfg.block_k or K % cfg.block_k or not _is_16bit(x):
+            raise ValueError(f"hgemv needs one 16-bit row and block_k dividing G and K: {tuple(x.shape)} {x.dtype}, "
+                             f"G {G}, {cfg}")
+        # per program: the split's f16x2 pairs (4 words per packed row) and one sum of x per tile
+        scratch = torch.empty(grid_n * cfg.split_k * (k_iters * cfg.block_k // 2 + k_iters), dtype=torch.int32,
+                              device=x.device)
         # num_stages: hgemv's DEPTH is its own (tiles in flight); Triton's pipeliner has nothing to do
         kernel[(grid_n, cfg.split_k)](*args, scratch, *sizes, num_stages=1, **meta)
     else:

@@ -279,51 +279,11 @@ def test_hgemv_scales_x_into_fp16_range(magnitude):
         assert _rel_err(y2, _ref(x2, w)) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize("M,block_m,N,K,G,use_zero_point,split_k,epilogue", [
-    (2, 2, 1000, 576, 64, True, 3, "bias"), (3, 4, 300, 1024, 32, False, 1, "residual"),
-    (4, 4, 200, 1536, 128, True, 8, "silu"), (2, 4, 96, 512, 128, False, 2, "bias")])  # a row past M
-def test_multi_row_hgemv_matches_ref(M, block_m, N, K, G, use_zero_point, split_k, epilogue):
-    """The packed-fp16 GEMV for 2-4 rows: every row scaled on its own (one row 30 times the others), the
-    words decoded once for all, ragged N, split and unsplit K, every epilogue, a poisoned output."""
-    w = _weight(N, K, G, use_zero_point, torch.float16, seed=N + K + M)
-    x = _x(M, K, torch.float16, seed=K + M)
-    x[-1] *= 30.0 if epilogue != "silu" else 1.0
-    cfg = T.KernelConfig("hgemv", block_m, 512, min(64, G), split_k, 4, 2 if split_k > 2 else 1)
-    out = torch.full((M, N // 2 if epilogue == "silu" else N), float("nan"), dtype=torch.float16, device=DEVICE)
-    if epilogue == "silu":
-        x = x * 0.05  # keeps the gate's sigmoid in range (the interpreter turns exp's overflow into an error)
-        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=True, config=cfg, out=out)
-        gate, up = _ref(x, w).chunk(2, dim=-1)
-        ref = torch.nn.functional.silu(gate) * up
-    elif epilogue == "bias":
-        bias = _x(1, N, torch.float16, seed=2)[0]
-        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, bias=bias, config=cfg, out=out)
-        ref = _ref(x, w, bias)
-    else:
-        residual = _x(M, N, torch.float16, seed=3)
-        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, residual=residual, config=cfg, out=out)
-        ref = _ref(x, w, residual=residual)
-    for m in range(M):  # row by row: a row's error must not hide under another's magnitude
-        assert _rel_err(y[m : m + 1], ref[m : m + 1]) < TOL[torch.float16], m
-
-
-def test_multi_row_hgemv_is_a_candidate_only_when_switched_on(monkeypatch):
-    monkeypatch.setattr(T, "MGEMV", False)
-    assert not any(c.kind == "hgemv" for c in T._candidates(3, 4096, 4096, False, 132))
-    monkeypatch.setattr(T, "MGEMV", True)
-    picks = [c for c in T._candidates(3, 4096, 4096, False, 132) if c.kind == "hgemv"]
-    assert picks and all(c.block_m == 4 for c in picks)
-    assert all(c.block_m == 2 for c in T._candidates(2, 4096, 4096, False, 132) if c.kind == "hgemv")
-    assert T._candidates(3, 4096, 4096, False, 132)[0].kind != "hgemv"  # the untuned default stays the MMA path
-    assert not any(c.kind == "hgemv" for c in T._candidates(5, 4096, 4096, False, 132))
-
-
 def test_hgemv_rejects_what_it_cannot_run():
     w = _weight(64, 256, 128, True, torch.float16)
-    for M, block_m in ((2, 1), (3, 2), (4, 3)):  # more rows than the block, or a block it has no kernel for
-        with pytest.raises(ValueError, match="hgemv"):
-            T.int4_matmul_triton(_x(M, 256, torch.float16), w.qweight, w.scales, w.zeros, 128,
-                                 config=T.KernelConfig("hgemv", block_m, 512, 64, 1, 4, 1))
+    with pytest.raises(ValueError, match="hgemv"):
+        T.int4_matmul_triton(_x(2, 256, torch.float16), w.qweight, w.scales, w.zeros, 128,
+                             config=T.KernelConfig("hgemv", 1, 512, 64, 1, 4, 1))
 
 
 def test_residual_and_strided_rows():
@@ -386,26 +346,6 @@ def test_gpu_llama_shape(M, dtype):
         for whole in (False, True):  # the factored zero point, and whole zero points in the decode
             y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, bias=bias, config=cfg, whole_zeros=whole)
             assert _rel_err(y, ref) < TOL[dtype], (cfg, whole)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("M", [2, 3, 4])
-def test_gpu_multi_row_hgemv_every_shape(M, dtype):
-    """The 2-4 row GEMV's asm decode at a real size, whatever SPECGATE_INT4_MGEMV says: every tuner shape,
-    split and unsplit K, factored and whole zero points, one row 30 times the others."""
-    w = _weight(1024, 4096, 128, True, dtype)
-    x = _x(M, 4096, dtype)
-    x[-1] *= 30.0
-    ref = _ref(x, w)
-    for bn, bk, warps, depth in T._HGEMV_SHAPES:
-        for split in (1, 4):
-            cfg = T.KernelConfig("hgemv", 2 if M == 2 else 4, bn, bk, split, warps, depth)
-            for whole in (False, True):
-                y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, config=cfg, whole_zeros=whole)
-                for m in range(M):
-                    assert _rel_err(y[m : m + 1], ref[m : m + 1]) < TOL[dtype], (cfg, whole, m)
 
 
 @pytest.mark.gpu
