@@ -318,12 +318,15 @@ class LLM:
     def generate(self, prompts: list[str] | list[list[int]],
                  sampling: SamplingParams | list[SamplingParams] = SamplingParams(),
                  speculation: SpeculationParams = SpeculationParams(), stop: tuple[str, ...] | list[str] = (),
-                 include_stop: bool = False) -> list[Generation]:
+                 include_stop: bool = False, batch_completion: bool = True) -> list[Generation]:
         """Run all prompts to completion in one continuous batch; results in prompt order. ``sampling``: one
         for every prompt, or one per prompt (distinct seeds, say). ``stop``: strings that end an output, as the
         server's ``stop`` (cut before the first match, or after it with ``include_stop``; none can end it before
         ``min_tokens``); the token ids end with the token that completed the match, and the request's KV
-        blocks go back at once."""
+        blocks go back at once. ``batch_completion``: the adaptive speculation budget aims at the time the last
+        output ends (the scheduler's ``batch_completion``): only the drafts of the requests furthest from done
+        count, since nothing waits to take a finished one's place. False: at tokens per second over the batch,
+        as a server does."""
         if isinstance(stop, str):
             stop = (stop,)
         ids = [p if isinstance(p, list) else self.encode(p) for p in prompts]
@@ -345,6 +348,21 @@ class LLM:
         texts = ({r: TextAssembler(tok, p, tuple(stop), include_stop, sp.min_tokens)
                   for r, p, sp in zip(rids, ids, per_prompt)} if stop else None)
         t0 = time.perf_counter()
+        sched = self.engine.scheduler
+        sched.batch_completion = batch_completion
+        try:
+            self._run(rids, done, toks, lps, texts, include_stop)
+        finally:
+            sched.batch_completion = False
+        secs = time.perf_counter() - t0
+        text = ({r: texts[r].text for r in rids} if texts is not None else
+                {r: tok.decode(toks[r][:-1] if done[r].stop_token else toks[r], skip_special_tokens=True) for r in rids})
+        return [Generation(text[r], toks[r], done[r].finish_reason, done[r].stats, done[r].prompt_tokens, secs,
+                           done[r].error, lps.get(r)) for r in rids]
+
+    def _run(self, rids: list[str], done: dict[str, RequestOutput], toks: dict[str, list[int]],
+             lps: dict[str, list[TokenLogprob]], texts: dict | None, include_stop: bool) -> None:
+        """Step the engine until every request of ``rids`` is in ``done`` (``generate``'s loop)."""
         while len(done) < len(rids):
             for out in self.engine.step():
                 r = out.request_id
@@ -368,11 +386,6 @@ class LLM:
                     done[r] = out
                 elif out.finished:
                     done[r] = out
-        secs = time.perf_counter() - t0
-        text = ({r: texts[r].text for r in rids} if texts is not None else
-                {r: tok.decode(toks[r][:-1] if done[r].stop_token else toks[r], skip_special_tokens=True) for r in rids})
-        return [Generation(text[r], toks[r], done[r].finish_reason, done[r].stats, done[r].prompt_tokens, secs,
-                           done[r].error, lps.get(r)) for r in rids]
 
 
 def log_stderr(msg: str) -> None:

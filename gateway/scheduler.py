@@ -72,6 +72,9 @@ class Scheduler:
         self.num_schedules = 0  # probes fall on every interval-th plan (see gateway/budget.py)
         self._intervals: dict[str | None, int] = {}  # this plan's probe interval per drafter
         self._batch = 0  # this plan's decoding sequences: the batch whose step costs price a probe
+        # True while a caller waits for every running request to end (``LLM.generate``): with nobody waiting
+        # to take a finished request's place, only drafts of the requests furthest from done shorten that.
+        self.batch_completion = False
 
     def add(self, seq: Sequence) -> None:
         seq.acceptance = self.priors.start(seq.drafter)
@@ -164,11 +167,15 @@ class Scheduler:
             return widths
         alphas = [s.acceptance.alpha for s in decoding]
         adaptive = set(cut)
+        pays = self._shortens_batch(decoding, top) if self.batch_completion and not self.waiting else None
         fixed = sum(expected_tokens(alphas[i], len(w)) for i, w in enumerate(widths) if i not in adaptive)
-        # gains[c]: the step's expected tokens with the adaptive trees cut to depth c. Per tree, one running
-        # sum of alpha ** d: this runs every step over the whole batch.
+        # gains[c]: the step's expected tokens with the adaptive trees cut to depth c (under batch_completion,
+        # only those of the sequences the batch's end waits on). Per tree, one running sum of alpha ** d: this
+        # runs every step over the whole batch.
         gains = [fixed] * (top + 1)
         for i in cut:
+            if pays is not None and not pays[i]:
+                continue  # its tokens, drafted or not, do not bring the batch's end closer
             a, term, tokens = alphas[i], 1.0, 1.0
             depth = len(widths[i])
             for c in range(top + 1):
@@ -192,9 +199,19 @@ class Scheduler:
             # A sequence the cap keeps from drafting never updates its acceptance, so a cap set on a low
             # early estimate would hold for good: every probe interval it drafts one level anyway (on the
             # scheduler's probe steps, with every other due sequence).
-            stale = may_probe and self._probe_due(decoding[i])
+            stale = may_probe and (pays is None or pays[i]) and self._probe_due(decoding[i])
             widths[i] = widths[i][:1] if stale else widths[i][:c]
         return widths
+
+    def _shortens_batch(self, decoding: list[Sequence], top: int) -> list[bool]:
+        """Which decoding sequences' drafted tokens can bring the batch's end closer: those within one step's
+        tokens (``top`` + 1) of the most any running sequence still may generate. The others finish first
+        anyway, and their kept drafts then buy nothing while every step still runs for the last one: on the
+        H100 at 2485e10 a static batch of 16 drafted on 13 of 127 steps at 1.4-2.6x a plain step's price,
+        kept 1.07 tokens a step, and ended one step sooner than plain decoding (engine_real_h100_2485e10.json:
+        0.92x). A prefilling sequence counts with its whole budget: the batch waits for it too."""
+        last = max(s.remaining_tokens for s in self.running)
+        return [s.remaining_tokens >= last - (top + 1) for s in decoding]
 
     def _probe_due(self, seq: Sequence) -> bool:
         """Whether ``seq``, decoding plainly, drafts one level this plan. Its drafter's probe interval is

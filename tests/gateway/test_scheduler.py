@@ -297,6 +297,39 @@ def test_no_probe_costs_riding_plain_requests_more_than_their_bound() -> None:
     assert probe_steps(with_plain=True, level_cost=1.03) >= 3  # within it
 
 
+def test_batch_completion_counts_only_the_drafts_of_the_requests_furthest_from_done() -> None:
+    """Under ``batch_completion`` (a caller waits for every request) with nobody waiting, a request that will
+    end well before the last one gains the batch nothing by drafting: the budget counts only the drafts of
+    the requests within one step of the most remaining tokens. A request waiting for a slot makes an early
+    end worth a slot again, and the budget counts every request's tokens."""
+
+    def plan_widths(lead_alpha: float, last_alpha: float, completion: bool, queued: bool = False) -> list:
+        sched = Scheduler(SchedulerConfig(max_running=3), BlockPool(256, 4), Clock())
+        seqs = [make_seq(0, 4, 20, 0, 0.0), make_seq(1, 4, 200, 0, 0.0), make_seq(2, 4, 200, 0, 0.0)]
+        for s in seqs:
+            sched.add(s)
+        plan = sched.schedule(lambda s: ((2, 2, 1), True))
+        for s, n in plan.prefills:
+            s.table.ensure(s.num_cached + n)
+            s.num_cached += n
+        for s, a in zip(seqs, (lead_alpha, last_alpha, last_alpha)):
+            s.acceptance.successes, s.acceptance.trials = 10 * a, 10.0
+        for depth, secs in ((0, 1.0), (1, 1.3), (2, 1.5), (3, 1.7)):
+            for _ in range(2):
+                sched.costs.observe(3, depth, secs, ("draft",))
+        if queued:
+            sched.add(make_seq(3, 4, 200, 0, 0.0))  # no slot for it: max_running 3
+        sched.batch_completion = completion
+        return [w for _, w in sched.schedule(lambda s: ((2, 2, 1), True)).decodes]
+
+    # request 0 has 20 tokens to go against the others' 200, and is the only one whose drafts the target keeps
+    assert plan_widths(0.95, 0.3, completion=False)[0] == (2, 2, 1)  # tokens per second: its drafts pay
+    assert plan_widths(0.95, 0.3, completion=True) == [(), (), ()]  # the batch ends with requests 1 and 2
+    assert plan_widths(0.95, 0.3, completion=True, queued=True)[0] == (2, 2, 1)  # its slot is worth freeing
+    # the requests the batch waits on draft well: they speculate, and request 0 rides along
+    assert plan_widths(0.3, 0.95, completion=True)[1] == (2, 2, 1)
+
+
 def test_a_new_request_starts_from_its_drafters_acceptance() -> None:
     """Requests of a drafter that has kept little so far start plain instead of four levels deep; a drafter
     with no record yet (or too little) starts from the fixed prior of 0.5. (Cost-blind: a fresh engine would
