@@ -31,6 +31,10 @@ sys.path.insert(0, str(HERE.parent))
 
 import provenance  # noqa: E402  (bench/, this script's own folder)
 from drafters import NGRAM_ALONE, select_arm  # noqa: E402  (the ngram-alone arm, as bench/drafters.py runs it)
+
+# The default drafter with the budget aimed at tokens per second over the batch, as a server's (LLM.generate's
+# batch_completion off): against "on", the batch-end objective's A/B within one run.
+PER_TOKEN = "per-token"
 from bench.kernels.bench_int4_matmul import copy_tbps  # noqa: E402  (the same probe as the kernel bench)
 from draft.params import SpeculationParams  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
@@ -279,8 +283,9 @@ def first_use_counts(llm: LLM) -> dict[str, int]:
 
 
 def generate_tok_s(llm: LLM, prompts: list[str], sampling: SamplingParams, spec: SpeculationParams,
-                   counts: dict | None = None) -> tuple[float, float]:
-    """Tokens per second and mean accepted length of one ``generate``; ``counts`` (if given) receives the
+                   counts: dict | None = None, batch_completion: bool = True) -> tuple[float, float]:
+    """Tokens per second and mean accepted length of one ``generate`` (``batch_completion``: its budget
+    objective, LLM.generate's); ``counts`` (if given) receives the
     change of ``first_use_counts`` across it (zero counters left out), and ``steps_by_depth``: for each
     draft depth the decode-only steps took, [steps, mean ms per step, longest step's ms]."""
     before = first_use_counts(llm) if counts is not None else {}
@@ -299,7 +304,7 @@ def generate_tok_s(llm: LLM, prompts: list[str], sampling: SamplingParams, spec:
     sched.costs = Recording()
     try:
         t0 = time.perf_counter()
-        gens = llm.generate(prompts, sampling, spec)
+        gens = llm.generate(prompts, sampling, spec, batch_completion=batch_completion)
         secs = time.perf_counter() - t0
     finally:
         sched.costs = costs
@@ -395,11 +400,12 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}, "first_use": first_use,
                "runs_tok_s": {k: [round(t, 1) for t, _ in v] for k, v in runs.items()}, "later_runs": later}
         table = llm.engine.drafters["ngram"].table
-        for name in [a for a in arms if (a in llm.engine.drafters or a == NGRAM_ALONE)
+        for name in [a for a in arms if (a in llm.engine.drafters or a in (NGRAM_ALONE, PER_TOKEN))
                      and a != llm.engine.config.default_drafter]:
-            spec = SpeculationParams(drafter=select_arm(llm, name, table))
+            spec = SpeculationParams() if name == PER_TOKEN else SpeculationParams(drafter=select_arm(llm, name, table))
             llm.generate(warm, warm_sampling, spec)
-            arm_runs = [generate_tok_s(llm, ps, greedy, spec, record(name, rep)) for rep in range(repeats)]
+            arm_runs = [generate_tok_s(llm, ps, greedy, spec, record(name, rep), batch_completion=name != PER_TOKEN)
+                        for rep in range(repeats)]
             select_arm(llm, "ngram", table)
             tok_s, arm_mal = max(arm_runs)
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),
@@ -506,7 +512,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--repeats", type=int, default=2, help="--real: timed calls per arm (the best is reported)")
-    ap.add_argument("--arms", default="ngram,ngram-alone,hybrid,lookup-first,draft",
+    ap.add_argument("--arms", default=f"ngram,ngram-alone,{PER_TOKEN},hybrid,lookup-first,draft",
                     help="--real: drafters also timed alone at each batch size ('' for none)")
     ap.add_argument("--out", default=str(HERE / "results" / "engine.json"))
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON")
