@@ -562,13 +562,7 @@ class Engine:
             if forced:  # a forced chain says nothing of the drafter: no acceptance is observed
                 seq.stats.record(tree.num_nodes, parents if len(nodes) > 1 else [], nodes)
                 return moves
-        depth = max(depths)
-        # A drafter with nothing to offer (an n-gram lookup without a match) counts as one failed level: the
-        # budget prices what offering a tree yields. Counted as no trial at all, a sequence whose lookups
-        # rarely match kept its prior's promise, and at batch 16 on the H200 the budget drafted four levels
-        # for 16 sequences that returned 1.12 tokens a step (engine_real_a5ef89b.json).
-        self.scheduler.observe_acceptance(seq, len(nodes) - 1, depth if depth else min(offered, 1))
-        seq.steps_without_draft = 0 if depth else seq.steps_without_draft + 1
+        self.scheduler.observe_step(seq, len(nodes) - 1, max(depths), offered)
         seq.stats.record(tree.num_nodes, parents if len(nodes) > 1 else [], nodes)  # ranks among siblings need the parents
         return moves
 
