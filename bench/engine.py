@@ -31,10 +31,6 @@ sys.path.insert(0, str(HERE.parent))
 
 import provenance  # noqa: E402  (bench/, this script's own folder)
 from drafters import NGRAM_ALONE, select_arm  # noqa: E402  (the ngram-alone arm, as bench/drafters.py runs it)
-
-# The default drafter with the budget aimed at tokens per second over the batch, as a server's (LLM.generate's
-# batch_completion off): against "on", the batch-end objective's A/B within one run.
-PER_TOKEN = "per-token"
 from bench.kernels.bench_int4_matmul import copy_tbps  # noqa: E402  (the same probe as the kernel bench)
 from draft.params import SpeculationParams  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
@@ -48,6 +44,9 @@ from target.model import Layer, Linear, Transformer, int4_linear  # noqa: E402
 from verify.sampling import SamplingParams  # noqa: E402
 
 MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
+# The default drafter with the budget aimed at tokens per second over the batch, as a server's (LLM.generate's
+# batch_completion off): against "on", the batch-end objective's A/B within one run.
+PER_TOKEN = "per-token"
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                  intermediate_size=14336, tie_word_embeddings=False)
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
