@@ -1,0 +1,160 @@
+"""Where a small target's verify step spends more than its decode step, per kernel (lent GPU).
+
+On the real pair (SmolLM2-135M INT4, bench/results/engine_real_h100_2485e10.json) a step that verifies a
+one-level draft costs 1.28x a plain step at batch 1 and 1.54x at batch 16, so a drafter must keep 0.28 /
+0.54 extra tokens a step just to break even. This bench splits that price on the device: random weights in
+SmolLM2's shape (INT4 g32 with fractional zero points, the embedded GGUF's Q4_1 form), B sequences of
+``--context`` cached tokens each verifying a binary tree of N nodes, replayed from a CUDA graph. For every
+(B, N) it reports the step's wall time and, from torch.profiler over the replays, device time and launches
+per kernel name; the table printed last is each kernel's microseconds against the N = 1 step of the same B.
+
+    python bench/verify_profile.py --batches 1,16 --nodes 1,2,4,8 --out $OUT/verify_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+import provenance  # noqa: E402  (bench/, this script's own folder)
+from kernels.int4_matmul import Int4Weight  # noqa: E402
+from target.batch import Segment, build_batch  # noqa: E402
+from target.config import ModelConfig  # noqa: E402
+from target.graphs import CudaGraphRunner  # noqa: E402
+from target.model import Layer, Linear, Transformer, int4_linear  # noqa: E402
+
+DEVICE = "cuda"  # --device cpu: a smoke run of the script itself (no kernel profile there)
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+               num_kv_heads=3, head_dim=64)
+
+
+def smollm2_int4(group: int = 32, seed: int = 0) -> Transformer:
+    """Random weights in SmolLM2-135M's shape, INT4 with fractional zero points (the factored path the
+    embedded Q4_1 weights take), tied bf16 embedding / LM head."""
+    cfg = ModelConfig(family="llama", rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
+                      eos_token_ids=(0,), tie_word_embeddings=True, **SMOLLM2)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    bf = dict(dtype=torch.bfloat16, device=DEVICE)
+    hid, D, H, Hkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+
+    def lin(n: int, k: int) -> Linear:
+        q = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, dtype=torch.int32, device=DEVICE)
+        s = torch.rand(k // group, n, generator=g, **bf) * (0.2 * k**-0.5)
+        z = torch.rand(k // group, n, generator=g, **bf) * 15
+        return int4_linear(Int4Weight(q, s, z, group))
+
+    layers = [Layer(input_norm=torch.ones(hid, **bf), qkv=lin((H + 2 * Hkv) * D, hid), o=lin(hid, H * D),
+                    post_norm=torch.ones(hid, **bf), gate_up=lin(2 * inter, hid), down=lin(hid, inter))
+              for _ in range(cfg.num_layers)]
+    embed = torch.randn(cfg.vocab_size, hid, generator=g, **bf) * 0.02
+    return Transformer(cfg, embed, layers, torch.ones(hid, **bf), Linear(embed), torch.bfloat16)
+
+
+def verify_step(model: Transformer, B: int, nodes: int, context: int):
+    """A replayable step: ``B`` sequences of ``context`` cached tokens, each verifying a binary tree of
+    ``nodes`` nodes (N = 1: a plain decode step), the way the engine lays out a verify batch."""
+    cache = model.new_cache(B * (context // 16 + 8), 16)
+    runner = CudaGraphRunner(model, cache, max_blocks=context // 16 + 8, buckets=(B, 2 * B), shared_logits=True)
+    tables = [cache.new_table() for _ in range(B)]
+    for t in tables:
+        model.forward(build_batch([Segment(t, 0, list(range(context)), logits="none")], cache, DEVICE), cache)
+    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+    depths, bits = [0], [1]
+    for i in range(1, nodes):
+        depths.append(depths[parents[i]] + 1)
+        bits.append(bits[parents[i]] | (1 << i))
+    segs = [Segment(t, context, [7 + b] * nodes, positions=[context + d for d in depths],
+                    mask_bits=bits if nodes > 1 else None, logits="all") for b, t in enumerate(tables)]
+    batch = build_batch(segs, cache, DEVICE)
+    if DEVICE != "cuda":
+        return lambda: model.forward(batch, cache)
+    return lambda: runner.forward(batch, cache)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def profile(run, reps: int) -> dict:
+    """Median synchronised wall time of one replay, then per-kernel device time over ``reps`` replays."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    for _ in range(5):
+        run()
+    walls = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        walls.append(time.perf_counter() - t0)
+    if DEVICE != "cuda":  # the smoke run: no device kernels to profile
+        return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1), "kernel_us": 0.0, "launches": 0, "kernels": {}}
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        sync()
+    per_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            agg = per_name.setdefault(e.name[:60], [0.0, 0.0])
+            agg[0] += e.device_time_total / reps
+            agg[1] += 1 / reps
+    return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1),
+            "kernel_us": round(sum(v[0] for v in per_name.values()), 1),
+            "launches": round(sum(v[1] for v in per_name.values())),
+            "kernels": {k: {"us": round(v[0], 1), "per_step": round(v[1], 1)}
+                        for k, v in sorted(per_name.items(), key=lambda kv: -kv[1][0])}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--nodes", default="1,2,4,8")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=SMOLLM2["num_layers"])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    SMOLLM2["num_layers"] = args.layers
+    model = smollm2_int4()
+    res = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": datetime.date.today().isoformat(),
+           "commit": provenance.commit(), "torch": torch.__version__, "context": args.context, "rows": []}
+    for B in map(int, args.batches.split(",")):
+        for n in map(int, args.nodes.split(",")):
+            row = {"batch": B, "nodes": n, **profile(verify_step(model, B, n, args.context), args.reps)}
+            res["rows"].append(row)
+            print(f"B={B:3d} N={n:2d} wall {row['wall_us']:8.1f} us  kernels {row['kernel_us']:8.1f} us  "
+                  f"launches {row['launches']}", flush=True)
+            Path(args.out).write_text(json.dumps(res, indent=1))
+    if DEVICE == "cuda":  # the INT4 tuner's pick per (M, N, K, silu): which path each row count took
+        from kernels import int4_matmul_triton as T
+        res["int4_configs"] = {str(k[:3] + k[7:8]): str(v) for k, v in T._CONFIG_CACHE.items()}
+        Path(args.out).write_text(json.dumps(res, indent=1))
+    print("\nkernel us per step, and its change against N = 1 at the same batch")
+    for B in sorted({r["batch"] for r in res["rows"]}):
+        rows = [r for r in res["rows"] if r["batch"] == B]
+        names = sorted({k for r in rows for k in r["kernels"]}, key=lambda k: -rows[-1]["kernels"].get(k, {"us": 0})["us"])
+        print(f"B={B}: " + " ".join(f"N={r['nodes']:>8d}" for r in rows))
+        for k in names[:14]:
+            base = rows[0]["kernels"].get(k, {"us": 0.0})["us"]
+            cells = [r["kernels"].get(k, {"us": 0.0})["us"] for r in rows]
+            print(f"  {k[:44]:44s} " + " ".join(f"{c:7.1f}{'' if i == 0 else f'({c - base:+.0f})'}"
+                                                for i, c in enumerate(cells)))
+        print(f"  {'wall':44s} " + " ".join(f"{r['wall_us']:7.1f}" for r in rows))
+
+
+if __name__ == "__main__":
+    main()
