@@ -457,6 +457,47 @@ def _codes_plus_magic(q, j: tl.constexpr, dtype: tl.constexpr, USE_ASM: tl.const
                                          is_pure=True, pack=2)
 
 
+# One L2 prefetch per pointer, where its predicate holds; the result is a dummy (nothing reads it), and the op
+# is not pure, so it stays in the kernel.
+_PREFETCH_L2 = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
+
+
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    tl.inline_asm_elementwise(asm=_PREFETCH_L2, constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid, pid_k, M, N, K, K_ITERS, G: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
+                    HAS_ZEROS: tl.constexpr):
+    """Ask L2 for a MMA program's whole K split of packed words and group parameters, before it waits on
+    the kernel ahead (PDL): weights are never written by a kernel, so their HBM latency can overlap the
+    kernel ahead's tail and our own launch, as the GEMV's first tiles do. One prefetch per 64 bytes of a
+    row (16 words, 32 scales): a [BLOCK_K // 8, BLOCK_N // 16] grid of pointers per K block."""
+    pid_n = pid // tl.cdiv(M, BLOCK_M)
+    c = tl.arange(0, BLOCK_N // 16) * 16
+    if SILU:
+        half: tl.constexpr = BLOCK_N // 2
+        out_col = pid_n * half + (c % half)
+        cols, ok = out_col + (c // half) * (N // 2), out_col < N // 2
+    else:
+        cols = pid_n * BLOCK_N + c
+        ok = cols < N
+    r8 = tl.arange(0, BLOCK_K // 8)
+    GROWS: tl.constexpr = BLOCK_K // G if BLOCK_K > G else 1  # group rows a K block spans
+    gr = tl.arange(0, GROWS)
+    for i in range(K_ITERS):
+        k0 = (pid_k * K_ITERS + i) * BLOCK_K
+        _prefetch_l2(qw_ptr + (k0 // 8 + r8)[:, None] * N + cols[None, :], (k0 + 8 * r8 < K)[:, None] & ok[None, :])
+        g_ok = (k0 + gr * G < K)[:, None] & (ok & (c % 32 == 0))[None, :]
+        g_off = (k0 // G + gr)[:, None] * N + cols[None, :]
+        _prefetch_l2(scales_ptr + g_off, g_ok)
+        if HAS_ZEROS:
+            _prefetch_l2(zeros_ptr + g_off, g_ok)
+
+
 @triton.jit
 def _dot(a, b, acc):
     if a.dtype == tl.float32:
@@ -544,6 +585,7 @@ def _int4_matmul_kernel(
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, SCALE_DOT: tl.constexpr, ZDEC: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split (see ``_mma_tile``).
 
@@ -556,7 +598,10 @@ def _int4_matmul_kernel(
     no load needs a K mask.
     """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
-    if USE_PDL:  # the pipeliner's first loads read x: nothing overlaps the previous kernel but our launch
+    if USE_PDL:  # the pipeliner's first loads read x: only the L2 prefetch of our weights overlaps the kernel ahead
+        if PREFETCH:
+            _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid, pid_k, M, N, K, K_ITERS, G, BLOCK_M, BLOCK_N, BLOCK_K,
+                            SILU, HAS_ZEROS)
         gdc_wait()
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     pid_n, cols, n_mask, offs_m, m_mask, x_ptrs, q_ptrs = _mma_tile(x_ptr, qw_ptr, pid, M, N, stride_xm, BLOCK_M,
@@ -646,7 +691,7 @@ def _int4_matmul_t_kernel(
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ZDEC: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ZDEC: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """The MMA path with its operands swapped: y^T = W x^T, so the decoded weights are the MMA's A
     operand (rows = weight columns) and the tokens its N dimension (Machete's swap-AB idea).
@@ -659,6 +704,9 @@ def _int4_matmul_t_kernel(
     """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     if USE_PDL:
+        if PREFETCH:
+            _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid, pid_k, M, N, K, K_ITERS, G, BLOCK_M, BLOCK_N, BLOCK_K,
+                            SILU, HAS_ZEROS)
         gdc_wait()
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     pid_n, cols, n_mask, offs_m, m_mask, x_ptrs, q_ptrs = _mma_tile(x_ptr, qw_ptr, pid, M, N, stride_xm, BLOCK_M,
@@ -771,6 +819,11 @@ SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "0") == "1"
 ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
 # SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs).
 MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
+# SPECGATE_INT4_PREFETCH=0: the MMA paths do not prefetch their weights into L2 before waiting on the kernel
+# ahead (_prefetch_split). With PDL on, a small target's verify step ran its MMA matmuls where a decode step
+# runs GEMVs that load weights before the wait: SmolLM2's shape at batch 1 paid 1086 against 847 us a step
+# for one more token a sequence, while the kernels' own time grew 57 us (bench/results/verify_profile_h100.json).
+PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
@@ -857,11 +910,13 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
     factored = x_16bit and G % cfg.block_k == 0
     if cfg.kind == "mmat":
         return _int4_matmul_t_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
-                                       "USE_PDL": pdl, "ZDEC": factored and whole_zeros and ZDEC}
+                                       "USE_PDL": pdl, "ZDEC": factored and whole_zeros and ZDEC,
+                                       "PREFETCH": pdl and on_gpu and PREFETCH}
     scale_dot = factored and SCALE_DOT and cfg.block_m == 16
     return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
                                  "USE_PDL": pdl, "SCALE_DOT": scale_dot,
-                                 "ZDEC": factored and whole_zeros and ZDEC and not scale_dot}
+                                 "ZDEC": factored and whole_zeros and ZDEC and not scale_dot,
+                                 "PREFETCH": pdl and on_gpu and PREFETCH}
 
 
 def sass_configs() -> list[KernelConfig]:
