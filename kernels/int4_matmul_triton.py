@@ -830,9 +830,9 @@ MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 # runs GEMVs that load weights before the wait: SmolLM2's shape at batch 1 paid 1086 against 847 us a step
 # for one more token a sequence, while the kernels' own time grew 57 us (bench/results/verify_profile_h100.json).
 PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
-# Up to HGEMV_ROWS rows, the tuner also times the M = 1 GEMV run as one program a row
-# (SPECGATE_INT4_HGEMV_ROWS=1: M = 1 alone, as before).
-HGEMV_ROWS = int(os.environ.get("SPECGATE_INT4_HGEMV_ROWS", "4"))
+# SPECGATE_INT4_HGEMV_ROWS=N: up to N rows, the tuner also times the M = 1 GEMV run as one program a row. The
+# default, 1, keeps it to M = 1: the rows are tested under the interpreter but not yet timed on a GPU.
+HGEMV_ROWS = int(os.environ.get("SPECGATE_INT4_HGEMV_ROWS", "1"))
 # SPECGATE_INT4_TUNE=chain: the tuner times each candidate as a chain of TUNE_CHAIN launches back to back (PDL
 # overlapping each with the one ahead, as inside a forward) and keeps the time per launch, instead of one
 # launch alone after an L2 flush (the default, "alone").

@@ -110,7 +110,8 @@ def _configs(M: int, N: int, K: int, x16: bool) -> list[T.KernelConfig]:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("M,N,K,G", [(2, 100, 576, 64), (5, 64, 1024, 128), (33, 40, 256, 32)])
-def test_every_kernel_matches_ref(M, N, K, G, dtype):
+def test_every_kernel_matches_ref(monkeypatch, M, N, K, G, dtype):
+    monkeypatch.setattr(T, "HGEMV_ROWS", 4)  # the GEMV over a few rows among the candidates at M = 2
     w = _weight(N, K, G, True, dtype)
     x, bias = _x(M, K, dtype), _x(1, N, dtype, seed=2)[0]
     ref = _ref(x, w, bias)
@@ -258,11 +259,15 @@ def test_hgemv_matches_ref(N, K, G, use_zero_point, split_k, silu):
 
 
 @pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("M,split_k", [(2, 1), (3, 3), (T.HGEMV_ROWS, 2)])
-def test_hgemv_rows_match_ref(M, split_k, silu):
+@pytest.mark.parametrize("M,split_k", [(2, 1), (3, 3), (4, 2)])
+def test_hgemv_rows_match_ref(monkeypatch, M, split_k, silu):
     """A few rows, one program a row: rows of a strided x, a residual of its own stride, split-K partials
     and counters per row, a poisoned output -- each row must match the reference alone."""
+    monkeypatch.setattr(T, "HGEMV_ROWS", 4)
     N, K, G = 200, 576, 32
+    assert any(c.kind == "hgemv" for c in T._candidates(M, N, K, silu, 132, G, x16=True))
+    assert not any(c.kind == "hgemv" for c in T._candidates(M, N, K, silu, 132, G, x16=False))
+    assert not any(c.kind == "hgemv" for c in T._candidates(5, N, K, silu, 132, G, x16=True))
     w = _weight(N, K, G, True, torch.float16, seed=M)
     x = _x(M, 2 * K, torch.float16, seed=M + 1)[:, :K] * (0.05 if silu else 1.0)  # row stride 2K
     n_out = N // 2 if silu else N
