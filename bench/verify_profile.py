@@ -75,8 +75,11 @@ def verify_step(model: Transformer, B: int, nodes: int, context: int):
                     mask_bits=bits if nodes > 1 else None, logits="all") for b, t in enumerate(tables)]
     batch = build_batch(segs, cache, DEVICE)
     if DEVICE != "cuda":
-        return lambda: model.forward(batch, cache)
-    return lambda: runner.forward(batch, cache)
+        return lambda: model.forward(batch, cache), None
+    run = lambda: runner.forward(batch, cache)  # noqa: E731
+    run()  # captures the graph
+    graph = runner._graphs[runner._key(batch, cache)].graph
+    return run, graph.replay
 
 
 def sync() -> None:
@@ -84,8 +87,24 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def profile(run, reps: int) -> dict:
-    """Median synchronised wall time of one replay, then per-kernel device time over ``reps`` replays."""
+def _median_us(run, reps: int, synced: bool = True) -> float:
+    """Median microseconds of ``run()``: to the end of its device work (``synced``), or until it returns."""
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        run()
+        if synced:
+            sync()
+        times.append(time.perf_counter() - t0)
+    sync()
+    return round(sorted(times)[reps // 2] * 1e6, 1)
+
+
+def profile(run, replay, reps: int) -> dict:
+    """Median synchronised wall time of one step (inputs copied in, graph replayed), the host time until that
+    call returns, and the synchronised wall of the graph's replay alone; then per-kernel device time over
+    ``reps`` back-to-back steps."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     for _ in range(5):
@@ -97,8 +116,12 @@ def profile(run, reps: int) -> dict:
         run()
         sync()
         walls.append(time.perf_counter() - t0)
+    extra = {"host_us": _median_us(run, reps, synced=False)}
+    if replay is not None:
+        extra["replay_wall_us"] = _median_us(replay, reps)
     if DEVICE != "cuda":  # the smoke run: no device kernels to profile
-        return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1), "kernel_us": 0.0, "launches": 0, "kernels": {}}
+        return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1), **extra, "kernel_us": 0.0, "exposed_us": 0.0,
+                "launches": 0, "kernels": {}}
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             run()
@@ -119,7 +142,7 @@ def profile(run, reps: int) -> dict:
     for start, end, name in spans:
         per_name[name][2] += max(0.0, end - last) / reps
         last = max(last, end)
-    return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1),
+    return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1), **extra,
             "kernel_us": round(sum(v[0] for v in per_name.values()), 1),
             "exposed_us": round(sum(v[2] for v in per_name.values()), 1),
             "launches": round(sum(v[1] for v in per_name.values())),
@@ -145,10 +168,11 @@ def main() -> None:
            "commit": provenance.commit(), "torch": torch.__version__, "context": args.context, "rows": []}
     for B in map(int, args.batches.split(",")):
         for n in map(int, args.nodes.split(",")):
-            row = {"batch": B, "nodes": n, **profile(verify_step(model, B, n, args.context), args.reps)}
+            row = {"batch": B, "nodes": n, **profile(*verify_step(model, B, n, args.context), args.reps)}
             res["rows"].append(row)
-            print(f"B={B:3d} N={n:2d} wall {row['wall_us']:8.1f} us  kernels {row['kernel_us']:8.1f} us  "
-                  f"exposed {row['exposed_us']:8.1f} us  launches {row['launches']}", flush=True)
+            print(f"B={B:3d} N={n:2d} wall {row['wall_us']:8.1f} us  host {row['host_us']:7.1f}  replay alone "
+                  f"{row.get('replay_wall_us', 0):8.1f}  kernels {row['kernel_us']:8.1f}  exposed {row['exposed_us']:8.1f}  "
+                  f"launches {row['launches']}", flush=True)
             Path(args.out).write_text(json.dumps(res, indent=1))
     if DEVICE == "cuda":  # the INT4 tuner's pick per (M, N, K, silu): which path each row count took
         from kernels import int4_matmul_triton as T
