@@ -333,10 +333,8 @@ def _int4_gemv_f16_kernel(
     SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
     FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr, DEPTH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """One program: row ``program_id(2)`` of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows
-    (BLOCK_K divides G, so every tile sits in one group). A few rows (``HGEMV_ROWS``) run as that many
-    programs over the same weights: the kernel is latency-bound there, and each program still loads its
-    weights before it waits on the kernel ahead, where an MMA program cannot.
+    """One program: row 0 of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows (BLOCK_K
+    divides G, so every tile sits in one group).
 
     1. x's slice is scaled by a power of two that puts its largest magnitude in [512, 1024), so the
        fp16 products (|c - 8| <= 8) and 4-term lane sums stay under 32768 and bf16 values convert
@@ -345,11 +343,7 @@ def _int4_gemv_f16_kernel(
     2. Each tile: _word_dot per word, summed over rows, times the group scale; zero points add
        s (8 - z) * sum x.  sum_k x (c - z) s = s (sum x (c - 8) + (8 - z) sum x).
     """
-    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    x_ptr += pid_m * stride_xm  # this program's row: x, y, residual and its slice of the partials
-    y_ptr += pid_m * stride_ym
-    res_ptr += pid_m * stride_rm
-    part_ptr += pid_m * N  # part: [split_k, M, N]
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     R8 = K_ITERS * BLOCK_K8  # packed rows in this split
     k_lo = pid_k * K_ITERS * BLOCK_K
@@ -366,7 +360,7 @@ def _int4_gemv_f16_kernel(
                                     HAS_ZEROS)
     if USE_PDL:  # everything above reads weights only; x and every buffer wait for the previous kernel
         gdc_wait()
-    scr = scr_ptr + ((pid_m * split_k + pid_k) * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)  # pairs, tile sums
+    scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)  # pairs, then tile sums
     c8 = tl.arange(0, CHUNK8)
     c4 = tl.arange(0, 4)
     # 1a. the split's largest |x|
@@ -417,8 +411,8 @@ def _int4_gemv_f16_kernel(
     acc = acc * inv_scale
     if USE_PDL:
         gdc_launch_dependents()  # the next kernel may start its own weight prefetch during our fix-up
-    offs_m = tl.arange(0, 1)  # row 0 of the shifted pointers
-    _finish(acc[None, :], pid_m * tl.num_programs(0) + pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
+    offs_m = tl.arange(0, 1)
+    _finish(acc[None, :], pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
             HAS_BIAS, HAS_RES, SILU, USE_SPLIT, 1, BLOCK_N, FIX_R)
 
@@ -830,13 +824,6 @@ MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 # runs GEMVs that load weights before the wait: SmolLM2's shape at batch 1 paid 1086 against 847 us a step
 # for one more token a sequence, while the kernels' own time grew 57 us (bench/results/verify_profile_h100.json).
 PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
-# SPECGATE_INT4_HGEMV_ROWS=N: up to N rows, the tuner also times the M = 1 GEMV run as one program a row. The
-# default, 1, keeps it to M = 1: the rows are tested under the interpreter but not yet timed on a GPU.
-HGEMV_ROWS = int(os.environ.get("SPECGATE_INT4_HGEMV_ROWS", "1"))
-# SPECGATE_INT4_TUNE=chain: the tuner times each candidate as a chain of TUNE_CHAIN launches back to back (PDL
-# overlapping each with the one ahead, as inside a forward) and keeps the time per launch, instead of one
-# launch alone after an L2 flush (the default, "alone").
-TUNE_CHAIN = 8 if os.environ.get("SPECGATE_INT4_TUNE", "alone") == "chain" else 1
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
@@ -887,9 +874,9 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
     shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[bucket]]
     if M > 1 and MMAT:  # (M = 1 belongs to the GEMVs)
         shapes += [("mmat", bm, bn, 128, w, st) for bm, bn, w, st in _MMAT_SHAPES[bucket]]
-    if M <= HGEMV_ROWS and x16:  # one program a row (see _int4_gemv_f16_kernel)
-        shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES] + shapes
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
+        if x16:
+            shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES] + shapes
         shapes += [("gemv", 1, bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
     for kind, bm, bn, bk, warps, stages in shapes:
         tiles = triton.cdiv(n_out, bn // 2 if silu else bn) * (1 if "gemv" in kind else triton.cdiv(M, bm))
@@ -966,7 +953,7 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
             y += residual
         return
     grid_n = triton.cdiv(N // 2, cfg.block_n // 2) if silu else triton.cdiv(N, cfg.block_n)
-    grid_m = {"gemv": 1, "hgemv": M}.get(cfg.kind) or triton.cdiv(M, cfg.block_m)
+    grid_m = 1 if "gemv" in cfg.kind else triton.cdiv(M, cfg.block_m)
     part = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
     counts = y if cfg.split_k == 1 else _counters(x.device, grid_m * grid_n)
     kernel, extra = kernel_for(cfg, _is_16bit(x), G, x.is_cuda, K % cfg.block_k == 0, pdl_ok(x.device),
@@ -980,15 +967,14 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps,
                 **extra, **({"launch_pdl": True} if extra.get("USE_PDL") else {}))
     if cfg.kind == "hgemv":
-        if M > HGEMV_ROWS or G % cfg.block_k or K % cfg.block_k or not _is_16bit(x):
-            raise ValueError(f"hgemv needs at most {HGEMV_ROWS} 16-bit rows and block_k dividing G and K: "
-                             f"{tuple(x.shape)} {x.dtype}, "
+        if M != 1 or G % cfg.block_k or K % cfg.block_k or not _is_16bit(x):
+            raise ValueError(f"hgemv needs one 16-bit row and block_k dividing G and K: {tuple(x.shape)} {x.dtype}, "
                              f"G {G}, {cfg}")
         # per program: the split's f16x2 pairs (4 words per packed row) and one sum of x per tile
-        scratch = torch.empty(M * grid_n * cfg.split_k * (k_iters * cfg.block_k // 2 + k_iters), dtype=torch.int32,
+        scratch = torch.empty(grid_n * cfg.split_k * (k_iters * cfg.block_k // 2 + k_iters), dtype=torch.int32,
                               device=x.device)
         # num_stages: hgemv's DEPTH is its own (tiles in flight); Triton's pipeliner has nothing to do
-        kernel[(grid_n, cfg.split_k, M)](*args, scratch, *sizes, num_stages=1, **meta)
+        kernel[(grid_n, cfg.split_k)](*args, scratch, *sizes, num_stages=1, **meta)
     else:
         kernel[(grid_m * grid_n, cfg.split_k)](*args, *sizes, ONE_BITS, BLOCK_M=cfg.block_m,
                                                 num_stages=cfg.num_stages, **meta)
@@ -1045,12 +1031,11 @@ def _time_configs(run, cands: list[KernelConfig], device: torch.device) -> list[
         for c in built:
             flush.max()
             events[c][r][0].record()
-            for _ in range(TUNE_CHAIN):
-                run(c)
+            run(c)
             events[c][r][1].record()
     torch.cuda.synchronize(device)
-    return [sorted(a.elapsed_time(b) for a, b in events[c])[_TUNE_REPS // 2] / TUNE_CHAIN if c in events
-            else float("inf") for c in cands]
+    return [sorted(a.elapsed_time(b) for a, b in events[c])[_TUNE_REPS // 2] if c in events else float("inf")
+            for c in cands]
 
 
 def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
