@@ -82,6 +82,20 @@ def verify_step(model: Transformer, B: int, nodes: int, context: int):
     return run, graph.replay
 
 
+def exposed(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Exposed time per kernel name: how far each kernel moved the stream's end, max(0, its end - the latest
+    end of any kernel that started before it). Under PDL a kernel starts while the one ahead runs, so its own
+    duration overstates what it costs; exposed times sum to the span from the first start to the last end,
+    and an idle gap counts to the kernel after it."""
+    out: dict[str, float] = {}
+    spans = sorted(spans)
+    last = spans[0][0] if spans else 0.0
+    for start, end, name in spans:
+        out[name] = out.get(name, 0.0) + max(0.0, end - last)
+        last = max(last, end)
+    return out
+
+
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -134,14 +148,8 @@ def profile(run, replay, reps: int) -> dict:
             agg[0] += e.device_time_total / reps
             agg[1] += 1 / reps
             spans.append((e.time_range.start, e.time_range.end, e.name[:60]))
-    # Exposed time: how far each kernel moved the stream's end, max(0, its end - the latest end before it).
-    # Under PDL a kernel starts while the one ahead runs, so its own duration overstates what it costs;
-    # its exposed times sum to the span of the replays' kernels, and idle gaps count to the kernel after them.
-    spans.sort()
-    last = spans[0][0] if spans else 0.0
-    for start, end, name in spans:
-        per_name[name][2] += max(0.0, end - last) / reps
-        last = max(last, end)
+    for name, us in exposed(spans).items():
+        per_name[name][2] = us / reps
     return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1), **extra,
             "kernel_us": round(sum(v[0] for v in per_name.values()), 1),
             "exposed_us": round(sum(v[2] for v in per_name.values()), 1),

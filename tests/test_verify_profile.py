@@ -1,0 +1,38 @@
+"""bench/verify_profile.py: the exposed-time attribution, and a CPU smoke run of the script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from verify_profile import exposed  # noqa: E402
+
+
+def test_exposed_time_under_overlap_and_gaps():
+    spans = [
+        (0.0, 10.0, "a"),  # alone: 10
+        (8.0, 15.0, "b"),  # starts early (PDL), ends 5 past a: 5
+        (9.0, 12.0, "c"),  # hidden inside b: 0
+        (20.0, 24.0, "a"),  # after a 5 us gap: the gap counts to it, 9
+        (23.0, 30.0, "b"),  # 6
+    ]
+    out = exposed(spans)
+    assert out == {"a": 19.0, "b": 11.0, "c": 0.0}
+    assert sum(out.values()) == 30.0  # the span from the first start to the last end
+    assert exposed(list(reversed(spans))) == out  # order of the events does not matter
+    assert exposed([]) == {}
+
+
+def test_cpu_smoke_run(tmp_path):
+    out = tmp_path / "vp.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "verify_profile.py"), "--device", "cpu", "--layers", "1",
+                    "--batches", "1,2", "--nodes", "1,2", "--reps", "2", "--context", "32", "--out", str(out)],
+                   check=True, capture_output=True, cwd=ROOT)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["nodes"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert all(r["wall_us"] > 0 and r["host_us"] > 0 for r in rows)
