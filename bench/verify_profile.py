@@ -75,11 +75,12 @@ def verify_step(model: Transformer, B: int, nodes: int, context: int):
                     mask_bits=bits if nodes > 1 else None, logits="all") for b, t in enumerate(tables)]
     batch = build_batch(segs, cache, DEVICE)
     if DEVICE != "cuda":
-        return lambda: model.forward(batch, cache), None
+        return lambda: model.forward(batch, cache), (None, None)
     run = lambda: runner.forward(batch, cache)  # noqa: E731
     run()  # captures the graph
-    graph = runner._graphs[runner._key(batch, cache)].graph
-    return run, graph.replay
+    g = runner._graphs[runner._key(batch, cache)]
+    load = lambda: g.load(batch, cache.scratch_block, cache.page_size)  # noqa: E731
+    return run, (g.graph.replay, load)
 
 
 def exposed(spans: list[tuple[float, float, str]]) -> dict[str, float]:
@@ -115,10 +116,11 @@ def _median_us(run, reps: int, synced: bool = True) -> float:
     return round(sorted(times)[reps // 2] * 1e6, 1)
 
 
-def profile(run, replay, reps: int) -> dict:
+def profile(run, parts: tuple, reps: int) -> dict:
     """Median synchronised wall time of one step (inputs copied in, graph replayed), the host time until that
-    call returns, and the synchronised wall of the graph's replay alone; then per-kernel device time over
-    ``reps`` back-to-back steps."""
+    call returns, the host time of its two parts (the input copies, the replay's launch) and the synchronised
+    wall of the replay alone; then per-kernel device time over ``reps`` back-to-back steps."""
+    replay, load = parts
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     for _ in range(5):
@@ -132,6 +134,8 @@ def profile(run, replay, reps: int) -> dict:
         walls.append(time.perf_counter() - t0)
     extra = {"host_us": _median_us(run, reps, synced=False)}
     if replay is not None:
+        extra["load_host_us"] = _median_us(load, reps, synced=False)
+        extra["launch_host_us"] = _median_us(replay, reps, synced=False)
         extra["replay_wall_us"] = _median_us(replay, reps)
     if DEVICE != "cuda":  # the smoke run: no device kernels to profile
         return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1), **extra, "kernel_us": 0.0, "exposed_us": 0.0,
@@ -178,7 +182,8 @@ def main() -> None:
         for n in map(int, args.nodes.split(",")):
             row = {"batch": B, "nodes": n, **profile(*verify_step(model, B, n, args.context), args.reps)}
             res["rows"].append(row)
-            print(f"B={B:3d} N={n:2d} wall {row['wall_us']:8.1f} us  host {row['host_us']:7.1f}  replay alone "
+            print(f"B={B:3d} N={n:2d} wall {row['wall_us']:8.1f} us  host {row['host_us']:7.1f} (copies "
+                  f"{row.get('load_host_us', 0):6.1f}, launch {row.get('launch_host_us', 0):6.1f})  replay alone "
                   f"{row.get('replay_wall_us', 0):8.1f}  kernels {row['kernel_us']:8.1f}  exposed {row['exposed_us']:8.1f}  "
                   f"launches {row['launches']}", flush=True)
             Path(args.out).write_text(json.dumps(res, indent=1))
