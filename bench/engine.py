@@ -281,10 +281,11 @@ def first_use_counts(llm: LLM) -> dict[str, int]:
     return out
 
 
-def generate_tok_s(llm: LLM, prompts: list[str], sampling: SamplingParams, spec: SpeculationParams,
+def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, spec: SpeculationParams,
                    counts: dict | None = None, batch_completion: bool = True) -> tuple[float, float]:
-    """Tokens per second and mean accepted length of one ``generate`` (``batch_completion``: its budget
-    objective, LLM.generate's); ``counts`` (if given) receives the
+    """Tokens per second and mean accepted length of one ``generate`` per group of prompts, one after another
+    (tokens over their summed time; ``batch_completion``: generate's budget objective); ``counts`` (if given)
+    receives the
     change of ``first_use_counts`` across it (zero counters left out), and ``steps_by_depth``: for each
     draft depth the decode-only steps took, [steps, mean ms per step, longest step's ms]."""
     before = first_use_counts(llm) if counts is not None else {}
@@ -301,10 +302,12 @@ def generate_tok_s(llm: LLM, prompts: list[str], sampling: SamplingParams, spec:
             costs.observe(batch, depth, seconds, drafters)
 
     sched.costs = Recording()
+    gens, secs = [], 0.0
     try:
-        t0 = time.perf_counter()
-        gens = llm.generate(prompts, sampling, spec, batch_completion=batch_completion)
-        secs = time.perf_counter() - t0
+        for prompts in groups:
+            t0 = time.perf_counter()
+            gens += llm.generate(prompts, sampling, spec, batch_completion=batch_completion)
+            secs += time.perf_counter() - t0
     finally:
         sched.costs = costs
     if counts is not None:
@@ -320,13 +323,13 @@ def generate_tok_s(llm: LLM, prompts: list[str], sampling: SamplingParams, spec:
     return sum(len(g.token_ids) for g in gens) / secs, (acc + steps) / max(steps, 1)
 
 
-def hf_pair(model_dir: Path, draft_dir: Path | None):
+def hf_pair(model_dir: Path, draft_dir: Path | None, device: str = "cuda"):
     """The target, and the draft as a standalone HF model (our draft shares the target's embedding)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from safetensors.torch import load_file
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    tgt = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
+    tgt = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).to(device).eval()
     if draft_dir is None:
         return tok, tgt, None
     cfg = json.loads((draft_dir / "config.json").read_text())
@@ -339,14 +342,24 @@ def hf_pair(model_dir: Path, draft_dir: Path | None):
     missing, unexpected = dm.load_state_dict(sd, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     dm.tie_weights()
-    return tok, tgt, dm.cuda().eval()
+    return tok, tgt, dm.to(device).eval()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: list[int], prompts_file: str,
-         arms: list[str] = (), repeats: int = 2) -> None:
+         arms: list[str] = (), repeats: int = 2, batch1_prompts: int = 4, device: str = "cuda") -> None:
     """The real pair at each batch size: speculation on (the engine's default drafter) and off, then each
     drafter of ``arms`` alone (``drafter_arms``: tokens/s and mean accepted length), each after a warm-up
-    with the same drafter, so the step-cost model has measured its depths at this batch size."""
+    with the same drafter, so the step-cost model has measured its depths at this batch size.
+
+    Batch 1 runs ``batch1_prompts`` prompts one after another in every arm (HF's peers too): one prompt's
+    acceptance decided a whole arm before (engine_real_h100_2485e10.json: one arm's two runs of one prompt
+    read 1293 and 971 tok/s). Larger batches take one prompt a sequence. ``device`` "cpu": float32, no HF
+    peers' graphs (a smoke run of this code path; tests/test_engine_real.py)."""
     model = None if model == "embedded" else model
     asked, draft = draft, resolve_draft(LoadConfig(model=model, draft=draft))
     prompts = [json.loads(l)["turns"][0] for l in open(prompts_file)]
@@ -354,14 +367,18 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
     ecfg = EngineConfig(num_blocks=4096, page_size=16,
                         scheduler=SchedulerConfig(max_running=max(batches), max_waiting=512))
     # "auto" reaches the loader as such: it picks the default drafter for the embedded pair
-    llm = LLM.load(LoadConfig(model=model, draft=asked, device="cuda", dtype="bfloat16"), ecfg, log=log)
+    llm = LLM.load(LoadConfig(model=model, draft=asked, device=device,
+                              dtype="bfloat16" if device == "cuda" else "float32"), ecfg, log=log)
     greedy = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     res["graphs_captured_at_start"] = llm.engine.capture_graphs()  # no capture or kernel tuning in a timed call
     res["capture_s"] = round(time.perf_counter() - t0, 1)
     rows = []
+    res["batch1_prompts"] = batch1_prompts
     for b in batches:
-        ps = [prompts[i % len(prompts)] for i in range(b)]
+        groups = ([[prompts[i % len(prompts)]] for i in range(batch1_prompts)] if b == 1 else
+                  [[prompts[i % len(prompts)] for i in range(b)]])
+        ps = [p for g in groups for p in g]
         # Warm-up at this batch size on other prompts: the step-cost model measures each draft depth here
         # once, as a server in steady state already has.
         warm = [prompts[-1 - (i % 16)] for i in range(b)]
@@ -392,7 +409,7 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
         runs: dict[str, list] = {"on": [], "off": []}
         for rep in range(repeats):
             for arm, spec in (("on", SpeculationParams()), ("off", SpeculationParams(enabled=False))):
-                runs[arm].append(generate_tok_s(llm, ps, greedy, spec, record(arm, rep)))
+                runs[arm].append(generate_tok_s(llm, groups, greedy, spec, record(arm, rep)))
         (on, mal), (off, _) = max(runs["on"]), max(runs["off"])
         row = {"batch": b, "spec_tok_s": round(on, 1), "nospec_tok_s": round(off, 1),
                "speedup": round(on / off, 3), "mean_accepted_length": round(mal, 3),
@@ -403,13 +420,14 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                      and a != llm.engine.config.default_drafter]:
             spec = SpeculationParams() if name == PER_TOKEN else SpeculationParams(drafter=select_arm(llm, name, table))
             llm.generate(warm, warm_sampling, spec)
-            arm_runs = [generate_tok_s(llm, ps, greedy, spec, record(name, rep), batch_completion=name != PER_TOKEN)
+            arm_runs = [generate_tok_s(llm, groups, greedy, spec, record(name, rep), batch_completion=name != PER_TOKEN)
                         for rep in range(repeats)]
             select_arm(llm, "ngram", table)
             tok_s, arm_mal = max(arm_runs)
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),
                                          "mean_accepted_length": round(arm_mal, 3),
                                          "runs_tok_s": [round(t, 1) for t, _ in arm_runs]}
+        row["groups"] = groups  # the prompts, as timed
         rows.append(row)
         log(str(rows[-1]))
     res["real_model"] = Path(resolve_model_path(LoadConfig(model=model))).name
@@ -420,29 +438,37 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
     draft_dir = Path(draft) if Path(draft).is_dir() else None
     del llm
     gc.collect()
-    torch.cuda.empty_cache()
-    tok, tgt, dm = hf_pair(model_dir, draft_dir)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    tok, tgt, dm = hf_pair(model_dir, draft_dir, device)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    for row in rows:
-        enc = tok([prompts[i % len(prompts)] for i in range(row["batch"])], return_tensors="pt", padding=True).to("cuda")
-        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        tgt.generate(**enc, **kw, cache_implementation="static")  # warm-up with the timed call's shapes
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = tgt.generate(**enc, **kw, cache_implementation="static")
-        torch.cuda.synchronize()
-        row["hf_static_tok_s"] = round((out.shape[1] - enc["input_ids"].shape[1]) * row["batch"] / (time.perf_counter() - t0), 1)
-        if dm is not None and row["batch"] == 1:
-            tgt.generate(**enc, **kw, assistant_model=dm)  # warm-up
-            torch.cuda.synchronize()
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    def hf_tok_s(groups: list[list[str]], **extra) -> float:
+        """HF generate over the row's groups, one after another, after one untimed call on the first."""
+        tokens, secs = 0, 0.0
+        for i, group in enumerate(groups):
+            enc = tok(group, return_tensors="pt", padding=True).to(device)
+            if i == 0:
+                tgt.generate(**enc, **kw, **extra)
+                _sync(device)
             t0 = time.perf_counter()
-            out = tgt.generate(**enc, **kw, assistant_model=dm)
-            torch.cuda.synchronize()
-            row["hf_assisted_tok_s"] = round((out.shape[1] - enc["input_ids"].shape[1]) / (time.perf_counter() - t0), 1)
+            out = tgt.generate(**enc, **kw, **extra)
+            _sync(device)
+            secs += time.perf_counter() - t0
+            tokens += (out.shape[1] - enc["input_ids"].shape[1]) * len(group)
+        return round(tokens / secs, 1)
+
+    for row in rows:
+        row["hf_static_tok_s"] = hf_tok_s(row["groups"], cache_implementation="static")
+        if dm is not None and row["batch"] == 1:
+            row["hf_assisted_tok_s"] = hf_tok_s(row["groups"], assistant_model=dm)
             row["engine_vs_hf_assisted"] = round(row["spec_tok_s"] / row["hf_assisted_tok_s"], 2)
         row["engine_spec_vs_hf_static"] = round(row["spec_tok_s"] / row["hf_static_tok_s"], 2)
+        groups = row.pop("groups")
+        row["prompts_timed"], row["calls_timed"] = sum(map(len, groups)), len(groups)
         log(str(row))
     res["real_pair"] = rows
 
@@ -513,6 +539,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="--real: timed calls per arm (the best is reported)")
     ap.add_argument("--arms", default=f"ngram,ngram-alone,{PER_TOKEN},hybrid,lookup-first,draft",
                     help="--real: drafters also timed alone at each batch size ('' for none)")
+    ap.add_argument("--batch1-prompts", type=int, default=4, help="--real: prompts timed one after another at batch 1")
+    ap.add_argument("--device", default="cuda", help="--real: 'cpu' for a smoke run (float32)")
     ap.add_argument("--out", default=str(HERE / "results" / "engine.json"))
     ap.add_argument("--plot-only", action="store_true", help="redraw OUT's PNG from OUT's JSON")
     ap.add_argument("--verify-only", action="store_true", help="--synthetic: the target's step times alone")
@@ -521,13 +549,14 @@ def main() -> None:
     if args.plot_only:
         return plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
     commit = provenance.commit()
-    res: dict = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
-                 "torch": torch.__version__, "copy_tbps": round(copy_tbps(), 3)}
+    on_gpu = args.device == "cuda"
+    res: dict = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "date": datetime.date.today().isoformat(),
+                 "commit": commit, "torch": torch.__version__, "copy_tbps": round(copy_tbps(), 3) if on_gpu else None}
     if args.synthetic:
         synthetic(res, args.verify_only, args.profile)
     if args.real:
         real(res, args.real, args.draft, args.new_tokens, [int(b) for b in args.batches.split(",")], args.prompts_file,
-             [a for a in args.arms.split(",") if a], args.repeats)
+             [a for a in args.arms.split(",") if a], args.repeats, args.batch1_prompts, args.device)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     plot(res, Path(args.out).with_suffix(".png"))
     print(json.dumps(res, indent=2))
