@@ -472,10 +472,11 @@ def _prefetch_l2(ptrs, mask):
 def _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid, pid_k, M, N, K, K_ITERS, G: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
                     HAS_ZEROS: tl.constexpr):
-    """Ask L2 for a MMA program's whole K split of packed words and group parameters, before it waits on
-    the kernel ahead (PDL): weights are never written by a kernel, so their HBM latency can overlap the
-    kernel ahead's tail and our own launch, as the GEMV's first tiles do. One prefetch per 64 bytes of a
-    row (16 words, 32 scales): a [BLOCK_K // 8, BLOCK_N // 16] grid of pointers per K block."""
+    """Ask L2 for the first (at most two) K blocks of a MMA program's packed words and group parameters,
+    before it waits on the kernel ahead (PDL): weights are never written by a kernel, so their HBM latency
+    can overlap the kernel ahead's tail and our own launch, as the GEMV's first tiles do; the pipeliner
+    fetches the later blocks while the first ones compute. One prefetch per 64 bytes of a row (16 words,
+    32 scales): a [BLOCK_K // 8, BLOCK_N // 16] grid of pointers per K block."""
     pid_n = pid // tl.cdiv(M, BLOCK_M)
     c = tl.arange(0, BLOCK_N // 16) * 16
     if SILU:
@@ -488,7 +489,7 @@ def _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid, pid_k, M, N, K, K_ITERS,
     r8 = tl.arange(0, BLOCK_K // 8)
     GROWS: tl.constexpr = BLOCK_K // G if BLOCK_K > G else 1  # group rows a K block spans
     gr = tl.arange(0, GROWS)
-    for i in range(K_ITERS):
+    for i in range(tl.minimum(K_ITERS, 2)):
         k0 = (pid_k * K_ITERS + i) * BLOCK_K
         _prefetch_l2(qw_ptr + (k0 // 8 + r8)[:, None] * N + cols[None, :], (k0 + 8 * r8 < K)[:, None] & ok[None, :])
         g_ok = (k0 + gr * G < K)[:, None] & (ok & (c % 32 == 0))[None, :]
@@ -819,10 +820,10 @@ SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "0") == "1"
 ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
 # SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs).
 MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
-# SPECGATE_INT4_PREFETCH=0: the MMA paths do not prefetch their weights into L2 before waiting on the kernel
-# ahead (_prefetch_split). With PDL on, a small target's verify step ran its MMA matmuls where a decode step
-# runs GEMVs that load weights before the wait: SmolLM2's shape at batch 1 paid 1086 against 847 us a step
-# for one more token a sequence, while the kernels' own time grew 57 us (bench/results/verify_profile_h100.json).
+# SPECGATE_INT4_PREFETCH=0: the MMA paths do not prefetch their first weights into L2 before waiting on the
+# kernel ahead (_prefetch_split). A decode step's GEMVs load weights before that wait and a verify step's MMA
+# matmuls did not: on an H100 the prefetch took 3-4% off SmolLM2-shape verify steps, where every program's
+# K split is one block (bench/results/verify_prefetch_ab_h100.json). Not yet timed on the 8B shapes.
 PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
