@@ -1,12 +1,14 @@
 """Decoding on the CPU with one of its execution paths switched on and off: by default the batched attention
 paths against the one-sequence-at-a-time reference, with ``--switch linear`` the projections' ``cpu_linear``
 against ``F.linear``, with ``--switch int4`` the INT4 projections through torch's CPU INT4 kernel
-(``target.model.CPU_INT4``) against the float32 copy.
+(``target.model.CPU_INT4``) against the float32 copy, with ``--switch plan`` the tree path's rows and masks
+shared by a forward's layers (``tree_attention.CPU_PLAN_CACHE``) against built in every layer.
 
-    python bench/cpu_decode.py [--switch attention|linear|int4] [--batches 1,8,32] [--max-tokens 64] [--repeats 2]
-                               [--spec [--drafter draft]] [--out bench/results/cpu_decode.json]
+    python bench/cpu_decode.py [--switch attention|linear|int4|plan] [--batches 1,8,32] [--max-tokens 64]
+                               [--repeats 2] [--spec [--drafter draft] [--tree 2,2,2,1]]
+                               [--out bench/results/cpu_decode.json]
 
-Plain decoding by default; ``--spec`` drafts with ``--drafter`` (the shipped draft), tree 2,2,2,1, so the
+Plain decoding by default; ``--spec`` drafts with ``--drafter`` (the shipped draft), tree ``--tree``, so the
 target's steps verify trees (``tree_attention_batched``) and the draft's run its own decode and tree steps.
 
 The embedded SmolLM2 target (its own Q4_1 weights, float32 activations) generates greedily, speculation off,
@@ -37,7 +39,7 @@ from draft.params import SpeculationParams  # noqa: E402
 from gateway.engine import EngineConfig  # noqa: E402
 from gateway.llm import LLM, LoadConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
-from kernels import paged_decode  # noqa: E402
+from kernels import paged_decode, tree_attention  # noqa: E402
 from target import model as target_model  # noqa: E402
 from verify.sampling import SamplingParams  # noqa: E402
 
@@ -46,7 +48,9 @@ MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
 SWITCHES = {"attention": (("batched", "reference"), lambda on: setattr(paged_decode, "BATCHED_CPU", on)),
             "linear": (("cpu_linear", "f_linear"), lambda on: setattr(target_model, "CPU_LINEAR", on)),
             # the INT4 projections through torch's CPU INT4 kernel (bfloat16 activations) or the float32 copy
-            "int4": (("cpu_int4", "float32"), lambda on: setattr(target_model, "CPU_INT4", on))}
+            "int4": (("cpu_int4", "float32"), lambda on: setattr(target_model, "CPU_INT4", on)),
+            # the tree path's rows and masks built once per forward and shared by its layers, or in every layer
+            "plan": (("shared_plan", "per_layer"), lambda on: setattr(tree_attention, "CPU_PLAN_CACHE", on))}
 
 
 def run(llm: LLM, prompts: list[str], max_tokens: int, spec: SpeculationParams) -> tuple[float, list[list[int]], float]:
@@ -66,7 +70,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompts-file", default=str(MT_BENCH))
-    ap.add_argument("--spec", action="store_true", help="draft with --drafter, tree 2,2,2,1")
+    ap.add_argument("--spec", action="store_true", help="draft with --drafter, tree --tree")
+    ap.add_argument("--tree", default="2,2,2,1", help="with --spec: the tree's widths per depth")
     ap.add_argument("--drafter", default="draft", help="with --spec: draft (the shipped draft), hybrid, ngram")
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="attention")
     ap.add_argument("--out", default=None, help="default bench/results/cpu_decode.json, cpu_spec.json with --spec")
@@ -75,7 +80,8 @@ def main() -> None:
     prompts = [json.loads(line)["turns"][0] for line in open(args.prompts_file)]
     ecfg = EngineConfig(num_blocks=2048, page_size=16, scheduler=SchedulerConfig(max_running=max(batches)))
     out = Path(args.out or HERE / "results" / ("cpu_spec.json" if args.spec else "cpu_decode.json"))
-    spec = SpeculationParams(drafter=args.drafter, tree=(2, 2, 2, 1)) if args.spec else SpeculationParams(enabled=False)
+    tree = tuple(int(w) for w in args.tree.split(","))
+    spec = SpeculationParams(drafter=args.drafter, tree=tree) if args.spec else SpeculationParams(enabled=False)
     (on, off), switch = SWITCHES[args.switch]
     if args.switch == "int4":
         target_model.CPU_INT4 = True  # the CPU INT4 form is built at load
@@ -107,7 +113,7 @@ def main() -> None:
            "date": datetime.date.today().isoformat(), "commit": provenance.commit(), "torch": torch.__version__,
            "model": "smollm2-135m-instruct (embedded, its own Q4_1 weights), float32 activations",
            "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
-           "speculation": f"{args.drafter} (shipped draft), tree 2,2,2,1" if args.spec else "off",
+           "speculation": f"{args.drafter}, tree {args.tree}" if args.spec else "off",
            "note": ("Greedy, MT-bench first turns (prompt i of the batch is turn 1 of question "
                     "i). The arms alternate within each repeat; tok/s is the best repeat's output tokens over its "
                     "wall time, prefill excluded (each batch's prompts are prefilled once before timing).")}

@@ -15,6 +15,8 @@ and may be longer than 64 tokens. ``mask_bits=None`` makes every sequence causal
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -98,40 +100,79 @@ def tree_attention_batched(
     new tokens padded to its widest, and torch's fused attention under a mask built from the context
     lengths and ancestor bits (each KV head's query heads times new tokens are its query rows). Longer
     chunks (prefill) go through the reference one at a time. A chunk grows while its gathered K stays within
-    ``chunk_elems`` elements."""
+    ``chunk_elems`` elements.
+
+    The chunks, their rows and masks depend on the batch alone, so every layer of a forward shares them
+    (``_tree_plan``): a layer then gathers its pages and runs attention. Built per layer they were most of a
+    small verify step's attention time (SmolLM2 on 2 cores, a 2-node tree: 431 against 167 us per layer for
+    the decode path)."""
     H, D = q.shape[1:]
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
-    starts, ctxs = query_start.tolist(), context_lens.tolist()
-    ns = [e - s for s, e in zip(starts, starts[1:])]
-    rest = [b for b, n in enumerate(ns) if n > CPU_TREE_MAX_NEW]
-    for b in rest:
-        s, e = starts[b], starts[b + 1]
+    rest, chunks = _tree_plan(q.shape[0], H // Hkv, P, Hkv * D, context_lens, query_start, mask_bits, chunk_elems)
+    for b, s, e in rest:
         out[s:e] = tree_attention_ref(q[s:e], k_cache, v_cache, block_tables[b:b + 1], context_lens[b:b + 1],
                                       query_start.new_tensor([0, e - s]), None if mask_bits is None else
                                       mask_bits[s:e], scale)
-    small = [b for b, n in enumerate(ns) if 0 < n <= CPU_TREE_MAX_NEW]
-    for lo, hi, S in cpu_chunks([ctxs[b] + ns[b] for b in small], P, Hkv * D, chunk_elems):
-        part = small[lo:hi]
-        out_rows, o = _tree_chunk(q, k_cache, v_cache, block_tables, torch.tensor(part, device=q.device),
-                                  [starts[b] for b in part], [ctxs[b] for b in part], [ns[b] for b in part],
-                                  mask_bits, scale, S)
-        out[out_rows] = o.to(q.dtype)
+    for c in chunks:
+        rows_bt = block_tables[c.seqs]
+        k, v = gather_pages(k_cache, rows_bt, c.nb), gather_pages(v_cache, rows_bt, c.nb)  # [b, Hkv, nb * P, D]
+        b, n_max, G = c.rows.shape[0], c.rows.shape[1], H // Hkv
+        qb = q[c.rows].float().view(b, n_max, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(b, Hkv, G * n_max, D)
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=c.mask, scale=scale)  # [b, Hkv, G * n_max, D]
+        o = o.view(b, Hkv, G, n_max, D).permute(0, 3, 1, 2, 4).reshape(b, n_max, H, D)
+        out[c.out_rows] = o[c.real].to(q.dtype)
     return out
 
 
-def _tree_chunk(q, k_cache, v_cache, block_tables, seqs, starts, ctxs, ns, mask_bits, scale, S):
-    """One chunk of ``tree_attention_batched``: the rows of ``q`` it computes and their outputs [R, H, D]."""
-    dev = q.device
-    (_, H, D), (_, P, Hkv, _) = q.shape, k_cache.shape
-    G, b, n_max, nb = H // Hkv, len(ns), max(ns), -(-S // P)
-    rows_bt = block_tables[seqs]
-    k, v = gather_pages(k_cache, rows_bt, nb), gather_pages(v_cache, rows_bt, nb)  # [b, Hkv, nb * P, D]
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """One chunk of ``tree_attention_batched``'s short sequences: which they are and how their rows attend."""
+
+    seqs: torch.Tensor  # [b] int64 batch index of each sequence
+    nb: int  # pages gathered per sequence
+    rows: torch.Tensor  # [b, n_max] int64 rows of q (padding rows repeat the sequence's first)
+    real: torch.Tensor  # [b, n_max] bool: rows that are new tokens
+    out_rows: torch.Tensor  # [R] int64 rows[real]
+    mask: torch.Tensor  # [b, 1, G * n_max, nb * P] bool attention mask
+
+
+# The last batch's plan: (key, plan). The key is the batch's contents, not its tensors' identities, so a batch
+# whose tensors were written in place (graph-style buffers) or freed and reallocated is never mistaken.
+# CPU_PLAN_CACHE = False builds the plan in every call, as before it was shared (bench/cpu_verify_step.py's A/B).
+_PLAN: list = [None, None]
+CPU_PLAN_CACHE = True
+
+
+def _tree_plan(T: int, G: int, P: int, token_elems: int, context_lens: torch.Tensor, query_start: torch.Tensor,
+               mask_bits: torch.Tensor | None, chunk_elems: int) -> tuple[list[tuple[int, int, int]], list[_Chunk]]:
+    """The long sequences (batch index, first row, end row: through the reference) and the short ones'
+    chunks, for this batch's lengths and ancestor bits; built once per batch and reused by every layer."""
+    starts, ctxs = query_start.tolist(), context_lens.tolist()
+    ns = [e - s for s, e in zip(starts, starts[1:])]
+    small = [b for b, n in enumerate(ns) if 0 < n <= CPU_TREE_MAX_NEW]
+    bits_key = None
+    if mask_bits is not None and small:
+        bits_key = tuple(mask_bits[starts[b]:starts[b] + ns[b]].tolist() for b in small)
+    key = (T, G, P, token_elems, chunk_elems, tuple(starts), tuple(ctxs), bits_key, str(query_start.device))
+    if _PLAN[0] == key and CPU_PLAN_CACHE:
+        return _PLAN[1]
+    rest = [(b, starts[b], starts[b + 1]) for b, n in enumerate(ns) if n > CPU_TREE_MAX_NEW]
+    chunks = [_chunk_of(small[lo:hi], starts, ctxs, ns, mask_bits, G, P, S, query_start.device)
+              for lo, hi, S in cpu_chunks([ctxs[b] + ns[b] for b in small], P, token_elems, chunk_elems)]
+    _PLAN[:] = [key, (rest, chunks)]
+    return rest, chunks
+
+
+def _chunk_of(part: list[int], starts: list[int], ctxs: list[int], ns: list[int], mask_bits: torch.Tensor | None,
+              G: int, P: int, S: int, dev: torch.device) -> _Chunk:
+    nb = -(-S // P)
+    n_list = [ns[b] for b in part]
+    b, n_max = len(part), max(n_list)
     i = torch.arange(n_max, device=dev)
-    n_t, ctx_t = torch.tensor(ns, device=dev), torch.tensor(ctxs, device=dev)
+    n_t, ctx_t = torch.tensor(n_list, device=dev), torch.tensor([ctxs[x] for x in part], device=dev)
     real = i[None, :] < n_t[:, None]  # [b, n_max]: rows that are new tokens (the rest is padding)
-    rows = torch.tensor(starts, device=dev)[:, None] + torch.where(real, i[None, :], 0)  # [b, n_max]
-    qb = q[rows].float().view(b, n_max, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(b, Hkv, G * n_max, D)
+    rows = torch.tensor([starts[x] for x in part], device=dev)[:, None] + torch.where(real, i[None, :], 0)
     j = torch.arange(nb * P, device=dev)[None, None, :] - ctx_t[:, None, None]  # [b, 1, S']: index among new
     causal = j <= i[None, :, None]  # [b, n_max, S']
     if mask_bits is None:
@@ -143,9 +184,7 @@ def _tree_chunk(q, k_cache, v_cache, block_tables, seqs, starts, ctxs, ns, mask_
     mask = (j < 0) | ((j < n_t[:, None, None]) & sees_new)  # prefix, or a visible new token
     mask = mask | ~real[:, :, None] & (j == -ctx_t[:, None, None])  # padding rows see position 0 (no NaN)
     mask = mask[:, None, None].expand(b, 1, G, n_max, nb * P).reshape(b, 1, G * n_max, nb * P)
-    o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)  # [b, Hkv, G * n_max, D]
-    o = o.view(b, Hkv, G, n_max, D).permute(0, 3, 1, 2, 4).reshape(b, n_max, H, D)
-    return rows[real], o[real]
+    return _Chunk(torch.tensor(part, device=dev), nb, rows, real, rows[real], mask)
 
 
 @triton.jit

@@ -182,6 +182,32 @@ def test_batched_cpu_path_matches_ref(page: int, chunk_elems: int, use_bits: boo
     torch.testing.assert_close(tree_attention(*args, use_triton=False), out)
 
 
+def test_batched_cpu_plan_is_shared_by_layers_and_keyed_by_contents() -> None:
+    """Every layer of a forward reuses one plan (rows, masks) for its batch; a batch whose tensors are the same
+    objects written in place (new ancestor bits, new context lengths) gets a new plan, never a stale one."""
+    from kernels import tree_attention as TA
+
+    seqs = [(37, CHAIN), (70, BRANCHING), (5, 1)]
+    batch = make_batch(seqs, 16, 6, 2, 32, torch.float32, seed=3, device=torch.device("cpu"))
+    args = list(batch.values()) + [0.2]
+    first = TA.tree_attention_batched(*args)
+    plan = TA._PLAN[1]
+    k2 = torch.randn_like(batch["k_cache"])  # another layer: other K/V, the same batch
+    second = TA.tree_attention_batched(batch["q"], k2, k2, *list(batch.values())[3:], 0.2)
+    assert TA._PLAN[1] is plan
+    torch.testing.assert_close(second, tree_attention_ref(batch["q"], k2, k2, *list(batch.values())[3:], 0.2),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first, tree_attention_ref(*args), rtol=1e-5, atol=1e-5)
+    # in place: the chain becomes a star (each node sees the root and itself), and the tree's context grows
+    star = ancestor_bits([-1] + [0] * (len(CHAIN) - 1))
+    batch["mask_bits"][: len(CHAIN)] = torch.tensor(star)
+    batch["context_lens"][1] += 9
+    out = TA.tree_attention_batched(*args)
+    assert TA._PLAN[1] is not plan
+    torch.testing.assert_close(out, tree_attention_ref(*args), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, first)
+
+
 @pytest.mark.parametrize("pad", [7, 70])
 def test_graph_layout_dummy_and_empty_segments(pad: int) -> None:
     """The ragged layout of a replayed graph (target/graphs.py): real segments, then one dummy segment of
