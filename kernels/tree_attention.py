@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kernels import paged_decode
 from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _prefetched_tiles, _softmax_step, cpu_chunks,
-                                  gather_pages, merge_splits, paged_decode_attention, pick_num_splits,
+                                  gather_kv, merge_splits, paged_decode_attention, pick_num_splits,
                                   use_triton_for)
 from kernels.pdl import pdl_enter, pdl_meta
 
@@ -115,8 +115,7 @@ def tree_attention_batched(
                                       query_start.new_tensor([0, e - s]), None if mask_bits is None else
                                       mask_bits[s:e], scale)
     for c in chunks:
-        rows_bt = block_tables[c.seqs]
-        k, v = gather_pages(k_cache, rows_bt, c.nb), gather_pages(v_cache, rows_bt, c.nb)  # [b, Hkv, nb * P, D]
+        k, v = gather_kv(k_cache, v_cache, block_tables[c.seqs], c.nb)  # [b, Hkv, nb * P, D]
         b, n_max, G = c.rows.shape[0], c.rows.shape[1], H // Hkv
         qb = q[c.rows].float().view(b, n_max, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(b, Hkv, G * n_max, D)
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=c.mask, scale=scale)  # [b, Hkv, G * n_max, D]
@@ -139,9 +138,8 @@ class _Chunk:
 
 # The last batch's plan: (key, plan). The key is the batch's contents, not its tensors' identities, so a batch
 # whose tensors were written in place (graph-style buffers) or freed and reallocated is never mistaken.
-# CPU_PLAN_CACHE = False builds the plan in every call, as before it was shared (bench/cpu_verify_step.py's A/B).
+# paged_decode.CPU_PLAN_CACHE = False builds the plan in every call (bench/cpu_decode.py --switch plan).
 _PLAN: list = [None, None]
-CPU_PLAN_CACHE = True
 
 
 def _tree_plan(T: int, G: int, P: int, token_elems: int, context_lens: torch.Tensor, query_start: torch.Tensor,
@@ -155,7 +153,7 @@ def _tree_plan(T: int, G: int, P: int, token_elems: int, context_lens: torch.Ten
     if mask_bits is not None and small:
         bits_key = tuple(mask_bits[starts[b]:starts[b] + ns[b]].tolist() for b in small)
     key = (T, G, P, token_elems, chunk_elems, tuple(starts), tuple(ctxs), bits_key, str(query_start.device))
-    if _PLAN[0] == key and CPU_PLAN_CACHE:
+    if _PLAN[0] == key and paged_decode.CPU_PLAN_CACHE:
         return _PLAN[1]
     rest = [(b, starts[b], starts[b + 1]) for b, n in enumerate(ns) if n > CPU_TREE_MAX_NEW]
     chunks = [_chunk_of(small[lo:hi], starts, ctxs, ns, mask_bits, G, P, S, query_start.device)
