@@ -2,8 +2,7 @@
 paths against the one-sequence-at-a-time reference, with ``--switch linear`` the projections' ``cpu_linear``
 against ``F.linear``, with ``--switch int4`` the INT4 projections through torch's CPU INT4 kernel
 (``target.model.CPU_INT4``) against the float32 copy, with ``--switch plan`` the tree path's rows and masks
-shared by a forward's layers (``paged_decode.CPU_PLAN_CACHE``, the decode path's too) against built in
-every layer.
+shared by a forward's layers (``tree_attention.CPU_PLAN_CACHE``) against built in every layer.
 
     python bench/cpu_decode.py [--switch attention|linear|int4|plan] [--batches 1,8,32] [--max-tokens 64]
                                [--repeats 2] [--spec [--drafter draft] [--tree 2,2,2,1]]
@@ -40,7 +39,7 @@ from draft.params import SpeculationParams  # noqa: E402
 from gateway.engine import EngineConfig  # noqa: E402
 from gateway.llm import LLM, LoadConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
-from kernels import paged_decode  # noqa: E402
+from kernels import paged_decode, tree_attention  # noqa: E402
 from target import model as target_model  # noqa: E402
 from verify.sampling import SamplingParams  # noqa: E402
 
@@ -51,7 +50,7 @@ SWITCHES = {"attention": (("batched", "reference"), lambda on: setattr(paged_dec
             # the INT4 projections through torch's CPU INT4 kernel (bfloat16 activations) or the float32 copy
             "int4": (("cpu_int4", "float32"), lambda on: setattr(target_model, "CPU_INT4", on)),
             # the tree path's rows and masks built once per forward and shared by its layers, or in every layer
-            "plan": (("shared_plan", "per_layer"), lambda on: setattr(paged_decode, "CPU_PLAN_CACHE", on))}
+            "plan": (("shared_plan", "per_layer"), lambda on: setattr(tree_attention, "CPU_PLAN_CACHE", on))}
 
 
 def run(llm: LLM, prompts: list[str], max_tokens: int, spec: SpeculationParams) -> tuple[float, list[list[int]], float]:

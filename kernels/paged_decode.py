@@ -108,51 +108,27 @@ def paged_decode_attention_batched(
     k_cache: torch.Tensor,  # [num_blocks, P, Hkv, D] one layer
     v_cache: torch.Tensor,  # [num_blocks, P, Hkv, D]
     block_tables: torch.Tensor,  # [B, max_blocks] int32
-    seq_lens: torch.Tensor,  # [B] int32, includes the current token (already in the cache), less len_offset
+    seq_lens: torch.Tensor,  # [B] int32, includes the current token (already in the cache)
     scale: float,
     chunk_elems: int = CPU_CHUNK_ELEMS,
-    len_offset: int = 0,
 ) -> torch.Tensor:  # [B, H, D]
     """``paged_decode_attention_ref``'s maths for many sequences per step, the CPU's decode path. Each chunk
     of the batch gathers whole pages (not token by token) up to its longest sequence, ``[b, Hkv, S, D]`` as a
     view, and runs torch's fused attention with each KV head's query heads as its query rows; positions past
     a sequence's end are masked out. A chunk grows while its gathered K stays within ``chunk_elems``
-    elements. float32 throughout, as the reference. The chunks and their masks depend on the lengths alone:
-    every layer of a forward shares them (``_decode_plan``)."""
+    elements. float32 throughout, as the reference."""
     B, H, D = q.shape
     P, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = H // Hkv
     out = torch.empty_like(q)
-    for lo, hi, nb, valid in _decode_plan(seq_lens, len_offset, P, Hkv * D, chunk_elems):
-        b = hi - lo
+    for lo, hi, S in cpu_chunks(seq_lens.tolist(), P, Hkv * D, chunk_elems):
+        b, nb = hi - lo, -(-S // P)
         k, v = gather_kv(k_cache, v_cache, block_tables[lo:hi], nb)
+        valid = torch.arange(nb * P, device=q.device)[None, :] < seq_lens[lo:hi, None]  # [b, nb * P]
         o = F.scaled_dot_product_attention(q[lo:hi].float().view(b, Hkv, G, D), k, v,
-                                           attn_mask=valid, scale=scale)  # [b, Hkv, G, D]
+                                           attn_mask=valid[:, None, None, :], scale=scale)  # [b, Hkv, G, D]
         out[lo:hi] = o.reshape(b, H, D).to(q.dtype)
     return out
-
-
-# The last decode batch's chunks and masks, keyed by its lengths (contents, not tensor identities), as
-# tree_attention's _tree_plan. CPU_PLAN_CACHE = False builds them in every call (bench/cpu_decode.py --switch plan).
-_DECODE_PLAN: list = [None, None]
-CPU_PLAN_CACHE = True
-
-
-def _decode_plan(seq_lens: torch.Tensor, len_offset: int, P: int, token_elems: int,
-                 chunk_elems: int) -> list[tuple[int, int, int, torch.Tensor]]:
-    """(lo, hi, pages per sequence, [b, 1, 1, nb * P] bool mask of positions inside each sequence) per chunk."""
-    lens = [n + len_offset for n in seq_lens.tolist()]
-    key = (tuple(lens), P, token_elems, chunk_elems, str(seq_lens.device))
-    if _DECODE_PLAN[0] == key and CPU_PLAN_CACHE:
-        return _DECODE_PLAN[1]
-    plan = []
-    for lo, hi, S in cpu_chunks(lens, P, token_elems, chunk_elems):
-        nb = -(-S // P)
-        n_t = torch.tensor(lens[lo:hi], device=seq_lens.device)
-        valid = torch.arange(nb * P, device=seq_lens.device)[None, :] < n_t[:, None]  # [b, nb * P]
-        plan.append((lo, hi, nb, valid[:, None, None, :]))
-    _DECODE_PLAN[:] = [key, plan]
-    return plan
 
 
 @triton.jit
@@ -360,10 +336,8 @@ def paged_decode_attention(
     saves a launch per layer for the addition. ``prefetch`` picks the hand-pipelined loop
     (``_prefetched_tiles``, ``num_stages`` ignored) or Triton's pipeliner; None takes ``DECODE_PREFETCH``."""
     if not use_triton_for(q, use_triton):
-        if BATCHED_CPU:
-            return paged_decode_attention_batched(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                  len_offset=len_offset)
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
+        cpu = paged_decode_attention_batched if BATCHED_CPU else paged_decode_attention_ref
+        return cpu(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
     B, H, D = q.shape
     _, P, Hkv, _ = k_cache.shape
     if (H % Hkv or D & (D - 1) or D < 16 or q.stride(-1) != 1 or k_cache.stride() != v_cache.stride()

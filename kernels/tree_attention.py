@@ -138,8 +138,9 @@ class _Chunk:
 
 # The last batch's plan: (key, plan). The key is the batch's contents, not its tensors' identities, so a batch
 # whose tensors were written in place (graph-style buffers) or freed and reallocated is never mistaken.
-# paged_decode.CPU_PLAN_CACHE = False builds the plan in every call (bench/cpu_decode.py --switch plan).
+# CPU_PLAN_CACHE = False builds the plan in every call (bench/cpu_decode.py --switch plan).
 _PLAN: list = [None, None]
+CPU_PLAN_CACHE = True
 
 
 def _tree_plan(T: int, G: int, P: int, token_elems: int, context_lens: torch.Tensor, query_start: torch.Tensor,
@@ -153,7 +154,7 @@ def _tree_plan(T: int, G: int, P: int, token_elems: int, context_lens: torch.Ten
     if mask_bits is not None and small:
         bits_key = tuple(mask_bits[starts[b]:starts[b] + ns[b]].tolist() for b in small)
     key = (T, G, P, token_elems, chunk_elems, tuple(starts), tuple(ctxs), bits_key, str(query_start.device))
-    if _PLAN[0] == key and paged_decode.CPU_PLAN_CACHE:
+    if _PLAN[0] == key and CPU_PLAN_CACHE:
         return _PLAN[1]
     rest = [(b, starts[b], starts[b + 1]) for b, n in enumerate(ns) if n > CPU_TREE_MAX_NEW]
     chunks = [_chunk_of(small[lo:hi], starts, ctxs, ns, mask_bits, G, P, S, query_start.device)

@@ -166,28 +166,3 @@ def test_batched_cpu_path_matches_ref(page: int, chunk_elems: int, dtype: torch.
     # the dispatcher's CPU path is this one, with the model's len_offset
     via = paged_decode_attention(q, k_cache, v_cache, block_tables, lens - 1, 0.2, use_triton=False, len_offset=1)
     torch.testing.assert_close(via, paged_decode_attention_batched(q, k_cache, v_cache, block_tables, lens, 0.2))
-
-
-def test_batched_cpu_plan_is_shared_by_layers_and_keyed_by_lengths() -> None:
-    """Every layer of a decode forward reuses one plan (chunks, masks); lengths written in place into the same
-    tensor get a new plan, never a stale one; an offset is part of the lengths."""
-    from kernels import paged_decode as PD
-
-    gen = torch.Generator().manual_seed(5)
-    seq_lens = [3, 40, 17]
-    k_cache, v_cache, block_tables = make_paged([n + 8 for n in seq_lens], 16, 2, 32, torch.float32, gen,
-                                                torch.device("cpu"))
-    q = torch.randn(len(seq_lens), 6, 32, generator=gen)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    first = PD.paged_decode_attention_batched(q, k_cache, v_cache, block_tables, lens, 0.2)
-    plan = PD._DECODE_PLAN[1]
-    PD.paged_decode_attention_batched(q, v_cache, k_cache, block_tables, lens, 0.2)  # another layer
-    assert PD._DECODE_PLAN[1] is plan
-    lens += 7  # in place: every sequence longer
-    out = PD.paged_decode_attention_batched(q, k_cache, v_cache, block_tables, lens, 0.2)
-    assert PD._DECODE_PLAN[1] is not plan
-    torch.testing.assert_close(out, paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens, 0.2),
-                               rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(out, first)
-    shifted = PD.paged_decode_attention_batched(q, k_cache, v_cache, block_tables, lens - 7, 0.2, len_offset=7)
-    torch.testing.assert_close(shifted, out)
