@@ -63,10 +63,12 @@ def model_config(shape: dict) -> ModelConfig:
                        eos_token_ids=(0,), **shape)
 
 
-def random_model(cfg: ModelConfig, int4: bool, seed: int = 0, group: int = 128) -> tuple[Transformer, int]:
-    """A model of ``cfg``'s shape with random weights on CUDA, and the bytes a decode step must read."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    bf = dict(dtype=torch.bfloat16, device="cuda")
+def random_model(cfg: ModelConfig, int4: bool, seed: int = 0, group: int = 128, zeros: bool = False,
+                 device: str = "cuda") -> tuple[Transformer, int]:
+    """A model of ``cfg``'s shape with random weights on ``device``, and the bytes a decode step must read.
+    ``zeros``: INT4 weights get fractional zero points (GGUF Q4_1's form: the kernels' factored path)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    bf = dict(dtype=torch.bfloat16, device=device)
     hid, D, H, Hkv, I = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     nbytes = 0
 
@@ -76,10 +78,11 @@ def random_model(cfg: ModelConfig, int4: bool, seed: int = 0, group: int = 128) 
             w = torch.randn(n, k, generator=g, **bf) * k**-0.5
             nbytes += w.numel() * 2
             return Linear(w)
-        q = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, dtype=torch.int32, device="cuda")
+        q = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, dtype=torch.int32, device=device)
         s = torch.rand(k // group, n, generator=g, **bf) * (0.2 * k**-0.5)
-        nbytes += q.numel() * 4 + s.numel() * 2
-        return int4_linear(Int4Weight(q, s, None, group))
+        z = torch.rand(k // group, n, generator=g, **bf) * 15 if zeros else None
+        nbytes += q.numel() * 4 + s.numel() * (4 if zeros else 2)
+        return int4_linear(Int4Weight(q, s, z, group))
 
     layers = [Layer(input_norm=torch.ones(hid, **bf), qkv=lin((H + 2 * Hkv) * D, hid), o=lin(hid, H * D),
                     post_norm=torch.ones(hid, **bf), gate_up=lin(2 * I, hid), down=lin(hid, I))
@@ -98,16 +101,20 @@ def tree_step(model: Transformer, nodes: int, context: int = 512):
     runner = CudaGraphRunner(model, cache, max_blocks=context // 16 + 8, buckets=(1, 2))
     table = cache.new_table()
     model.forward(build_batch([Segment(table, 0, list(range(context)), logits="none")], cache, "cuda"), cache)
-    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
-    depths = [0]
-    bits = [1]
-    for i in range(1, nodes):
-        depths.append(depths[parents[i]] + 1)
-        bits.append(bits[parents[i]] | (1 << i))
-    bits = [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # int64 two's complement for node 63
+    depths, bits = binary_tree(nodes)
     batch = build_batch([Segment(table, context, [7] * nodes, positions=[context + d for d in depths],
                                  mask_bits=bits if nodes > 1 else None, logits="all")], cache, "cuda")
     return lambda: runner.forward(batch, cache)
+
+
+def binary_tree(nodes: int) -> tuple[list[int], list[int]]:
+    """Depths and ancestor bits (int64, the target's mask format) of a binary tree of ``nodes`` nodes."""
+    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+    depths, bits = [0], [1]
+    for i in range(1, nodes):
+        depths.append(depths[parents[i]] + 1)
+        bits.append(bits[parents[i]] | (1 << i))
+    return depths, [b - (1 << 64) if b >= 1 << 63 else b for b in bits]  # two's complement for node 63
 
 
 def step_ms(model: Transformer, nodes: list[int], context: int = 512, reps: int = 40) -> dict[int, float]:
@@ -285,9 +292,8 @@ def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, 
                    counts: dict | None = None, batch_completion: bool = True) -> tuple[float, float]:
     """Tokens per second and mean accepted length of one ``generate`` per group of prompts, one after another
     (tokens over their summed time; ``batch_completion``: generate's budget objective); ``counts`` (if given)
-    receives the
-    change of ``first_use_counts`` across it (zero counters left out), and ``steps_by_depth``: for each
-    draft depth the decode-only steps took, [steps, mean ms per step, longest step's ms]."""
+    receives the change of ``first_use_counts`` across it (zero counters left out), and ``steps_by_depth``:
+    for each draft depth the decode-only steps took, [steps, mean ms per step, longest step's ms]."""
     before = first_use_counts(llm) if counts is not None else {}
     sched = llm.engine.scheduler
     costs = sched.costs

@@ -25,11 +25,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 import provenance  # noqa: E402  (bench/, this script's own folder)
-from kernels.int4_matmul import Int4Weight  # noqa: E402
+from engine import _sync, binary_tree, random_model  # noqa: E402  (bench/engine.py)
 from target.batch import Segment, build_batch  # noqa: E402
 from target.config import ModelConfig  # noqa: E402
 from target.graphs import CudaGraphRunner  # noqa: E402
-from target.model import Layer, Linear, Transformer, int4_linear  # noqa: E402
+from target.model import Transformer  # noqa: E402
 
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself (no kernel profile there)
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -41,21 +41,7 @@ def smollm2_int4(group: int = 32, seed: int = 0) -> Transformer:
     embedded Q4_1 weights take), tied bf16 embedding / LM head."""
     cfg = ModelConfig(family="llama", rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
                       eos_token_ids=(0,), tie_word_embeddings=True, **SMOLLM2)
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
-    bf = dict(dtype=torch.bfloat16, device=DEVICE)
-    hid, D, H, Hkv, inter = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-
-    def lin(n: int, k: int) -> Linear:
-        q = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, dtype=torch.int32, device=DEVICE)
-        s = torch.rand(k // group, n, generator=g, **bf) * (0.2 * k**-0.5)
-        z = torch.rand(k // group, n, generator=g, **bf) * 15
-        return int4_linear(Int4Weight(q, s, z, group))
-
-    layers = [Layer(input_norm=torch.ones(hid, **bf), qkv=lin((H + 2 * Hkv) * D, hid), o=lin(hid, H * D),
-                    post_norm=torch.ones(hid, **bf), gate_up=lin(2 * inter, hid), down=lin(hid, inter))
-              for _ in range(cfg.num_layers)]
-    embed = torch.randn(cfg.vocab_size, hid, generator=g, **bf) * 0.02
-    return Transformer(cfg, embed, layers, torch.ones(hid, **bf), Linear(embed), torch.bfloat16)
+    return random_model(cfg, True, seed, group, zeros=True, device=DEVICE)[0]
 
 
 def verify_step(model: Transformer, B: int, nodes: int, context: int):
@@ -66,11 +52,7 @@ def verify_step(model: Transformer, B: int, nodes: int, context: int):
     tables = [cache.new_table() for _ in range(B)]
     for t in tables:
         model.forward(build_batch([Segment(t, 0, list(range(context)), logits="none")], cache, DEVICE), cache)
-    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
-    depths, bits = [0], [1]
-    for i in range(1, nodes):
-        depths.append(depths[parents[i]] + 1)
-        bits.append(bits[parents[i]] | (1 << i))
+    depths, bits = binary_tree(nodes)
     segs = [Segment(t, context, [7 + b] * nodes, positions=[context + d for d in depths],
                     mask_bits=bits if nodes > 1 else None, logits="all") for b, t in enumerate(tables)]
     batch = build_batch(segs, cache, DEVICE)
@@ -97,22 +79,17 @@ def exposed(spans: list[tuple[float, float, str]]) -> dict[str, float]:
     return out
 
 
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
 def _median_us(run, reps: int, synced: bool = True) -> float:
     """Median microseconds of ``run()``: to the end of its device work (``synced``), or until it returns."""
     times = []
     for _ in range(reps):
-        sync()
+        _sync(DEVICE)
         t0 = time.perf_counter()
         run()
         if synced:
-            sync()
+            _sync(DEVICE)
         times.append(time.perf_counter() - t0)
-    sync()
+    _sync(DEVICE)
     return round(sorted(times)[reps // 2] * 1e6, 1)
 
 
@@ -127,10 +104,10 @@ def profile(run, parts: tuple, reps: int) -> dict:
         run()
     walls = []
     for _ in range(reps):
-        sync()
+        _sync(DEVICE)
         t0 = time.perf_counter()
         run()
-        sync()
+        _sync(DEVICE)
         walls.append(time.perf_counter() - t0)
     extra = {"host_us": _median_us(run, reps, synced=False)}
     if replay is not None:
@@ -143,7 +120,7 @@ def profile(run, parts: tuple, reps: int) -> dict:
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             run()
-        sync()
+        _sync(DEVICE)
     per_name: dict[str, list[float]] = {}
     spans = []  # (start, end, name) of every kernel, in device microseconds
     for e in prof.events():

@@ -51,7 +51,12 @@ _NIBBLE_AT_19 = tl.constexpr(0x780000)  # mantissa bits 19..22
 def _tile_columns(pid_n, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
     """Weight columns of a tile. With SILU the tile's first half is gate columns ``j`` and its second
     half the matching up columns ``j + N // 2``, so one program holds both operands of its outputs."""
-    c = tl.arange(0, BLOCK_N)
+    return _columns_at(tl.arange(0, BLOCK_N), pid_n, N, BLOCK_N, SILU)
+
+
+@triton.jit
+def _columns_at(c, pid_n, N, BLOCK_N: tl.constexpr, SILU: tl.constexpr):
+    """``_tile_columns`` at the tile's column indices ``c`` only, and their mask."""
     if SILU:
         half: tl.constexpr = BLOCK_N // 2
         out_col = pid_n * half + (c % half)
@@ -469,23 +474,15 @@ def _prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid, pid_k, M, N, K, K_ITERS, G: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
-                    HAS_ZEROS: tl.constexpr):
+def _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid_n, pid_k, N, K, K_ITERS, G: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """Ask L2 for the first (at most two) K blocks of a MMA program's packed words and group parameters,
     before it waits on the kernel ahead (PDL): weights are never written by a kernel, so their HBM latency
     can overlap the kernel ahead's tail and our own launch, as the GEMV's first tiles do; the pipeliner
     fetches the later blocks while the first ones compute. One prefetch per 64 bytes of a row (16 words,
     32 scales): a [BLOCK_K // 8, BLOCK_N // 16] grid of pointers per K block."""
-    pid_n = pid // tl.cdiv(M, BLOCK_M)
     c = tl.arange(0, BLOCK_N // 16) * 16
-    if SILU:
-        half: tl.constexpr = BLOCK_N // 2
-        out_col = pid_n * half + (c % half)
-        cols, ok = out_col + (c // half) * (N // 2), out_col < N // 2
-    else:
-        cols = pid_n * BLOCK_N + c
-        ok = cols < N
+    cols, ok = _columns_at(c, pid_n, N, BLOCK_N, SILU)
     r8 = tl.arange(0, BLOCK_K // 8)
     GROWS: tl.constexpr = BLOCK_K // G if BLOCK_K > G else 1  # group rows a K block spans
     gr = tl.arange(0, GROWS)
@@ -599,14 +596,14 @@ def _int4_matmul_kernel(
     no load needs a K mask.
     """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
-    if USE_PDL:  # the pipeliner's first loads read x: only the L2 prefetch of our weights overlaps the kernel ahead
-        if PREFETCH:
-            _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid, pid_k, M, N, K, K_ITERS, G, BLOCK_M, BLOCK_N, BLOCK_K,
-                            SILU, HAS_ZEROS)
-        gdc_wait()
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     pid_n, cols, n_mask, offs_m, m_mask, x_ptrs, q_ptrs = _mma_tile(x_ptr, qw_ptr, pid, M, N, stride_xm, BLOCK_M,
                                                                     BLOCK_N, BLOCK_K, SILU, False)
+    if USE_PDL:  # the pipeliner's first loads read x: only the L2 prefetch of our weights overlaps the kernel ahead
+        if PREFETCH:
+            _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid_n, pid_k, N, K, K_ITERS, G, BLOCK_N, BLOCK_K, SILU,
+                            HAS_ZEROS)
+        gdc_wait()
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = pid_k * K_ITERS * BLOCK_K
     if SCALE_DOT:
@@ -704,14 +701,14 @@ def _int4_matmul_t_kernel(
         sum_k x (c - z) s = s * (sum_k x (c + MAGIC) - (MAGIC + z) * sum_k x).
     """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
-    if USE_PDL:
-        if PREFETCH:
-            _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid, pid_k, M, N, K, K_ITERS, G, BLOCK_M, BLOCK_N, BLOCK_K,
-                            SILU, HAS_ZEROS)
-        gdc_wait()
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
     pid_n, cols, n_mask, offs_m, m_mask, x_ptrs, q_ptrs = _mma_tile(x_ptr, qw_ptr, pid, M, N, stride_xm, BLOCK_M,
                                                                     BLOCK_N, BLOCK_K, SILU, True)
+    if USE_PDL:  # index arithmetic only above: nothing read before the wait but weights
+        if PREFETCH:
+            _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid_n, pid_k, N, K, K_ITERS, G, BLOCK_N, BLOCK_K, SILU,
+                            HAS_ZEROS)
+        gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T
     k_lo = pid_k * K_ITERS * BLOCK_K
     if FACTORED:

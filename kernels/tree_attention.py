@@ -150,9 +150,7 @@ def _tree_plan(T: int, G: int, P: int, token_elems: int, context_lens: torch.Ten
     starts, ctxs = query_start.tolist(), context_lens.tolist()
     ns = [e - s for s, e in zip(starts, starts[1:])]
     small = [b for b, n in enumerate(ns) if 0 < n <= CPU_TREE_MAX_NEW]
-    bits_key = None
-    if mask_bits is not None and small:
-        bits_key = tuple(mask_bits[starts[b]:starts[b] + ns[b]].tolist() for b in small)
+    bits_key = tuple(mask_bits.tolist()) if mask_bits is not None and small else None  # one host copy a layer
     key = (T, G, P, token_elems, chunk_elems, tuple(starts), tuple(ctxs), bits_key, str(query_start.device))
     if _PLAN[0] == key and CPU_PLAN_CACHE:
         return _PLAN[1]
@@ -165,6 +163,7 @@ def _tree_plan(T: int, G: int, P: int, token_elems: int, context_lens: torch.Ten
 
 def _chunk_of(part: list[int], starts: list[int], ctxs: list[int], ns: list[int], mask_bits: torch.Tensor | None,
               G: int, P: int, S: int, dev: torch.device) -> _Chunk:
+    """The chunk of sequences ``part`` (batch indices), each padded to ``S`` keys in whole pages."""
     nb = -(-S // P)
     n_list = [ns[b] for b in part]
     b, n_max = len(part), max(n_list)
