@@ -117,7 +117,7 @@ for stage in "$@"; do
                  | grep -v '^ \|^{\|^}' | tail -40 ;;
     graph_rows) timeout "${GRAPH_ROWS_TIMEOUT:-300}" python bench/graph_rows.py --out "$OUT/graph_rows.json" 2>&1 | tail -8 ;;
     verify) timeout "${VERIFY_TIMEOUT:-240}" python bench/verify_profile.py --batches 1,16 --nodes "${VERIFY_NODES:-1,2,4}" \
-        --out "$OUT/verify_profile.json" 2>&1 | grep -v Warn | tail -40 ;;
+        --dump "$OUT/graphs" --out "$OUT/verify_profile.json" 2>&1 | grep -v Warn | tail -40 ;;
     probe)
       timeout 150 python bench/kernels/decode_probe.py --out "$OUT" 2>&1 | tail -24
       timeout 150 python bench/kernels/attn_layout.py --out "$OUT" 2>&1 | tail -16 ;;

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ from target.graphs import CudaGraphRunner  # noqa: E402
 from target.model import Transformer  # noqa: E402
 
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself (no kernel profile there)
+DUMP: Path | None = None  # --dump DIR: each captured graph as a DOT file, and its census in the row
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                num_kv_heads=3, head_dim=64)
 
@@ -59,10 +61,37 @@ def verify_step(model: Transformer, B: int, nodes: int, context: int):
     if DEVICE != "cuda":
         return lambda: model.forward(batch, cache), (None, None)
     run = lambda: runner.forward(batch, cache)  # noqa: E731
+    runner.debug = DUMP is not None
     run()  # captures the graph
     g = runner._graphs[runner._key(batch, cache)]
+    if DUMP is not None:
+        path = DUMP / f"graph_b{B}_n{nodes}.dot"
+        g.graph.debug_dump(str(path))
+        run.census = graph_census(path.read_text())  # type: ignore[attr-defined]
     load = lambda: g.load(batch, cache.scratch_block, cache.page_size)  # noqa: E731
     return run, (g.graph.replay, load)
+
+
+def graph_census(dot: str) -> dict:
+    """What a CUDA graph's DOT dump (``CUDAGraph.debug_dump``) holds: its nodes by type (KERNEL, MEMCPY,
+    MEMSET, HOST, ...), its edges by label (unlabelled: ``plain``), and how many nodes name each kernel."""
+    nodes: dict[str, int] = {}
+    edges: dict[str, int] = {}
+    kernels: dict[str, int] = {}
+    types = "KERNEL|MEMCPY|MEMSET|HOST|EMPTY|WAIT_EVENT|EVENT_RECORD|MEM_ALLOC|MEM_FREE|BATCH_MEM_OP|CONDITIONAL|GRAPH"
+    for m in re.finditer(r'^"[^"]+"\s*\[(.*?)\]\s*;?\s*$', dot, re.M | re.S):
+        body = m.group(1)
+        kind = re.search(rf"\b({types})\b", body)
+        key = kind.group(1) if kind else "?"
+        nodes[key] = nodes.get(key, 0) + 1
+        name = re.search(r"\b(\w*_kernel\w*)", body)
+        if key == "KERNEL" and name:
+            kernels[name.group(1)] = kernels.get(name.group(1), 0) + 1
+    for m in re.finditer(r'^"[^"]+"\s*->\s*"[^"]+"(.*)$', dot, re.M):
+        lab = re.search(r'label="([^"]*)"', m.group(1))
+        key = lab.group(1) if lab and lab.group(1) else "plain"
+        edges[key] = edges.get(key, 0) + 1
+    return {"nodes": nodes, "edges": edges, "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
 
 
 def exposed(spans: list[tuple[float, float, str]]) -> dict[str, float]:
@@ -148,16 +177,24 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=SMOLLM2["num_layers"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--dump", help="write each captured graph's DOT file here, and its census into its row")
     args = ap.parse_args()
-    global DEVICE
+    global DEVICE, DUMP
     DEVICE = args.device
+    if args.dump and DEVICE == "cuda":
+        DUMP = Path(args.dump)
+        DUMP.mkdir(parents=True, exist_ok=True)
     SMOLLM2["num_layers"] = args.layers
     model = smollm2_int4()
     res = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": datetime.date.today().isoformat(),
            "commit": provenance.commit(), "torch": torch.__version__, "context": args.context, "rows": []}
     for B in map(int, args.batches.split(",")):
         for n in map(int, args.nodes.split(",")):
-            row = {"batch": B, "nodes": n, **profile(*verify_step(model, B, n, args.context), args.reps)}
+            run, parts = verify_step(model, B, n, args.context)
+            row = {"batch": B, "nodes": n, **profile(run, parts, args.reps)}
+            if hasattr(run, "census"):
+                row["graph"] = run.census
+                print(f"B={B} N={n} graph: {row['graph']['nodes']} edges {row['graph']['edges']}", flush=True)
             res["rows"].append(row)
             print(f"B={B:3d} N={n:2d} wall {row['wall_us']:8.1f} us  host {row['host_us']:7.1f} (copies "
                   f"{row.get('load_host_us', 0):6.1f}, launch {row.get('launch_host_us', 0):6.1f})  replay alone "

@@ -150,6 +150,7 @@ class CudaGraphRunner:
         self._graphs: dict[tuple[int, int, bool], _Graph] = {}  # (B, T, decode)
         self.replays = 0
         self.eager = 0
+        self.debug = False  # capture in CUDA's debug mode, so that ``graph.debug_dump(path)`` can write a DOT file
 
     def forward(self, batch: ForwardBatch, cache: KVCache, features: torch.Tensor | None = None) -> torch.Tensor:
         return self._forward(batch, cache, features, False)[0]
@@ -236,6 +237,8 @@ class CudaGraphRunner:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         g.graph = torch.cuda.CUDAGraph()
+        if self.debug:
+            g.graph.enable_debug_mode()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -35,3 +35,26 @@ def test_cpu_smoke_run(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["nodes"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert all(r["wall_us"] > 0 and r["host_us"] > 0 for r in rows)
+
+
+def test_graph_census_counts_nodes_edges_and_kernels():
+    from verify_profile import graph_census
+
+    dot = "\n".join([
+        "digraph dot {",
+        'subgraph cluster_1 {',
+        'label="graph_1" graph[style="dashed"];',
+        '"graph_1_node_0"[style="solid" shape="record" label="{KERNEL\\n| {ID | 0}\\n| {name | _int4_gemv_kernel}}"];',
+        '"graph_1_node_1"[style="solid" shape="record" label="{',
+        'KERNEL',
+        '| {name | _int4_gemv_kernel}}"];',
+        '"graph_1_node_2"[style="solid" shape="record" label="{MEMCPY\\n| {kind | HtoD}}"];',
+        '"graph_1_node_3"[style="solid" shape="record" label="{KERNEL\\n| {name | _rms_norm_kernel_0d1}}"];',
+        '"graph_1_node_0" -> "graph_1_node_1";',
+        '"graph_1_node_1" -> "graph_1_node_2" [label="programmatic"];',
+        '"graph_1_node_2" -> "graph_1_node_3";',
+        "}", "}"])
+    out = graph_census(dot)
+    assert out["nodes"] == {"KERNEL": 3, "MEMCPY": 1}
+    assert out["edges"] == {"plain": 2, "programmatic": 1}
+    assert out["kernels"] == {"_int4_gemv_kernel": 2, "_rms_norm_kernel_0d1": 1}
