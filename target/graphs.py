@@ -23,8 +23,11 @@ static inputs. Block tables are padded to ``max_blocks`` columns, the most a seq
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from kernels.graph_inputs import load_inputs, load_reference
 from target.batch import ForwardBatch
 from target.kv_cache import KVCache
 from target.model import Transformer
@@ -61,6 +64,10 @@ def graph_shape(query_lens: tuple[int, ...], num_tokens: int, buckets: tuple[int
     return None if best is None else (best[1], best[0], False)
 
 
+# SPECGATE_GRAPH_LOAD=ops: a replay's inputs copied in as torch ops (11-15 launches) instead of one kernel (A/B).
+ONE_LAUNCH = os.environ.get("SPECGATE_GRAPH_LOAD", "kernel") != "ops"
+
+
 class _Graph:
     """One captured forward: ``T`` rows in at most ``B`` segments (``decode``: one row each), its static
     inputs and its output(s)."""
@@ -94,31 +101,15 @@ class _Graph:
         """Copy ``batch`` into the static inputs: its rows first, as packed, then the padding rows (the
         dummy segment after its ``B`` real ones). Returns the graph rows of the batch's logits rows, or None
         when they are the first ``T`` rows in order."""
-        T, B = batch.num_tokens, len(batch.query_lens)
-        self.tokens[:T].copy_(batch.tokens)
-        self.positions[:T].copy_(batch.positions)
-        self.slot_mapping[:T].copy_(batch.slot_mapping)
-        self.tokens[T:].zero_()
-        self.positions[T:].zero_()
-        self.slot_mapping[T:].fill_(scratch * page_size)
-        if self.mask_bits is not None:
-            if batch.mask_bits is not None:
-                self.mask_bits[:T].copy_(batch.mask_bits)
-            else:
-                self.mask_bits[:T].zero_()  # 0 = causal
-            self.mask_bits[T:].fill_(1)  # padding sees its segment's first row only: finite, and unused
-            self.query_start[: B + 1].copy_(batch.query_start)
-            self.query_start[B + 1 :].fill_(self.T)  # the dummy segment B: rows T..self.T; any after it: none
+        T = batch.num_tokens
+        if self.tokens.is_cuda and ONE_LAUNCH:
+            load_inputs(self, batch, scratch, page_size)
+        else:
+            load_reference(self, batch, scratch, page_size)
         if self.features is not None:
             if features is not None:
                 self.features[:T].copy_(features.to(self.features.dtype))
             self.features[T:].zero_()
-        self.context_lens[:B].copy_(batch.context_lens)
-        self.context_lens[B:].zero_()
-        cols = batch.block_tables.shape[1]
-        self.block_tables[:B, :cols].copy_(batch.block_tables)
-        self.block_tables[:B, cols:].fill_(scratch)
-        self.block_tables[B:].fill_(scratch)
         if batch.logits_rows == tuple(range(T)):
             return None
         return batch.logits_indices  # the batch's rows are the graph's first T: the same indices
@@ -236,8 +227,8 @@ class CudaGraphRunner:
             raise ValueError("CUDA graphs need the model and its cache on a CUDA device")
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        g.graph = torch.cuda.CUDAGraph()
-        if self.debug:
+        g.graph = torch.cuda.CUDAGraph(keep_graph=True) if self.debug else torch.cuda.CUDAGraph()
+        if self.debug:  # the captured graph kept (instantiated on its first replay) for debug_dump
             g.graph.enable_debug_mode()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
