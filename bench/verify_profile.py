@@ -168,6 +168,35 @@ def profile(run, parts: tuple, reps: int) -> dict:
                         for k, v in sorted(per_name.items(), key=lambda kv: -kv[1][2])}}
 
 
+def launch_probe(model: Transformer, context: int, reps: int) -> list[dict]:
+    """Is a graph's launch cost tied to its capture order? Graphs of 1, 2 and 4 nodes at batch 1, each in its
+    own runner, captured in that order: host time of a launch and synchronised wall of a replay for each;
+    then again after the first graph is freed; then after a fresh 1-node graph is captured."""
+    import gc
+
+    steps: dict[str, tuple] = {}
+    out: list[dict] = []
+
+    def measure(phase: str) -> None:
+        for name, (run, (replay, _)) in steps.items():
+            row = {"phase": phase, "graph": name, "launch_host_us": _median_us(replay, reps, synced=False),
+                   "replay_wall_us": _median_us(replay, reps)}
+            out.append(row)
+            print(f"{phase:28s} {name:10s} launch {row['launch_host_us']:7.1f} us  replay {row['replay_wall_us']:8.1f}",
+                  flush=True)
+
+    for n in (1, 2, 4):
+        steps[f"{n} nodes"] = verify_step(model, 1, n, context)
+    measure("captured 1, 2, 4")
+    del steps["1 nodes"]
+    gc.collect()
+    _sync(DEVICE)
+    measure("the first freed")
+    steps["1 node (new)"] = verify_step(model, 1, 1, context)
+    measure("a new 1-node graph captured")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16")
@@ -177,6 +206,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=SMOLLM2["num_layers"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--launch-probe", action="store_true", help="only the capture-order probe (launch_probe)")
     ap.add_argument("--dump", help="write each captured graph's DOT file here, and its census into its row")
     args = ap.parse_args()
     global DEVICE, DUMP
@@ -188,6 +218,12 @@ def main() -> None:
     model = smollm2_int4()
     res = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "date": datetime.date.today().isoformat(),
            "commit": provenance.commit(), "torch": torch.__version__, "context": args.context, "rows": []}
+    if args.launch_probe:
+        if DEVICE != "cuda":
+            raise SystemExit("--launch-probe times CUDA graph launches: it needs --device cuda")
+        res["launch_probe"] = launch_probe(model, args.context, args.reps)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+        return
     for B in map(int, args.batches.split(",")):
         for n in map(int, args.nodes.split(",")):
             run, parts = verify_step(model, B, n, args.context)
