@@ -33,6 +33,7 @@ from target.graphs import CudaGraphRunner  # noqa: E402
 from target.model import Transformer  # noqa: E402
 
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself (no kernel profile there)
+KERNELS = True  # --no-kernels: no torch.profiler (CUPTI) session, whose tracing slows every later graph launch
 DUMP: Path | None = None  # --dump DIR: each captured graph as a DOT file, and its census in the row
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                num_kv_heads=3, head_dim=64)
@@ -143,7 +144,7 @@ def profile(run, parts: tuple, reps: int) -> dict:
         extra["load_host_us"] = _median_us(load, reps, synced=False)
         extra["launch_host_us"] = _median_us(replay, reps, synced=False)
         extra["replay_wall_us"] = _median_us(replay, reps)
-    if DEVICE != "cuda":  # the smoke run: no device kernels to profile
+    if DEVICE != "cuda" or not KERNELS:  # the smoke run, or --no-kernels: no per-kernel profile
         return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1), **extra, "kernel_us": 0.0, "exposed_us": 0.0,
                 "launches": 0, "kernels": {}}
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -206,11 +207,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=SMOLLM2["num_layers"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--no-kernels", action="store_true", help="time only: no per-kernel profile (see KERNELS)")
     ap.add_argument("--launch-probe", action="store_true", help="only the capture-order probe (launch_probe)")
     ap.add_argument("--dump", help="write each captured graph's DOT file here, and its census into its row")
     args = ap.parse_args()
-    global DEVICE, DUMP
-    DEVICE = args.device
+    global DEVICE, DUMP, KERNELS
+    DEVICE, KERNELS = args.device, not args.no_kernels
     if args.dump and DEVICE == "cuda":
         DUMP = Path(args.dump)
         DUMP.mkdir(parents=True, exist_ok=True)
