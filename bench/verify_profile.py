@@ -33,7 +33,7 @@ from target.graphs import CudaGraphRunner  # noqa: E402
 from target.model import Transformer  # noqa: E402
 
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself (no kernel profile there)
-KERNELS = True  # --no-kernels: no torch.profiler (CUPTI) session, whose tracing slows every later graph launch
+KERNELS = True  # --no-kernels: no torch.profiler session (it slows every graph launch after it: main)
 DUMP: Path | None = None  # --dump DIR: each captured graph as a DOT file, and its census in the row
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                num_kv_heads=3, head_dim=64)
@@ -123,13 +123,11 @@ def _median_us(run, reps: int, synced: bool = True) -> float:
     return round(sorted(times)[reps // 2] * 1e6, 1)
 
 
-def profile(run, parts: tuple, reps: int) -> dict:
+def timing(run, parts: tuple, reps: int) -> dict:
     """Median synchronised wall time of one step (inputs copied in, graph replayed), the host time until that
     call returns, the host time of its two parts (the input copies, the replay's launch) and the synchronised
-    wall of the replay alone; then per-kernel device time over ``reps`` back-to-back steps."""
+    wall of the replay alone. Call it before any ``kernel_profile`` in the process (see KERNELS)."""
     replay, load = parts
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
     for _ in range(5):
         run()
     walls = []
@@ -139,14 +137,21 @@ def profile(run, parts: tuple, reps: int) -> dict:
         run()
         _sync(DEVICE)
         walls.append(time.perf_counter() - t0)
-    extra = {"host_us": _median_us(run, reps, synced=False)}
+    out = {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1), "host_us": _median_us(run, reps, synced=False)}
     if replay is not None:
-        extra["load_host_us"] = _median_us(load, reps, synced=False)
-        extra["launch_host_us"] = _median_us(replay, reps, synced=False)
-        extra["replay_wall_us"] = _median_us(replay, reps)
-    if DEVICE != "cuda" or not KERNELS:  # the smoke run, or --no-kernels: no per-kernel profile
-        return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1), **extra, "kernel_us": 0.0, "exposed_us": 0.0,
-                "launches": 0, "kernels": {}}
+        out["load_host_us"] = _median_us(load, reps, synced=False)
+        out["launch_host_us"] = _median_us(replay, reps, synced=False)
+        out["replay_wall_us"] = _median_us(replay, reps)
+    return out
+
+
+def kernel_profile(run, reps: int) -> dict:
+    """Per-kernel device time, exposed time and launches per step over ``reps`` back-to-back steps
+    (torch.profiler; none on the CPU)."""
+    if DEVICE != "cuda":
+        return {"kernel_us": 0.0, "exposed_us": 0.0, "launches": 0, "kernels": {}}
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             run()
@@ -161,8 +166,7 @@ def profile(run, parts: tuple, reps: int) -> dict:
             spans.append((e.time_range.start, e.time_range.end, e.name[:60]))
     for name, us in exposed(spans).items():
         per_name[name][2] = us / reps
-    return {"wall_us": round(sorted(walls)[reps // 2] * 1e6, 1), **extra,
-            "kernel_us": round(sum(v[0] for v in per_name.values()), 1),
+    return {"kernel_us": round(sum(v[0] for v in per_name.values()), 1),
             "exposed_us": round(sum(v[2] for v in per_name.values()), 1),
             "launches": round(sum(v[1] for v in per_name.values())),
             "kernels": {k: {"us": round(v[0], 1), "exposed_us": round(v[2], 1), "per_step": round(v[1], 1)}
@@ -207,7 +211,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--layers", type=int, default=SMOLLM2["num_layers"])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--no-kernels", action="store_true", help="time only: no per-kernel profile (see KERNELS)")
+    ap.add_argument("--no-kernels", action="store_true", help="time only: no per-kernel profile")
     ap.add_argument("--launch-probe", action="store_true", help="only the capture-order probe (launch_probe)")
     ap.add_argument("--dump", help="write each captured graph's DOT file here, and its census into its row")
     args = ap.parse_args()
@@ -226,19 +230,28 @@ def main() -> None:
         res["launch_probe"] = launch_probe(model, args.context, args.reps)
         Path(args.out).write_text(json.dumps(res, indent=1))
         return
+    # Every row is timed before the first profiler session: after one, each graph launch in the process cost
+    # ~60 us of host time instead of ~7 on a lent H100, and replays ran slower (verify_load_h100.json).
+    steps = []
     for B in map(int, args.batches.split(",")):
         for n in map(int, args.nodes.split(",")):
             run, parts = verify_step(model, B, n, args.context)
-            row = {"batch": B, "nodes": n, **profile(run, parts, args.reps)}
+            row = {"batch": B, "nodes": n, **timing(run, parts, args.reps)}
             if hasattr(run, "census"):
                 row["graph"] = run.census
                 print(f"B={B} N={n} graph: {row['graph']['nodes']} edges {row['graph']['edges']}", flush=True)
             res["rows"].append(row)
+            steps.append(run)
             print(f"B={B:3d} N={n:2d} wall {row['wall_us']:8.1f} us  host {row['host_us']:7.1f} (copies "
                   f"{row.get('load_host_us', 0):6.1f}, launch {row.get('launch_host_us', 0):6.1f})  replay alone "
-                  f"{row.get('replay_wall_us', 0):8.1f}  kernels {row['kernel_us']:8.1f}  exposed {row['exposed_us']:8.1f}  "
-                  f"launches {row['launches']}", flush=True)
+                  f"{row.get('replay_wall_us', 0):8.1f}", flush=True)
             Path(args.out).write_text(json.dumps(res, indent=1))
+    for row, run in zip(res["rows"], steps):
+        row.update(kernel_profile(run, args.reps) if KERNELS else
+                   {"kernel_us": 0.0, "exposed_us": 0.0, "launches": 0, "kernels": {}})
+        print(f"B={row['batch']:3d} N={row['nodes']:2d} kernels {row['kernel_us']:8.1f} us  exposed "
+              f"{row['exposed_us']:8.1f}  launches {row['launches']}", flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
     if DEVICE == "cuda":  # the INT4 tuner's pick per (M, N, K, silu): which path each row count took
         from kernels import int4_matmul_triton as T
         res["int4_configs"] = {str(k[:3] + k[7:8]): str(v) for k, v in T._CONFIG_CACHE.items()}
