@@ -39,6 +39,7 @@ import gateway.engine as engine_mod  # noqa: E402
 from draft.model_drafter import ModelDrafter  # noqa: E402
 from draft.ngram import NgramDrafter  # noqa: E402
 from draft.params import SpeculationParams  # noqa: E402
+from draft.tree import TokenTree  # noqa: E402
 from gateway.budget import BudgetConfig  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
@@ -116,6 +117,26 @@ def run_steps(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, 
         steps += 1
     sync()
     return steps, emitted, time.perf_counter() - t0
+
+
+class ChainDrafter:
+    """Drafts a chain of token 5 to the request's depth, at no cost: the engine's price of verifying host-built
+    one-node-wide trees (what the n-gram drafter's lookups hand it), apart from any drafter's own time."""
+
+    name = "chain"
+
+    def propose(self, reqs: list) -> list[TokenTree]:
+        return [TokenTree.from_lists([r.token_ids[-1]] + [5] * len(r.widths), list(range(-1, len(r.widths))))
+                for r in reqs]
+
+    def commit(self, seq_id: str, tree: TokenTree, accepted_nodes: list[int]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def release(self, seq_id: str) -> None:
+        pass
 
 
 def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, prompt: list[int],
@@ -220,6 +241,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--trees", default="1/1,1,1,1/2,2,2,1")
+    ap.add_argument("--chain-trees", default="",
+                    help="depths for ChainDrafter arms, e.g. 1/2: one-node-wide host trees, no drafting cost")
     ap.add_argument("--draft-layers", type=int, default=3)
     ap.add_argument("--target-layers", type=int, default=30)
     ap.add_argument("--no-graphs", action="store_true")
@@ -237,7 +260,7 @@ def main() -> None:
                         scheduler=SchedulerConfig(max_running=64, max_waiting=512, max_model_len=2048,
                                                   budget=BudgetConfig(max_verify_tokens=1024)))
     drafter = ModelDrafter("draft", draft_model, 2048, 16, graphs=not args.no_graphs, max_model_len=2048)
-    engine = Engine(target, {"draft": drafter, "ngram": NgramDrafter()}, ecfg)
+    engine = Engine(target, {"draft": drafter, "ngram": NgramDrafter(), "chain": ChainDrafter()}, ecfg)
     commit = provenance.commit()
     res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
            "date": datetime.date.today().isoformat(), "commit": commit, "tokens": args.tokens,
@@ -250,6 +273,8 @@ def main() -> None:
         arms.append((f"draft {t}", spec, True))
         if args.host_trees:  # the same tree copied to the host before the target's batch is built
             arms.append((f"draft {t} host", spec, False))
+    for d in filter(None, args.chain_trees.split("/")):
+        arms.append((f"chain {d}", SpeculationParams(drafter="chain", tree=(1,) * int(d)), True))
     for b in (int(x) for x in args.batches.split(",")):
         for name, spec, defer in arms:
             row = {"batch": b, "arm": name} | profile_arm(engine, b, spec, args.tokens, prompt, defer)
