@@ -42,8 +42,9 @@ import torch
 from draft.base import top_logprobs
 from draft.tree import template_depths
 from draft.vocab import full_vocab
+from kernels.graph_inputs import load_tree_inputs, load_tree_reference
 from target.batch import ForwardBatch
-from target.graphs import BATCH_BUCKETS
+from target.graphs import BATCH_BUCKETS, ONE_LAUNCH
 from target.kv_cache import BlockTable, KVCache
 from target.transfer import to_device
 from target.model import Transformer
@@ -168,13 +169,10 @@ class GreedyTreeLoop:
         scratch = self.cache.scratch_block
         static.root_logits[:G].copy_(root_logits)
         static.root_logits[G:].zero_()
-        static.ctx[:G].copy_(ctx)
-        static.ctx[G:].fill_(-1)
-        static.slots[:G].copy_(slot_t)
-        static.slots[G:].fill_(scratch * self.cache.page_size)
-        static.block_tables[:G, :cols].copy_(bt)
-        static.block_tables[:G, cols:].fill_(scratch)
-        static.block_tables[G:].fill_(scratch)
+        if ONE_LAUNCH:  # roots, slots and block tables in one kernel (kernels/graph_inputs.py)
+            load_tree_inputs(static, ctx, slot_t, bt, scratch, self.cache.page_size)
+        else:
+            load_tree_reference(static, ctx, slot_t, bt, scratch, self.cache.page_size)
         if static.root_hidden is not None:
             static.root_hidden[:G].copy_(root_hidden)
             static.root_hidden[G:].zero_()

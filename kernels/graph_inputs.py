@@ -6,7 +6,8 @@ padded with empty segments and the scratch block, and for ragged graphs the segm
 segment takes the rows left). As torch ops that is 11 (decode) to 15 (ragged) launches, each a few
 microseconds of host time before the graph can run: 70 / 127 us of a 1 ms step on a lent H100's host
 (bench/results/verify_host2_h100.json). One kernel writes them all here; ``load_reference`` is the same as
-torch ops (the CPU path, and what the tests compare against).
+torch ops (the CPU path, and what the tests compare against). ``load_tree_inputs`` does the same for the draft
+tree loop's graphs (draft/tree_loop.py).
 """
 
 from __future__ import annotations
@@ -93,3 +94,45 @@ def load_reference(dst, batch, scratch: int, page_size: int) -> None:
     dst.block_tables[:B, :cols].copy_(batch.block_tables)
     dst.block_tables[:B, cols:].fill_(scratch)
     dst.block_tables[B:].fill_(scratch)
+
+
+# The draft tree loop's graphs (draft/tree_loop.py): each replay's roots, node slots and block tables, padded
+# to the graph's batch bucket (root position -1, slots and blocks in the scratch block), in one launch where
+# they took seven torch copies and fills.
+@triton.jit(do_not_specialize=["G", "NS", "COLS", "B_G", "MAXB", "slot_s0", "slot_s1", "bt_stride", "pad_slot",
+                               "scratch"])
+def _tree_load_kernel(ctx_src, slot_src, slot_s0, slot_s1, bt_src, bt_stride, ctx_dst, slot_dst, bt_dst,
+                      G, NS, COLS, B_G, MAXB, pad_slot, scratch, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ctx_dst + offs, tl.load(ctx_src + offs, mask=offs < G, other=-1), mask=offs < B_G)
+    r, c = offs // NS, offs % NS  # slots [B_G, NS]
+    s = tl.load(slot_src + r * slot_s0 + c * slot_s1, mask=r < G, other=pad_slot)
+    tl.store(slot_dst + offs, s, mask=offs < B_G * NS)
+    r, c = offs // MAXB, offs % MAXB  # block tables [B_G, MAXB]
+    bt = tl.load(bt_src + r * bt_stride + c, mask=(r < G) & (c < COLS), other=scratch)
+    tl.store(bt_dst + offs, bt, mask=offs < B_G * MAXB)
+
+
+def load_tree_inputs(dst, ctx, slots, block_tables, scratch: int, page_size: int) -> None:
+    """The tree loop's static ``dst`` (``ctx`` [B], ``slots`` [B, N - 1], ``block_tables`` [B, max_blocks])
+    from ``G <= B`` sequences' ``ctx`` [G], ``slots`` [G, N - 1] (any strides) and ``block_tables`` [G, cols]."""
+    G, NS = slots.shape
+    B, maxb = dst.block_tables.shape
+    if block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()
+    grid = (triton.cdiv(max(B * NS, B * maxb, B), BLOCK),)
+    _tree_load_kernel[grid](ctx, slots, slots.stride(0), slots.stride(1), block_tables, block_tables.stride(0),
+                            dst.ctx, dst.slots, dst.block_tables, G, NS, block_tables.shape[1], B, maxb,
+                            scratch * page_size, scratch, BLOCK=BLOCK)
+
+
+def load_tree_reference(dst, ctx, slots, block_tables, scratch: int, page_size: int) -> None:
+    """``load_tree_inputs`` as torch ops."""
+    G, cols = block_tables.shape
+    dst.ctx[:G].copy_(ctx)
+    dst.ctx[G:].fill_(-1)
+    dst.slots[:G].copy_(slots)
+    dst.slots[G:].fill_(scratch * page_size)
+    dst.block_tables[:G, :cols].copy_(block_tables)
+    dst.block_tables[:G, cols:].fill_(scratch)
+    dst.block_tables[G:].fill_(scratch)

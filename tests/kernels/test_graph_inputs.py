@@ -77,3 +77,30 @@ def test_the_reference_pads_as_the_graph_layout_says() -> None:
     assert g.mask_bits[3] == 0  # the one-token segment is causal
     assert g.query_start.tolist() == [0, 3, 4, 8, 8] and g.context_lens[2:].eq(0).all()
     assert g.block_tables[2:].eq(scratch).all() and g.block_tables[:2, -2:].eq(scratch).all()
+
+
+@pytest.mark.parametrize("G,B,N,cols,maxb", [(3, 4, 7, 2, 5), (4, 4, 2, 5, 5), (1, 8, 16, 1, 3)])
+def test_tree_loop_load_matches_the_torch_ops(G: int, B: int, N: int, cols: int, maxb: int) -> None:
+    """The tree loop's roots, node slots (a transposed view, as its ``_prepare`` hands them over) and block
+    tables, padded to the graph's bucket."""
+    from types import SimpleNamespace
+
+    from kernels.graph_inputs import load_tree_inputs, load_tree_reference
+
+    gen = torch.Generator().manual_seed(G * 100 + N)
+    host = torch.randint(0, 5000, (N, G), generator=gen).to(DEVICE)  # row 0 the roots, rows 1.. the slots
+    ctx, slots = host[0], host[1:].T  # [G], [G, N - 1] with strides (1, G)
+    bt = torch.randint(0, 60, (G, cols), generator=gen, dtype=torch.int32).to(DEVICE)
+
+    def poisoned():
+        return SimpleNamespace(ctx=torch.full((B,), -7, dtype=torch.int64, device=DEVICE),
+                               slots=torch.full((B, N - 1), -7, dtype=torch.int64, device=DEVICE),
+                               block_tables=torch.full((B, maxb), -7, dtype=torch.int32, device=DEVICE))
+
+    got, want = poisoned(), poisoned()
+    load_tree_inputs(got, ctx, slots, bt, 63, 16)
+    load_tree_reference(want, ctx, slots, bt, 63, 16)
+    for name in ("ctx", "slots", "block_tables"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.ctx[G:].eq(-1).all() and got.slots[G:].eq(63 * 16).all() and got.block_tables[:, cols:].eq(63).all()
+    assert torch.equal(got.slots[:G], slots)
