@@ -74,6 +74,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly (on CUDA, decode / verify / draft steps replay CUDA graphs)")
     p.add_argument("--capture-graphs", dest="capture_at_start", action="store_true",
                    help="capture every CUDA graph (and tune its kernels) at start instead of on first use")
+    p.add_argument("--overlap", action="store_true",
+                   help="launch each plain decoding step before the last one's tokens reach the host (outputs one "
+                        "step later; requests with speculation off, no logit processing and no logprobs)")
 
 
 def load(args: argparse.Namespace) -> LLM:
@@ -91,7 +94,8 @@ def load(args: argparse.Namespace) -> LLM:
                                                                       min_gain=args.min_gain,
                                                                       cost_aware=args.adapt == "cost",
                                                                       plain_penalty=penalty)),
-                        cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start, **({"default_tree": args.tree} if args.tree else {}))
+                        cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start,
+                        overlap=args.overlap, **({"default_tree": args.tree} if args.tree else {}))
     return LLM.load(cfg, ecfg, log=log_stderr)
 
 

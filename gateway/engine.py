@@ -24,6 +24,7 @@ import torch
 from draft.base import DraftRequest, Drafter
 from draft.params import SpeculationParams
 from draft.tree import MAX_TREE_NODES, TokenTree, cut_widths, graft_chains
+from gateway import overlap
 from gateway.budget import drafter_set
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import Sequence, SpecStats, Status
@@ -76,6 +77,9 @@ class EngineConfig:
     # Greedy trees grown on the device stay there until the acceptance's host copy; None: on CUDA only (on the
     # CPU the tensor ops run as they are issued, so deferring saves no wait and only adds its few extra ops).
     defer_trees: bool | None = None
+    # Plain decoding steps launched before the last one's tokens reach the host (gateway/overlap.py): outputs
+    # come one step later, and the host's work between steps runs while the GPU computes the next.
+    overlap: bool = False
 
 
 class Engine:
@@ -114,6 +118,8 @@ class Engine:
         # drafter's), and whether the step was forced
         self._own: dict[str, tuple[TokenTree, list[int], bool]] = {}
         self._forced_step = False
+        self._inflight: overlap.InFlight | None = None  # a launched plain step not yet resolved (overlap)
+        self.num_ahead = 0  # steps launched before the step ahead of them was resolved
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -215,7 +221,7 @@ class Engine:
         return self._finish(seq, "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     @property
     def healthy(self) -> bool:
@@ -226,7 +232,10 @@ class Engine:
     # --- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. A failure fails only the sequences in this step; the pools stay whole."""
+        """One engine step. A failure fails only the sequences in this step; the pools stay whole. With
+        ``EngineConfig.overlap``, a plain step's outputs come with the next call (gateway/overlap.py)."""
+        if self._inflight is not None:
+            return self._step_ahead()
         plan = self.scheduler.schedule(self._template_of)
         self.num_preemptions += len(plan.preempted)
         for seq in plan.preempted:
@@ -235,6 +244,12 @@ class Engine:
         if plan.empty:
             return ended
         seqs = [s for s, _ in plan.prefills] + [s for s, _ in plan.decodes]
+        if self.config.overlap and not plan.prefills and all(not w and overlap.eligible(s) for s, w in plan.decodes):
+            try:
+                self._inflight = overlap.launch(self, seqs, None)
+            except Exception as exc:  # noqa: BLE001 -- as below
+                return ended + [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
+            return ended
         t0 = time.perf_counter()
         try:
             outputs = self._run(plan)
@@ -248,6 +263,26 @@ class Engine:
             self.scheduler.costs.observe(len(plan.decodes), depth, time.perf_counter() - t0, kinds)
         self.num_steps += 1
         return ended + outputs
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """Launch the step after the pending plain one where it can be planned now, then resolve the pending
+        one; else resolve it and plan normally."""
+        prev, self._inflight = self._inflight, None
+        seqs = overlap.continuing(self, prev)
+        failed: Exception | None = None
+        if seqs:
+            try:
+                self._inflight = overlap.launch(self, seqs, prev)
+                self.num_ahead += 1
+            except Exception as exc:  # noqa: BLE001 -- fails this step's sequences, once prev's tokens are theirs
+                failed = exc
+        outputs = overlap.resolve(self, prev)
+        if failed is not None:
+            outputs += [self._finish(s, "error", error=f"{type(failed).__name__}: {failed}")
+                        for s in seqs or () if s.status is Status.RUNNING]
+        if self._inflight is None and self.scheduler.has_work():
+            outputs += self.step()  # prev is committed: plan as usual
+        return outputs
 
     def _run(self, plan) -> list[RequestOutput]:
         trees = self._propose(plan.decodes)

@@ -83,6 +83,31 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
     - Deferred greedy trees (``TokenTree.deferred``: grown on the device and scored by the target from
       there) ride the same host copy, which resolves them (``TokenTree.resolve``) before they are walked.
     """
+    launched = launch_accept(trees, logits, starts, params, generators, penalties)
+    return finish_accept(launched, launched.picks.tolist() if launched.picks is not None else [])  # the one copy
+
+
+@dataclass(slots=True)
+class Launched:
+    """``launch_accept``'s outcome: its arguments, and where each sequence's picks sit in ``picks``."""
+
+    trees: list[TokenTree]
+    logits: torch.Tensor
+    starts: list[int]
+    params: list[SamplingParams]
+    generators: list[torch.Generator]
+    penalties: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    picks: torch.Tensor | None  # [P] int64 on the device: every pick of the step, one host copy
+    at: dict[int, int]  # sequence -> offset of its ids (greedy rows, or a one-node sampled tree's draw)
+    nodes_at: dict[int, tuple[int, int, int]]  # stochastic sequence -> offsets of children, bonuses, flags
+    deferred: list[int]  # sequences whose trees' nodes ride at the picks' end
+
+
+def launch_accept(trees: list[TokenTree], logits: torch.Tensor, starts: list[int], params: list[SamplingParams],
+                  generators: list[torch.Generator],
+                  penalties: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> Launched:
+    """``accept_batch``'s device work, up to its host copy: what ``finish_accept`` walks once the copy of
+    ``Launched.picks`` is on the host (the engine's overlapped steps copy it while the next step runs)."""
     deferred = [k for k, t in enumerate(trees) if t.pending is not None]  # nodes still on the device
     if any(not params[k].is_greedy or params[k].custom_logits for k in deferred):
         raise ValueError("a deferred tree is verified greedily, with no bias or penalties")
@@ -137,7 +162,15 @@ def accept_batch(trees: list[TokenTree], logits: torch.Tensor, starts: list[int]
     for k in deferred:
         rows = trees[k].pending.rows  # [2, N - 1]: its tokens and parents ride the same copy
         picks += [rows[0], rows[1]]
-    ids = torch.cat(picks).tolist() if picks else []  # the step's one host copy
+    return Launched(trees, logits, starts, params, generators, penalties, torch.cat(picks) if picks else None,
+                    at, nodes_at, deferred)
+
+
+def finish_accept(launched: Launched, ids: list[int]) -> list[AcceptResult]:
+    """Every sequence's result from ``launched``'s picks, copied to the host as ``ids``."""
+    trees, logits, starts, params = launched.trees, launched.logits, launched.starts, launched.params
+    generators, penalties = launched.generators, launched.penalties
+    at, nodes_at, deferred = launched.at, launched.nodes_at, launched.deferred
     for k in reversed(deferred):  # their pieces sit at the copy's end, in order
         lo = len(ids) - 2 * trees[k].pending.rows.shape[1]  # (a tree of host nodes alone has none)
         mid = (lo + len(ids)) // 2

@@ -88,3 +88,17 @@ def test_generate_stops_at_a_stop_string_on_embedded_model() -> None:
     full, cut = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert "Wednesday" in full["text"]
     assert cut["text"] == full["text"][: full["text"].index("Wednesday")] and cut["finish_reason"] == "stop"
+
+
+@pytest.mark.slow
+def test_generate_overlapped_on_embedded_model_matches_step_by_step() -> None:
+    """``--overlap`` (plain decoding launched a step ahead) on the embedded model: the same greedy text."""
+    texts = []
+    for extra in ([], ["--overlap"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "gateway", "generate", "--prompt", "Name three colours.", "--max-tokens", "24",
+             "--speculation", "off", "--temperature", "0", "--json", *extra], cwd=ROOT, capture_output=True,
+            text=True, timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        texts.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert texts[1]["text"] == texts[0]["text"] and texts[1]["tokens"] == texts[0]["tokens"] > 0

@@ -1,0 +1,127 @@
+"""Overlapped plain decoding: the next step is launched before this one's tokens reach the host.
+
+A plain decode step ends in one host copy, the picked tokens, and everything the host does after it --
+committing and emitting the tokens, scheduling, building the next batch, loading the graph's inputs --
+leaves the GPU idle. For a small target that host time is a large share of a step. While every running
+sequence decodes plainly and nothing waits for admission, the next step's inputs are known without the
+copy: each sequence's next token is the pick still on the device, its position one past the last, its
+slot the next in its block table. So the engine launches step n + 1 with those tokens read on the device,
+and only then waits for step n's copy and commits it, while step n + 1 runs (the zero-overhead batch
+scheduler of SGLang works the same way). Outputs reach the caller one step later.
+
+Eligible sequences decode plainly (no drafter: speculation off), with no logit processing that depends
+on the host's view of the output (bias, penalties, allowed tokens, min_tokens, a grammar) and no
+logprobs. A step is planned ahead only when the batch is exactly the last step's sequences minus those
+whose pending token is their last by length, nothing waits, and the pool holds each sequence's next slot;
+otherwise the pending step is resolved and the engine plans normally.
+
+A sequence that the pending token ends (a stop token) or that is aborted meanwhile was already fed into
+step n + 1: that step's token for it is dropped at resolution. Its blocks go back to the pool while step
+n + 1 may still write the sequence's next slot. That is safe because every later use of a block runs on
+the same stream after it, and the slot lies past the prompt, so in no block the prefix cache shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from draft.tree import TokenTree
+from gateway.sequence import Sequence, Status
+from target.batch import Segment, build_batch
+from target.transfer import to_device
+from verify.accept import AcceptResult, Launched, finish_accept, launch_accept
+
+if TYPE_CHECKING:
+    from gateway.engine import Engine
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A launched plain step whose picks are not on the host yet."""
+
+    seqs: list[Sequence]
+    launched: Launched
+    next_tokens: torch.Tensor  # [B] int64 on the device: each sequence's picked token, in ``seqs`` order
+    host: torch.Tensor  # the picks' host copy (pinned on CUDA), complete once ``event`` has passed
+    event: torch.cuda.Event | None
+
+
+def eligible(seq: Sequence) -> bool:
+    """Whether ``seq``'s next token can be fed to a step before the host has seen it."""
+    s = seq.sampling
+    return (not seq.drafter and seq.matcher is None and not s.custom_logits and s.logprobs is None
+            and s.min_tokens <= len(seq.output_ids))
+
+
+def continuing(engine: Engine, prev: InFlight) -> list[Sequence] | None:
+    """The sequences of the step after ``prev``, planned before ``prev`` is resolved; None where it cannot be
+    (see the module's docstring)."""
+    sched = engine.scheduler
+    live = [s for s in prev.seqs if s.status is Status.RUNNING]
+    if sched.waiting or not live or len(sched.running) != len(live):
+        return None
+    # the pending token is the last one where it reaches max_tokens or the context
+    seqs = [s for s in live if len(s.output_ids) + 1 < s.sampling.max_tokens and s.num_tokens + 1 < engine.max_model_len]
+    if not seqs or not all(eligible(s) for s in seqs):
+        return None
+    if sum(s.table.blocks_needed(s.num_cached + 2) for s in seqs) > engine.cache.pool.num_free:
+        return None
+    return seqs
+
+
+def launch(engine: Engine, seqs: list[Sequence], prev: InFlight | None) -> InFlight:
+    """One plain step over ``seqs``, up to the picks' host copy. With ``prev``, each sequence's token is its
+    pick in ``prev`` (on the device) at the position after its last committed one."""
+    ahead = int(prev is not None)
+    segs = [Segment(s.table, s.num_cached + ahead, [0 if ahead else s.token_ids[-1]], logits="all") for s in seqs]
+    batch = build_batch(segs, engine.cache, engine.target.device)
+    if prev is not None:
+        where = {s.request_id: k for k, s in enumerate(prev.seqs)}
+        rows = [where[s.request_id] for s in seqs]
+        if rows == list(range(len(seqs))):
+            batch.tokens.copy_(prev.next_tokens[: len(seqs)])
+        else:
+            batch.tokens.copy_(prev.next_tokens[to_device(torch.tensor(rows), batch.tokens.device)])
+    runner = engine.graphs if engine.graphs is not None else engine.target
+    logits = runner.forward(batch, engine.cache)
+    trees = [TokenTree.root_only(0) for _ in seqs]  # roots named at resolution, once the host knows them
+    launched = launch_accept(trees, logits, batch.logits_start, [s.verify_sampling for s in seqs],
+                             [s.generator for s in seqs], [(None, None)] * len(seqs))
+    picks = launched.picks
+    at = [launched.at[k] for k in range(len(seqs))]
+    if at == list(range(len(seqs))):
+        next_tokens = picks[: len(seqs)]
+    else:
+        next_tokens = picks[to_device(torch.tensor(at), picks.device)]
+    if picks.is_cuda:
+        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
+        host.copy_(picks, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        host, event = picks, None
+    engine.num_steps += 1
+    return InFlight(seqs, launched, next_tokens, host, event)
+
+
+def resolve(engine: Engine, prev: InFlight) -> list:
+    """``prev``'s tokens committed and emitted (``Engine._commit`` / ``_emit``), for its sequences still
+    running; their outputs."""
+    if prev.event is not None:
+        prev.event.synchronize()  # only prev's copy: a step launched after it may still run
+    ids = prev.host.tolist()
+    prev.launched.trees = [TokenTree.root_only(s.token_ids[-1]) for s in prev.seqs]
+    results: list[AcceptResult] = finish_accept(prev.launched, ids)
+    kept = [(s, t, r) for s, t, r in zip(prev.seqs, prev.launched.trees, results) if s.status is Status.RUNNING]
+    for seq, tree, result in kept:
+        engine._commit(seq, tree, result, 0)
+    for drafter in engine.drafters.values():
+        drafter.flush()
+    outputs = [engine._emit(seq, result, None) for seq, _, result in kept]
+    for seq, _, _ in kept:
+        if seq.table is not None:  # the next step's slot (num_cached) stays: a launched step may write it
+            seq.table.truncate(seq.num_cached + 1)
+    return outputs

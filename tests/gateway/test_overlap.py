@@ -1,0 +1,128 @@
+"""Overlapped plain decoding (gateway/overlap.py): the same tokens as step-by-step decoding, greedy and
+seeded, through stop tokens, length limits, aborts, arrivals, speculating neighbours and a tight KV pool;
+no block left behind."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from draft.params import SpeculationParams
+from engine_util import run_all, tiny_engine
+from verify.sampling import SamplingParams
+
+PLAIN = SpeculationParams(enabled=False)
+
+
+def engine(overlap: bool, **kw):
+    eng = tiny_engine(**kw)
+    eng.config = replace(eng.config, overlap=overlap)
+    return eng
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (3 + 5 * i % 11,), generator=g).tolist() for i in range(n)]
+
+
+def both(requests, **kw):
+    """The requests' outputs without and with overlap, and the overlapped engine (its pool checked whole)."""
+    off, on = engine(False, **kw), engine(True, **kw)
+    want, got = run_all(off, requests), run_all(on, requests)
+    assert on.cache.pool.num_free == off.cache.pool.num_free == on.config.num_blocks
+    assert not on.has_work()
+    return want, got, on
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_greedy_tokens_match_step_by_step_decoding(batch: int) -> None:
+    reqs = [(str(i), p, SamplingParams(temperature=0, max_tokens=9 + 3 * i, ignore_eos=True), PLAIN)
+            for i, p in enumerate(prompts(batch))]
+    want, got, eng = both(reqs)
+    assert got == want and all(len(got[r]) == 9 + 3 * int(r) for r in got)
+    assert eng.num_ahead > 0  # the overlapped path ran
+
+
+def test_seeded_sampling_draws_the_same_tokens() -> None:
+    reqs = [(str(i), p, SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=20, ignore_eos=True), PLAIN)
+            for i, p in enumerate(prompts(5))]
+    want, got, eng = both(reqs)
+    assert got == want and eng.num_ahead > 0
+
+
+def test_stop_tokens_and_the_context_limit_end_outputs_where_they_would() -> None:
+    ps = prompts(4)
+    first = engine(False)
+    free = run_all(first, [(str(i), p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), PLAIN)
+                           for i, p in enumerate(ps)])
+    # each request stops at the token it emits 6th (an earlier emission of it stops it sooner: the same in both)
+    reqs = [(str(i), p, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(free[str(i)][5],)), PLAIN)
+            for i, p in enumerate(ps)]
+    reqs.append(("long", list(range(60)) * 8 + [1] * 5, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                 PLAIN))  # 485 prompt tokens: the 512-token context ends it after 27
+    want, got, _ = both(reqs, num_blocks=160)
+    assert got == want
+    assert len(got["long"]) == 512 - 485 and all(len(got[str(i)]) <= 6 for i in range(4))
+
+
+def test_an_abort_while_a_step_is_in_flight_leaks_nothing() -> None:
+    reqs = [(str(i), p, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True), PLAIN)
+            for i, p in enumerate(prompts(4))]
+    want = run_all(engine(False), reqs)
+    eng = engine(True)
+    for rid, p, sp, spec in reqs:
+        eng.add(rid, p, sp, spec)
+    got = {rid: [] for rid, *_ in reqs}
+    done, steps = set(), 0
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+            done.add(o.request_id) if o.finished else None
+        steps += 1
+        if steps == 6:
+            assert eng._inflight is not None  # the abort meets a launched step
+            out = eng.abort("2")
+            assert out is not None and out.finished and out.finish_reason == "abort"
+            done.add("2")
+    assert done == {"0", "1", "2", "3"}
+    assert {r: got[r] for r in "013"} == {r: want[r] for r in "013"}
+    assert got["2"] == want["2"][: len(got["2"])] and len(got["2"]) < 25  # what it had, nothing after
+    assert eng.cache.pool.num_free == eng.config.num_blocks
+
+
+def test_arrivals_and_speculating_neighbours_take_the_step_by_step_path() -> None:
+    ps = prompts(6, seed=1)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    off, on = engine(False), engine(True)
+    outs = []
+    for eng in (off, on):
+        got: dict[str, list[int]] = {}
+        for i in range(3):
+            eng.add(str(i), ps[i], greedy, PLAIN)
+        for step in range(40):
+            if step == 4:  # an arrival mid-stream, and a speculating request beside the plain ones
+                eng.add("3", ps[3], greedy, PLAIN)
+                eng.add("spec", ps[4], greedy, SpeculationParams(drafter="draft", tree=(2, 1)))
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        while eng.has_work():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs.append(got)
+        assert eng.cache.pool.num_free == eng.config.num_blocks
+    assert outs[0] == outs[1] and all(len(v) == 16 for v in outs[1].values())
+    assert on.num_ahead > 0
+
+
+def test_a_tight_pool_falls_back_and_finishes_every_request() -> None:
+    """12 blocks of 4 slots for three 20-token prompts growing 30 tokens: the overlapped path gives way when
+    a next slot has no block, the scheduler preempts, and every request ends at its length."""
+    reqs = [(str(i), [(7 * i + j) % 64 for j in range(20)], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+             PLAIN) for i in range(3)]
+    eng = engine(True, num_blocks=24, page_size=4)
+    got = run_all(eng, reqs)
+    assert all(len(v) == 30 for v in got.values())
+    assert eng.num_ahead > 0 and eng.num_preemptions > 0
+    assert eng.cache.pool.num_free == eng.config.num_blocks and not eng.has_work()
