@@ -244,9 +244,11 @@ class Engine:
         if plan.empty:
             return ended
         seqs = [s for s, _ in plan.prefills] + [s for s, _ in plan.decodes]
-        if self.config.overlap and not plan.prefills and all(not w and overlap.eligible(s) for s, w in plan.decodes):
+        if (self.config.overlap and plan.decodes and all(not w and overlap.eligible(s) for s, w in plan.decodes)
+                and not any(s.wants_prompt_logprobs for s, _ in plan.prefills)):
             try:
-                self._inflight = overlap.launch(self, seqs, None)
+                self._inflight = overlap.launch(self, overlap.Ahead([], [s for s, _ in plan.decodes], plan.prefills),
+                                                None)
             except Exception as exc:  # noqa: BLE001 -- as below
                 return ended + [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
             return ended
@@ -268,18 +270,19 @@ class Engine:
         """Launch the step after the pending plain one where it can be planned now, then resolve the pending
         one; else resolve it and plan normally."""
         prev, self._inflight = self._inflight, None
-        seqs = overlap.continuing(self, prev)
+        ahead = overlap.plan_ahead(self, prev)
+        seqs = [] if ahead is None else ahead.ahead + ahead.host + [s for s, _ in ahead.prefills]
         failed: Exception | None = None
-        if seqs:
+        if ahead is not None:
             try:
-                self._inflight = overlap.launch(self, seqs, prev)
+                self._inflight = overlap.launch(self, ahead, prev)
                 self.num_ahead += 1
             except Exception as exc:  # noqa: BLE001 -- fails this step's sequences, once prev's tokens are theirs
                 failed = exc
         outputs = overlap.resolve(self, prev)
         if failed is not None:
             outputs += [self._finish(s, "error", error=f"{type(failed).__name__}: {failed}")
-                        for s in seqs or () if s.status is Status.RUNNING]
+                        for s in seqs if s.status is Status.RUNNING]
         if self._inflight is None and self.scheduler.has_work():
             outputs += self.step()  # prev is committed: plan as usual
         return outputs

@@ -11,9 +11,12 @@ scheduler of SGLang works the same way). Outputs reach the caller one step later
 
 Eligible sequences decode plainly (no drafter: speculation off), with no logit processing that depends
 on the host's view of the output (bias, penalties, allowed tokens, min_tokens, a grammar) and no
-logprobs. A step is planned ahead only when the batch is exactly the last step's sequences minus those
-whose pending token is their last by length, nothing waits, and the pool holds each sequence's next slot;
-otherwise the pending step is resolved and the engine plans normally.
+logprobs. A step is planned ahead when every decoding sequence is eligible and the pool holds each one's
+next slot: the last step's sequences (minus those whose pending token is their last by length) fed their
+picks, sequences whose prefill ended in the last step fed their roots, and the prefill chunks the
+scheduler admits and picks as usual (a chunk yields no token, so its ``num_cached`` advances at launch).
+Otherwise -- a speculating request, a prompt-logprobs prefill, a missing block -- the pending step is
+resolved and the engine plans normally.
 
 A sequence that the pending token ends (a stop token) or that is aborted meanwhile was already fed into
 step n + 1: that step's token for it is dropped at resolution. Its blocks go back to the pool while step
@@ -56,46 +59,69 @@ def eligible(seq: Sequence) -> bool:
             and s.min_tokens <= len(seq.output_ids))
 
 
-def continuing(engine: Engine, prev: InFlight) -> list[Sequence] | None:
-    """The sequences of the step after ``prev``, planned before ``prev`` is resolved; None where it cannot be
-    (see the module's docstring)."""
+@dataclass(slots=True)
+class Ahead:
+    """The step after a pending one, planned before it is resolved."""
+
+    ahead: list[Sequence]  # decoding in the pending step: their tokens are its picks, still on the device
+    host: list[Sequence]  # decoding, their roots on the host (a prefill that ended in the pending step)
+    prefills: list[tuple[Sequence, int]]  # prompt chunks, as the scheduler admits and picks them
+
+
+def plan_ahead(engine: Engine, prev: InFlight) -> Ahead | None:
+    """The next step's segments while ``prev`` is in flight; None where it cannot be planned now (see the
+    module's docstring)."""
     sched = engine.scheduler
-    live = [s for s in prev.seqs if s.status is Status.RUNNING]
-    if sched.waiting or not live or len(sched.running) != len(live):
+    pending = {id(s) for s in prev.seqs}
+    ahead, host = [], []
+    for s in sched.running:
+        if s.is_prefilling:
+            continue
+        if id(s) not in pending:
+            host.append(s)
+        elif len(s.output_ids) + 1 < s.sampling.max_tokens and s.num_tokens + 1 < engine.max_model_len:
+            ahead.append(s)  # (else its pending token is its last, by length)
+    if not (ahead or host) or not all(eligible(s) for s in ahead + host):
         return None
-    # the pending token is the last one where it reaches max_tokens or the context
-    seqs = [s for s in live if len(s.output_ids) + 1 < s.sampling.max_tokens and s.num_tokens + 1 < engine.max_model_len]
-    if not seqs or not all(eligible(s) for s in seqs):
+    free = engine.cache.pool.num_free - sum(s.table.blocks_needed(s.num_cached + 2) for s in ahead) - sum(
+        s.table.blocks_needed(s.num_cached + 1) for s in host)
+    if free < 0:
         return None
-    if sum(s.table.blocks_needed(s.num_cached + 2) for s in seqs) > engine.cache.pool.num_free:
+    prefills = sched.plan_prefills(engine.config.scheduler.max_step_tokens - len(ahead) - len(host), free)
+    if any(s.wants_prompt_logprobs for s, _ in prefills):  # their chunks' logits are read on the host
         return None
-    return seqs
+    return Ahead(ahead, host, prefills)
 
 
-def launch(engine: Engine, seqs: list[Sequence], prev: InFlight | None) -> InFlight:
-    """One plain step over ``seqs``, up to the picks' host copy. With ``prev``, each sequence's token is its
-    pick in ``prev`` (on the device) at the position after its last committed one."""
-    ahead = int(prev is not None)
-    segs = [Segment(s.table, s.num_cached + ahead, [0 if ahead else s.token_ids[-1]], logits="all") for s in seqs]
+def launch(engine: Engine, plan: Ahead, prev: InFlight | None) -> InFlight:
+    """One plain step, up to the picks' host copy: ``plan.prefills``' chunks (their sequences' ``num_cached``
+    advanced now: a chunk yields no token), then ``plan.ahead``, each fed its pick in ``prev`` at the position
+    after its last committed one, then ``plan.host`` from their roots."""
+    segs = [Segment(s.table, s.num_cached, s.token_ids[s.num_cached : s.num_cached + n], logits="none")
+            for s, n in plan.prefills]
+    first = sum(n for _, n in plan.prefills)  # the row of the first decoding segment
+    segs += [Segment(s.table, s.num_cached + 1, [0], logits="all") for s in plan.ahead]
+    segs += [Segment(s.table, s.num_cached, [s.token_ids[-1]], logits="all") for s in plan.host]
     batch = build_batch(segs, engine.cache, engine.target.device)
-    if prev is not None:
-        where = {s.request_id: k for k, s in enumerate(prev.seqs)}
-        rows = [where[s.request_id] for s in seqs]
-        if rows == list(range(len(seqs))):
-            batch.tokens.copy_(prev.next_tokens[: len(seqs)])
-        else:
-            batch.tokens.copy_(prev.next_tokens[to_device(torch.tensor(rows), batch.tokens.device)])
+    if plan.ahead:
+        where = {id(s): k for k, s in enumerate(prev.seqs)}
+        rows = [where[id(s)] for s in plan.ahead]
+        src = (prev.next_tokens[: len(rows)] if rows == list(range(len(rows))) else
+               prev.next_tokens[to_device(torch.tensor(rows), batch.tokens.device)])
+        batch.tokens[first : first + len(rows)].copy_(src)
     runner = engine.graphs if engine.graphs is not None else engine.target
     logits = runner.forward(batch, engine.cache)
+    for seq, n in plan.prefills:
+        seq.num_cached += n
+        seq.table.register_prefix(seq.token_ids, seq.num_cached)
+    seqs = plan.ahead + plan.host
     trees = [TokenTree.root_only(0) for _ in seqs]  # roots named at resolution, once the host knows them
-    launched = launch_accept(trees, logits, batch.logits_start, [s.verify_sampling for s in seqs],
-                             [s.generator for s in seqs], [(None, None)] * len(seqs))
+    launched = launch_accept(trees, logits, batch.logits_start[len(plan.prefills):],
+                             [s.verify_sampling for s in seqs], [s.generator for s in seqs], [(None, None)] * len(seqs))
     picks = launched.picks
     at = [launched.at[k] for k in range(len(seqs))]
-    if at == list(range(len(seqs))):
-        next_tokens = picks[: len(seqs)]
-    else:
-        next_tokens = picks[to_device(torch.tensor(at), picks.device)]
+    next_tokens = (picks[: len(seqs)] if at == list(range(len(seqs))) else
+                   picks[to_device(torch.tensor(at), picks.device)])
     if picks.is_cuda:
         host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
         host.copy_(picks, non_blocking=True)

@@ -239,6 +239,13 @@ class Scheduler:
             widths = widths[:-1]
         return widths
 
+    def plan_prefills(self, budget: int, free: int) -> list[tuple[Sequence, int]]:
+        """Admit waiting requests and pick prefill chunks within ``budget`` tokens and ``free`` blocks, as a
+        plan does after its decodes (an overlapped step plans its decodes itself: gateway/overlap.py)."""
+        plan = StepPlan([], [], [])
+        self._plan_prefills(plan, budget, free)
+        return plan.prefills
+
     def _plan_prefills(self, plan: StepPlan, budget: int, free: int) -> None:
         P = self.pool.page_size
         candidates = [s for s in self.running if s.is_prefilling]

@@ -126,3 +126,34 @@ def test_a_tight_pool_falls_back_and_finishes_every_request() -> None:
     assert all(len(v) == 30 for v in got.values())
     assert eng.num_ahead > 0 and eng.num_preemptions > 0
     assert eng.cache.pool.num_free == eng.config.num_blocks and not eng.has_work()
+
+
+def test_arrivals_and_chunked_prefills_ride_the_overlapped_steps() -> None:
+    """Plain requests arriving mid-stream, one with a prompt longer than a step's token budget (chunked over
+    overlapped steps), and one asking for prompt logprobs (its prefill reads logits on the host: the engine
+    steps one by one for it): the same tokens as step by step, and most steps launched ahead."""
+    ps = prompts(4, seed=2)
+    long_prompt = [(5 * j + 1) % 64 for j in range(300)]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    arrivals = {3: [("a", ps[2], greedy)], 5: [("long", long_prompt, greedy)],
+                9: [("lp", ps[3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2))]}
+    outs, engines = [], []
+    for overlap in (False, True):
+        eng = engine(overlap, num_blocks=200)
+        got: dict[str, list[int]] = {}
+        for i in range(2):
+            eng.add(str(i), ps[i], greedy, PLAIN)
+        step = 0
+        while eng.has_work() or step <= max(arrivals):
+            for rid, p, sp in arrivals.get(step, ()):
+                eng.add(rid, p, sp, PLAIN)
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                assert o.error is None, o.error
+            step += 1
+        outs.append(got)
+        engines.append(eng)
+        assert eng.cache.pool.num_free == eng.config.num_blocks
+    assert outs[0] == outs[1] and sorted(outs[1]) == ["0", "1", "a", "long", "lp"]
+    assert all(len(v) == 20 for v in outs[1].values())
+    assert engines[1].num_ahead > engines[1].num_steps // 2
