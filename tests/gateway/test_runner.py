@@ -123,3 +123,30 @@ def test_shutdown_aborts_running_requests_and_refuses_new_ones() -> None:
     last = asyncio.run(main())
     assert last.finish_reason == "abort" and "shutting down" in last.error
     assert pool_is_full(engine)
+
+
+def test_an_overlapping_engine_streams_aborts_and_shuts_down_cleanly() -> None:
+    """EngineConfig.overlap behind the runner: several plain streams give the step-by-step tokens, an abort
+    mid-stream ends its stream while a step is launched ahead, and the pool comes back whole."""
+    from dataclasses import replace
+
+    from engine_util import run_all
+
+    plain = SpeculationParams(enabled=False)
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [9, 8]}
+    want = run_all(tiny_engine(), [(r, p, GREEDY, plain) for r, p in prompts.items()])
+    engine = tiny_engine()
+    engine.config = replace(engine.config, overlap=True)
+
+    async def go(runner):
+        subs = {r: await runner.submit(r, p, GREEDY, plain) for r, p in prompts.items()}
+        long = await runner.submit("x", [3, 3], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), plain)
+        await long.events.get()
+        runner.abort("x")
+        got = {r: [t for e in await drain(s.events) for t in e.token_ids] for r, s in subs.items()}
+        return got, (await drain(long.events))[-1]
+
+    (got, aborted), engine = run(go, engine)
+    assert got == want
+    assert aborted.finish_reason == "abort" and aborted.completion_tokens < 400
+    assert engine.num_ahead > 0 and pool_is_full(engine) and not engine.has_work()
