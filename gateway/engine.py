@@ -244,7 +244,7 @@ class Engine:
         if plan.empty:
             return ended
         seqs = [s for s, _ in plan.prefills] + [s for s, _ in plan.decodes]
-        if (self.config.overlap and plan.decodes and all(not w and overlap.eligible(s) for s, w in plan.decodes)
+        if (self.config.overlap and plan.decodes and all(not w and overlap.eligible(s, self) for s, w in plan.decodes)
                 and not any(s.wants_prompt_logprobs for s, _ in plan.prefills)):
             try:
                 self._inflight = overlap.launch(self, overlap.Ahead([], [s for s, _ in plan.decodes], plan.prefills),

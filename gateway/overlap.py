@@ -9,9 +9,10 @@ slot the next in its block table. So the engine launches step n + 1 with those t
 and only then waits for step n's copy and commits it, while step n + 1 runs (the zero-overhead batch
 scheduler of SGLang works the same way). Outputs reach the caller one step later.
 
-Eligible sequences decode plainly (no drafter: speculation off), with no logit processing that depends
-on the host's view of the output (bias, penalties, allowed tokens, min_tokens, a grammar) and no
-logprobs. A step is planned ahead when every decoding sequence is eligible and the pool holds each one's
+Eligible sequences decode plainly -- speculation off, or a speculating request the budget leaves plain
+this step (``Scheduler.plans_plain``: its acceptance pays no draft level and no probe is due, or the
+batch's roots fill the verify cap) -- with no logit processing that depends on the host's view of the
+output (bias, penalties, allowed tokens, min_tokens, a grammar), no logprobs and no feature drafter. A step is planned ahead when every decoding sequence is eligible and the pool holds each one's
 next slot: the last step's sequences (minus those whose pending token is their last by length) fed their
 picks, sequences whose prefill ended in the last step fed their roots, and the prefill chunks the
 scheduler admits and picks as usual (a chunk yields no token, so its ``num_cached`` advances at launch).
@@ -52,11 +53,19 @@ class InFlight:
     event: torch.cuda.Event | None
 
 
-def eligible(seq: Sequence) -> bool:
-    """Whether ``seq``'s next token can be fed to a step before the host has seen it."""
+def eligible(seq: Sequence, engine: Engine) -> bool:
+    """Whether ``seq``'s next token can be fed to a step before the host has seen it: it decodes plainly
+    this step, with no logit processing read on the host and no logprobs, and no feature drafter waits
+    for the target's features of its positions."""
     s = seq.sampling
-    return (not seq.drafter and seq.matcher is None and not s.custom_logits and s.logprobs is None
-            and s.min_tokens <= len(seq.output_ids))
+    return (seq.matcher is None and not s.custom_logits and s.logprobs is None and s.min_tokens <= len(seq.output_ids)
+            and seq.drafter not in engine._feature_drafters)
+
+
+def plain_next(seq: Sequence, engine: Engine, batch: int, pending: bool) -> bool:
+    """``eligible``, and left plain by the next plan (``Scheduler.plans_plain``) for a speculating request."""
+    return eligible(seq, engine) and (not seq.drafter or engine.scheduler.plans_plain(
+        seq, engine._template_of, batch, pending))
 
 
 @dataclass(slots=True)
@@ -81,7 +90,8 @@ def plan_ahead(engine: Engine, prev: InFlight) -> Ahead | None:
             host.append(s)
         elif len(s.output_ids) + 1 < s.sampling.max_tokens and s.num_tokens + 1 < engine.max_model_len:
             ahead.append(s)  # (else its pending token is its last, by length)
-    if not (ahead or host) or not all(eligible(s) for s in ahead + host):
+    batch = len(ahead) + len(host)
+    if not batch or not all(plain_next(s, engine, batch, id(s) in pending) for s in ahead + host):
         return None
     free = engine.cache.pool.num_free - sum(s.table.blocks_needed(s.num_cached + 2) for s in ahead) - sum(
         s.table.blocks_needed(s.num_cached + 1) for s in host)
@@ -90,6 +100,7 @@ def plan_ahead(engine: Engine, prev: InFlight) -> Ahead | None:
     prefills = sched.plan_prefills(engine.config.scheduler.max_step_tokens - len(ahead) - len(host), free)
     if any(s.wants_prompt_logprobs for s, _ in prefills):  # their chunks' logits are read on the host
         return None
+    sched.num_schedules += 1  # a plan, for the probes' cadence (Scheduler._probe_due)
     return Ahead(ahead, host, prefills)
 
 

@@ -227,11 +227,31 @@ class Scheduler:
         priced from this batch's measured plain and one-level steps (``probe_interval``)."""
         interval = self._intervals.get(seq.drafter)
         if interval is None:
-            cfg = self.config.budget
-            plain = self.costs.seconds(self._batch, 0) if cfg.cost_aware else None
-            probe = self.costs.seconds(self._batch, 1, drafter_set([seq.drafter])) if cfg.cost_aware else None
-            interval = self._intervals[seq.drafter] = probe_interval(plain, probe, cfg)
+            interval = self._intervals[seq.drafter] = self._interval(seq.drafter, self._batch)
         return probe_due(seq.steps_without_draft, self.num_schedules, interval)
+
+    def _interval(self, drafter: str | None, batch: int) -> int:
+        cfg = self.config.budget
+        plain = self.costs.seconds(batch, 0) if cfg.cost_aware else None
+        probe = self.costs.seconds(batch, 1, drafter_set([drafter])) if cfg.cost_aware else None
+        return probe_interval(plain, probe, cfg)
+
+    def plans_plain(self, seq: Sequence, template_of: TemplateOf, batch: int, pending: bool) -> bool:
+        """Whether the next plan leaves ``seq`` plain, asked before the step ahead of it is committed
+        (``pending``: a plain step of it is in flight and will count toward its probe) and changing nothing:
+        an overlapped step's test for a speculating request (gateway/overlap.py). False where unsure: its
+        tree template fixed by the request, or one the budget may still keep. The depth and verify caps only
+        cut trees, so a sequence its own budget leaves plain stays plain in the plan."""
+        if batch >= self.config.budget.max_verify_tokens:  # the roots alone fill the verify cap
+            return True
+        template, adapt = template_of(seq)
+        if not template:
+            return True
+        if not adapt:
+            return False
+        due = lambda: probe_due(seq.steps_without_draft + pending, self.num_schedules + 1,  # noqa: E731
+                                self._interval(seq.drafter, batch))
+        return not adaptive_widths(template, seq.acceptance.alpha, self.config.budget, due)
 
     @staticmethod
     def _fit_budget(widths: tuple[int, ...], budget: int) -> tuple[int, ...]:

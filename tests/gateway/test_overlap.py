@@ -157,3 +157,24 @@ def test_arrivals_and_chunked_prefills_ride_the_overlapped_steps() -> None:
     assert outs[0] == outs[1] and sorted(outs[1]) == ["0", "1", "a", "long", "lp"]
     assert all(len(v) == 20 for v in outs[1].values())
     assert engines[1].num_ahead > engines[1].num_steps // 2
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_speculating_requests_overlap_where_the_budget_leaves_them_plain(drafter: str) -> None:
+    """Adaptive speculating requests (the default tree): on steps where their acceptance pays no level and no
+    probe is due, they ride the overlapped path; their output is plain decoding's either way. A batch whose
+    roots fill the verify cap never drafts, so every step after the first can go ahead."""
+    spec = SpeculationParams(drafter=drafter)
+    reqs = [(str(i), p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), spec)
+            for i, p in enumerate(prompts(4, seed=3))]
+    plain = run_all(engine(False, num_blocks=200), [(r, p, sp, PLAIN) for r, p, sp, _ in reqs])
+    want, got, eng = both(reqs, num_blocks=200)
+    assert got == want == plain
+    assert eng.num_ahead > 0
+
+    capped = engine(True, num_blocks=200)
+    sched = capped.scheduler
+    sched.config = replace(sched.config, budget=replace(sched.config.budget, max_verify_tokens=4))
+    got = run_all(capped, reqs)
+    assert got == plain
+    assert capped.num_ahead >= capped.num_steps - 3  # the prefill, the first plain step, the last
