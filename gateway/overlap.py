@@ -2,22 +2,23 @@
 
 A plain decode step ends in one host copy, the picked tokens, and everything the host does after it --
 committing and emitting the tokens, scheduling, building the next batch, loading the graph's inputs --
-leaves the GPU idle. For a small target that host time is a large share of a step. While every running
-sequence decodes plainly and nothing waits for admission, the next step's inputs are known without the
-copy: each sequence's next token is the pick still on the device, its position one past the last, its
-slot the next in its block table. So the engine launches step n + 1 with those tokens read on the device,
-and only then waits for step n's copy and commits it, while step n + 1 runs (the zero-overhead batch
-scheduler of SGLang works the same way). Outputs reach the caller one step later.
+leaves the GPU idle. For a small target that host time is a large share of a step. While every decoding
+sequence decodes plainly, the next step's inputs are known without the copy: each sequence's next token is
+the pick still on the device, its position one past the last, its slot the next in its block table. So the
+engine launches step n + 1 with those tokens read on the device, and only then waits for step n's copy and
+commits it, while step n + 1 runs (the zero-overhead batch scheduler of SGLang works the same way).
+Outputs reach the caller one step later.
 
 Eligible sequences decode plainly -- speculation off, or a speculating request the budget leaves plain
 this step (``Scheduler.plans_plain``: its acceptance pays no draft level and no probe is due, or the
 batch's roots fill the verify cap) -- with no logit processing that depends on the host's view of the
-output (bias, penalties, allowed tokens, min_tokens, a grammar), no logprobs and no feature drafter. A step is planned ahead when every decoding sequence is eligible and the pool holds each one's
-next slot: the last step's sequences (minus those whose pending token is their last by length) fed their
-picks, sequences whose prefill ended in the last step fed their roots, and the prefill chunks the
-scheduler admits and picks as usual (a chunk yields no token, so its ``num_cached`` advances at launch).
-Otherwise -- a speculating request, a prompt-logprobs prefill, a missing block -- the pending step is
-resolved and the engine plans normally.
+output (bias, penalties, allowed tokens, min_tokens, a grammar), no logprobs and no feature drafter. A
+step is planned ahead when every decoding sequence is eligible and the pool holds each one's next slot:
+the last step's sequences (minus those whose pending token is their last by length) fed their picks,
+sequences whose prefill ended in the last step fed their roots, and the prefill chunks the scheduler
+admits and picks as usual (a chunk yields no token, so its ``num_cached`` advances at launch).
+Otherwise -- a request that may draft, a prompt-logprobs prefill, a missing block -- the pending step is
+resolved and the engine plans that step as usual.
 
 A sequence that the pending token ends (a stop token) or that is aborted meanwhile was already fed into
 step n + 1: that step's token for it is dropped at resolution. Its blocks go back to the pool while step
