@@ -178,3 +178,24 @@ def test_speculating_requests_overlap_where_the_budget_leaves_them_plain(drafter
     got = run_all(capped, reqs)
     assert got == plain
     assert capped.num_ahead >= capped.num_steps - 3  # the prefill, the first plain step, the last
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_overlapped_steps_keep_the_budget_s_drafting_decisions(drafter: str) -> None:
+    """With the acceptance-only budget, every request drafts, is probed and is kept plain on the same steps
+    with and without overlap: steps, drafted and accepted tokens all match (an overlapped step counts as a
+    plan for the probes' cadence, and its pending step toward each request's probe)."""
+    stats = []
+    for overlap in (False, True):
+        eng = engine(overlap, num_blocks=200)
+        for i, p in enumerate(prompts(4, seed=3)):
+            eng.add(str(i), p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                    SpeculationParams(drafter=drafter))
+        got = {}
+        while eng.has_work():
+            for o in eng.step():
+                if o.finished:
+                    got[o.request_id] = (o.stats.steps, o.stats.drafted_tokens, o.stats.accepted_tokens)
+        stats.append(got)
+    assert stats[0] == stats[1] and len(stats[1]) == 4
+    assert sum(d for _, d, _ in stats[1].values()) > 0  # they did draft, and probe
