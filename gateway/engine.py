@@ -120,6 +120,7 @@ class Engine:
         self._forced_step = False
         self._inflight: overlap.InFlight | None = None  # a launched plain step not yet resolved (overlap)
         self.num_ahead = 0  # steps launched before the step ahead of them was resolved
+        self._ahead_t: float | None = None  # when the last step of an unbroken overlapped run was resolved
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -280,6 +281,12 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 -- fails this step's sequences, once prev's tokens are theirs
                 failed = exc
         outputs = overlap.resolve(self, prev)
+        # In an unbroken run of overlapped steps one step's time is the span between two resolutions: the
+        # plain step's price the budget weighs drafts against (a draft level also breaks the run).
+        now = time.perf_counter()
+        if self._ahead_t is not None and not prev.prefilled:
+            self.scheduler.costs.observe(len(prev.seqs), 0, now - self._ahead_t)
+        self._ahead_t = now if self._inflight is not None else None
         if failed is not None:
             outputs += [self._finish(s, "error", error=f"{type(failed).__name__}: {failed}")
                         for s in seqs if s.status is Status.RUNNING]

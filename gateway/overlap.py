@@ -52,6 +52,7 @@ class InFlight:
     next_tokens: torch.Tensor  # [B] int64 on the device: each sequence's picked token, in ``seqs`` order
     host: torch.Tensor  # the picks' host copy (pinned on CUDA), complete once ``event`` has passed
     event: torch.cuda.Event | None
+    prefilled: bool  # the step also ran prompt chunks: not a plain decode step's time
 
 
 def eligible(seq: Sequence, engine: Engine) -> bool:
@@ -142,7 +143,7 @@ def launch(engine: Engine, plan: Ahead, prev: InFlight | None) -> InFlight:
     else:
         host, event = picks, None
     engine.num_steps += 1
-    return InFlight(seqs, launched, next_tokens, host, event)
+    return InFlight(seqs, launched, next_tokens, host, event, bool(plan.prefills))
 
 
 def resolve(engine: Engine, prev: InFlight) -> list:

@@ -199,3 +199,15 @@ def test_overlapped_steps_keep_the_budget_s_drafting_decisions(drafter: str) -> 
         stats.append(got)
     assert stats[0] == stats[1] and len(stats[1]) == 4
     assert sum(d for _, d, _ in stats[1].values()) > 0  # they did draft, and probe
+
+
+def test_overlapped_plain_steps_price_the_plain_step() -> None:
+    """The budget weighs a draft level against the plain step's measured time: overlapped steps record it
+    (the span between two resolutions), where otherwise a batch that only ever overlaps would have none."""
+    reqs = [(str(i), p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), PLAIN)
+            for i, p in enumerate(prompts(4))]
+    eng = engine(True, num_blocks=200)
+    assert eng.scheduler.costs.seconds(4, 0) is None
+    run_all(eng, reqs)
+    assert eng.num_ahead > 20
+    assert eng.scheduler.costs.seconds(4, 0) is not None and eng.scheduler.costs.seconds(4, 0) > 0
