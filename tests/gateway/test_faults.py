@@ -9,6 +9,7 @@ import random
 import time
 
 import httpx
+import pytest
 
 from engine_util import tiny_engine
 from gateway_util import (
@@ -20,6 +21,18 @@ from gateway_util import (
     pool_is_full,
     wait_until,
 )
+
+
+def engine_with(overlap: bool, **kw):
+    """``tiny_engine``, its plain steps overlapped or not (gateway/overlap.py)."""
+    from dataclasses import replace
+
+    engine = tiny_engine(**kw)
+    engine.config = replace(engine.config, overlap=overlap)
+    return engine
+
+
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
 
 
 def chat(content: str, max_tokens: int = 8, **extra) -> dict:
@@ -68,8 +81,9 @@ async def _numbered(lines):
         n += 1
 
 
-def test_clients_leaving_at_random_points_leak_nothing(tokenizer) -> None:
-    app = make_app(tokenizer, engine=tiny_engine(vocab=len(tokenizer), num_blocks=128))
+@OVERLAP
+def test_clients_leaving_at_random_points_leak_nothing(tokenizer, overlap: bool) -> None:
+    app = make_app(tokenizer, engine=engine_with(overlap, vocab=len(tokenizer), num_blocks=128))
     rng = random.Random(7)
     with LiveServer(app) as live:
         url = live.url + "/v1/chat/completions"
@@ -83,9 +97,10 @@ def test_clients_leaving_at_random_points_leak_nothing(tokenizer) -> None:
     assert outcomes.count("left") >= 12 and after.status_code == 200
 
 
-def test_one_failed_step_fails_only_its_request(tokenizer) -> None:
+@OVERLAP
+def test_one_failed_step_fails_only_its_request(tokenizer, overlap: bool) -> None:
     """max_running=1: the failing step holds one sequence; the queued ones finish with their usual text."""
-    engine = tiny_engine(vocab=len(tokenizer), num_blocks=128, max_running=1)
+    engine = engine_with(overlap, vocab=len(tokenizer), num_blocks=128, max_running=1)
     app = make_app(tokenizer, engine=engine)
     faults = FaultyForward(engine)
     bodies = [chat("one"), chat("two", stream=True), chat("three")]
@@ -112,8 +127,9 @@ def test_one_failed_step_fails_only_its_request(tokenizer) -> None:
     assert settled(app)
 
 
-def test_kv_exhaustion_preempts_and_outputs_match_an_uncontended_run(tokenizer) -> None:
-    engine = tiny_engine(vocab=len(tokenizer), num_blocks=16, page_size=4)  # 64 slots; four requests need ~160
+@OVERLAP
+def test_kv_exhaustion_preempts_and_outputs_match_an_uncontended_run(tokenizer, overlap: bool) -> None:
+    engine = engine_with(overlap, vocab=len(tokenizer), num_blocks=16, page_size=4)  # 64 slots; four need ~160
     app = make_app(tokenizer, engine=engine)
     bodies = [chat(f"request number {i}", 24) for i in range(4)]
 

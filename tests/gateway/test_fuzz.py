@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -31,10 +32,12 @@ FIELDS = ["model", "max_tokens", "max_completion_tokens", "temperature", "top_p"
 HUGE = [1e308, -1e308, 5e-324, 2**63, 2**64, 2**70, -(2**70), 10**30, 0, -1, 1, 0.5]
 
 
-@pytest.fixture(scope="module")
-def served(tokenizer) -> Iterator[tuple[asyncio.Runner, Any, Any]]:
-    """One app and client for the whole module, driven from a long-lived event loop between examples."""
+@pytest.fixture(scope="module", params=[False, True], ids=["", "overlap"])
+def served(tokenizer, request) -> Iterator[tuple[asyncio.Runner, Any, Any]]:
+    """One app and client per engine mode (steps one by one; plain steps overlapped: gateway/overlap.py), driven
+    from a long-lived event loop between examples."""
     engine = tiny_engine(vocab=len(tokenizer), num_blocks=64, max_position_embeddings=CONTEXT)
+    engine.config = replace(engine.config, overlap=request.param)
     with asyncio.Runner() as runner:
         stack = contextlib.AsyncExitStack()
         client = runner.run(stack.enter_async_context(asgi_client(make_app(tokenizer, engine=engine))))
