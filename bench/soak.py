@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -130,18 +131,20 @@ async def drive(base: str, plans: list[dict[str, Any]], faults: FaultyForward, c
         return await asyncio.gather(*(task(p) for p in plans))
 
 
-def soak(requests: int, concurrency: int = 24, seed: int = 0) -> dict[str, Any]:
+def soak(requests: int, concurrency: int = 24, seed: int = 0, overlap: bool = False) -> dict[str, Any]:
+    """``overlap``: the engine's plain steps launched ahead (gateway/overlap.py)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model gains nothing from threads, and they stall on a shared machine
     try:
-        return _soak(requests, concurrency, seed)
+        return _soak(requests, concurrency, seed, overlap)
     finally:
         torch.set_num_threads(threads)
 
 
-def _soak(requests: int, concurrency: int, seed: int) -> dict[str, Any]:
+def _soak(requests: int, concurrency: int, seed: int, overlap: bool) -> dict[str, Any]:
     tokenizer = make_tokenizer()
     engine = tiny_engine(vocab=len(tokenizer), num_blocks=48, page_size=4)  # small: preemption happens
+    engine.config = replace(engine.config, overlap=overlap)
     app = make_app(tokenizer, engine=engine)
     faults = FaultyForward(engine)
     rng = random.Random(seed)
@@ -204,9 +207,10 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overlap", action="store_true", help="plain steps launched ahead (EngineConfig.overlap)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "reliability.json"))
     args = p.parse_args()
-    report = soak(args.requests, args.concurrency, args.seed)
+    report = soak(args.requests, args.concurrency, args.seed, args.overlap)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     bad = problems(report)

@@ -11,8 +11,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from soak import problems, soak  # noqa: E402
 
 
-def test_short_soak_leaks_nothing() -> None:
-    report = soak(200, concurrency=16, seed=1)
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
+def test_short_soak_leaks_nothing(overlap: bool) -> None:
+    report = soak(200, concurrency=16, seed=1, overlap=overlap)
     assert problems(report) == [], report
     by = report["by_status"]
     assert by.get("200", 0) > 100 and by.get("cancelled", 0) > 5 and report["faults_injected"] > 0
