@@ -162,6 +162,7 @@ def _soak(requests: int, concurrency: int, seed: int, overlap: bool) -> dict[str
         report = {
             "date": datetime.date.today().isoformat(), "commit": commit(), "requests": requests,
             "by_status": dict(sorted(Counter(outcomes).items())), "faults_injected": faults.fired,
+            "steps_ahead": engine.num_ahead,
             "kv_blocks_leaked": leaked_blocks(engine), "hangs": outcomes.count("hang"),
             "rss_mb_start": rss["start"], "rss_mb_end": rss["end"],
             "server_terminal_states": counted, "admission_slots_leaked": gw.in_flight,

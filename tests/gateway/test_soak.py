@@ -21,3 +21,4 @@ def test_short_soak_leaks_nothing(overlap: bool) -> None:
     by = report["by_status"]
     assert by.get("200", 0) > 100 and by.get("cancelled", 0) > 5 and report["faults_injected"] > 0
     assert set(by) <= {"200", "400", "500", "cancelled", "error_event"}, by
+    assert (report["steps_ahead"] > 0) == overlap
