@@ -12,7 +12,8 @@ Outputs reach the caller one step later.
 Eligible sequences decode plainly -- speculation off, or a speculating request the budget leaves plain
 this step (``Scheduler.plans_plain``: its acceptance pays no draft level and no probe is due, or the
 batch's roots fill the verify cap) -- with no logit processing that depends on the host's view of the
-output (bias, penalties, allowed tokens, min_tokens, a grammar), no logprobs and no feature drafter. A
+output (bias, penalties, allowed tokens, min_tokens, a grammar) and no feature drafter (logprobs are taken
+on the device beside the picks, from the raw logits the next replay overwrites). A
 step is planned ahead when every decoding sequence is eligible and the pool holds each one's next slot:
 the last step's sequences (minus those whose pending token is their last by length) fed their picks,
 sequences whose prefill ended in the last step fed their roots, and the prefill chunks the scheduler
@@ -38,6 +39,7 @@ from gateway.sequence import Sequence, Status
 from target.batch import Segment, build_batch
 from target.transfer import to_device
 from verify.accept import AcceptResult, Launched, finish_accept, launch_accept
+from verify.logprobs import TokenLogprob, logprob_table, parse_table
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
@@ -53,14 +55,16 @@ class InFlight:
     host: torch.Tensor  # the picks' host copy (pinned on CUDA), complete once ``event`` has passed
     event: torch.cuda.Event | None
     prefilled: bool  # the step also ran prompt chunks: not a plain decode step's time
+    asked: list[int]  # the sequences (by index in ``seqs``) that want logprobs
+    table: torch.Tensor | None  # their rows of ``logprob_table``, copied to the host like ``host``
 
 
 def eligible(seq: Sequence, engine: Engine) -> bool:
     """Whether ``seq``'s next token can be fed to a step before the host has seen it: it decodes plainly
-    this step, with no logit processing read on the host and no logprobs, and no feature drafter waits
-    for the target's features of its positions."""
+    this step, with no logit processing read on the host, and no feature drafter waits for the target's
+    features of its positions. (Logprobs are taken on the device beside the picks.)"""
     s = seq.sampling
-    return (seq.matcher is None and not s.custom_logits and s.logprobs is None and s.min_tokens <= len(seq.output_ids)
+    return (seq.matcher is None and not s.custom_logits and s.min_tokens <= len(seq.output_ids)
             and seq.drafter not in engine._feature_drafters)
 
 
@@ -135,15 +139,29 @@ def launch(engine: Engine, plan: Ahead, prev: InFlight | None) -> InFlight:
     at = [launched.at[k] for k in range(len(seqs))]
     next_tokens = (picks[: len(seqs)] if at == list(range(len(seqs))) else
                    picks[to_device(torch.tensor(at), picks.device)])
+    asked = [k for k, s in enumerate(seqs) if s.sampling.logprobs is not None]
+    table = None
+    if asked:  # the raw logits' figures for the picks, before the next replay overwrites the logits
+        index = to_device(torch.tensor([[k for k in asked], [launched.starts[k] for k in asked]]), picks.device)
+        table = logprob_table(logits, index[1], next_tokens[index[0]], max(seqs[k].sampling.logprobs for k in asked))
+    host, event = _to_host(picks), None
+    if table is not None:
+        table = _to_host(table)
     if picks.is_cuda:
-        host = torch.empty(picks.shape, dtype=picks.dtype, pin_memory=True)
-        host.copy_(picks, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-    else:
-        host, event = picks, None
     engine.num_steps += 1
-    return InFlight(seqs, launched, next_tokens, host, event, bool(plan.prefills))
+    return InFlight(seqs, launched, next_tokens, host, event, bool(plan.prefills), asked, table)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` into pinned host memory, not waited for (``InFlight.event`` marks its end); as is on the
+    CPU."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
 
 
 def resolve(engine: Engine, prev: InFlight) -> list:
@@ -154,13 +172,19 @@ def resolve(engine: Engine, prev: InFlight) -> list:
     ids = prev.host.tolist()
     prev.launched.trees = [TokenTree.root_only(s.token_ids[-1]) for s in prev.seqs]
     results: list[AcceptResult] = finish_accept(prev.launched, ids)
-    kept = [(s, t, r) for s, t, r in zip(prev.seqs, prev.launched.trees, results) if s.status is Status.RUNNING]
-    for seq, tree, result in kept:
+    logprobs: dict[int, list[TokenLogprob]] = {}
+    if prev.table is not None:
+        entries = parse_table(prev.table.tolist(), [results[k].tokens[0] for k in prev.asked])
+        for k, e in zip(prev.asked, entries):
+            logprobs[k] = [TokenLogprob(e.token_id, e.logprob, e.top[: prev.seqs[k].sampling.logprobs])]
+    kept = [(k, s, t, r) for k, (s, t, r) in enumerate(zip(prev.seqs, prev.launched.trees, results))
+            if s.status is Status.RUNNING]
+    for _, seq, tree, result in kept:
         engine._commit(seq, tree, result, 0)
     for drafter in engine.drafters.values():
         drafter.flush()
-    outputs = [engine._emit(seq, result, None) for seq, _, result in kept]
-    for seq, _, _ in kept:
+    outputs = [engine._emit(seq, result, logprobs.get(k)) for k, seq, _, result in kept]
+    for _, seq, _, _ in kept:
         if seq.table is not None:  # the next step's slot (num_cached) stays: a launched step may write it
             seq.table.truncate(seq.num_cached + 1)
     return outputs

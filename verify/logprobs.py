@@ -37,13 +37,25 @@ def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], top
     if not rows:
         return []
     device = logits.device
-    picked = logits.index_select(0, torch.tensor(rows, device=device)).float()  # [n, V]
+    table = logprob_table(logits, torch.tensor(rows, device=device), torch.tensor(tokens, device=device), top)
+    return parse_table(table.tolist(), tokens)  # the one host copy
+
+
+def logprob_table(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
+    """``token_logprobs``' device half: ``[n, 1 + 2 top]`` float64 on the logits' device, each token's
+    log-probability under its row, then the row's ``top`` log-probabilities and their token ids (most likely
+    first). ``rows`` and ``tokens``: ``[n]`` int64 on that device (an overlapped step's picks stay there)."""
+    picked = logits.index_select(0, rows).float()  # [n, V]
     lse = torch.logsumexp(picked, dim=-1, keepdim=True)  # [n, 1]
-    chosen = picked.gather(1, torch.tensor(tokens, device=device)[:, None]) - lse  # [n, 1]
+    chosen = picked.gather(1, tokens[:, None]) - lse  # [n, 1]
     parts = [chosen.double()]
     if top:
         values, ids = picked.topk(min(top, picked.shape[-1]), dim=-1)  # [n, k], most likely first
         parts += [(values - lse).double(), ids.double()]  # ids < 2^53: exact in float64
-    host = torch.cat(parts, dim=1).tolist()  # the one host copy
-    k = (len(host[0]) - 1) // 2
+    return torch.cat(parts, dim=1)
+
+
+def parse_table(host: list[list[float]], tokens: list[int]) -> list[TokenLogprob]:
+    """``logprob_table``'s rows, copied to the host, as ``TokenLogprob``s of ``tokens``."""
+    k = (len(host[0]) - 1) // 2 if host else 0
     return [TokenLogprob(t, r[0], tuple(zip(map(int, r[1 + k :]), r[1 : 1 + k]))) for t, r in zip(tokens, host)]

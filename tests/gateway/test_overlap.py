@@ -119,8 +119,8 @@ def test_arrivals_and_speculating_neighbours_take_the_step_by_step_path() -> Non
 def test_a_tight_pool_falls_back_and_finishes_every_request() -> None:
     """12 blocks of 4 slots for three 20-token prompts growing 30 tokens: the overlapped path gives way when
     a next slot has no block, the scheduler preempts, and every request ends at its length."""
-    reqs = [(str(i), [(7 * i + j) % 64 for j in range(20)], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-             PLAIN) for i in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    reqs = [(str(i), [(7 * i + j) % 64 for j in range(20)], greedy, PLAIN) for i in range(3)]
     eng = engine(True, num_blocks=24, page_size=4)
     got = run_all(eng, reqs)
     assert all(len(v) == 30 for v in got.values())
@@ -211,3 +211,28 @@ def test_overlapped_plain_steps_price_the_plain_step() -> None:
     run_all(eng, reqs)
     assert eng.num_ahead > 20
     assert eng.scheduler.costs.seconds(4, 0) is not None and eng.scheduler.costs.seconds(4, 0) > 0
+
+
+def test_logprobs_are_taken_beside_the_picks() -> None:
+    """Requests asking for logprobs (greedy and seeded, top 0 and 3) go ahead too: their figures, taken on the
+    device from the raw logits before the next replay overwrites them, are step-by-step decoding's."""
+    reqs = [(str(i), p, SamplingParams(temperature=0 if i % 2 else 0.7, seed=i, max_tokens=12, ignore_eos=True,
+                                       logprobs=(0, 3)[i % 2]), PLAIN)
+            for i, p in enumerate(prompts(4, seed=4))]
+    reqs.append(("none", prompts(1, seed=5)[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), PLAIN))
+    runs = []
+    for overlap in (False, True):
+        eng = engine(overlap)
+        for rid, p, sp, spec in reqs:
+            eng.add(rid, p, sp, spec)
+        got: dict[str, list] = {rid: [] for rid, *_ in reqs}
+        while eng.has_work():
+            for o in eng.step():
+                lps = o.logprobs or [None] * len(o.new_token_ids)
+                got[o.request_id] += list(zip(o.new_token_ids, lps))
+        runs.append((got, eng.num_ahead))
+    (want, _), (got, ahead) = runs
+    assert got == want and ahead > 0
+    assert all(lp is not None and len(lp.top) == (0, 3)[int(r) % 2] and lp.token_id == t
+               for r in "0123" for t, lp in got[r])
+    assert all(lp is None for _, lp in got["none"])
