@@ -10,6 +10,7 @@
 #   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair, with the per-kernel profile and the INT4 picks
 #   bash bench/gpu_run.sh verify     bench/verify_profile.py: a verify step against a decode step (SmolLM2 shape, random
 #                                    weights): per-kernel exposed time, host time of the input copies and the launch
+#                                    (VERIFY_DUMP=1: each graph's DOT file into .cache/graphs, its census in the JSON)
 #   bash bench/gpu_run.sh graph_rows bench/graph_rows.py: ragged graph replays against per-segment padding, batch 16,
 #                                    SmolLM2 and Llama-3-8B shapes (the first run builds kernels: over 120 s)
 #   bash bench/gpu_run.sh probe      bench/kernels/decode_probe.py (L2 flush modes, short-context splits) and attn_layout.py
@@ -119,7 +120,7 @@ for stage in "$@"; do
                  | grep -v '^ \|^{\|^}' | tail -40 ;;
     graph_rows) timeout "${GRAPH_ROWS_TIMEOUT:-300}" python bench/graph_rows.py --out "$OUT/graph_rows.json" 2>&1 | tail -8 ;;
     verify) timeout "${VERIFY_TIMEOUT:-240}" python bench/verify_profile.py --batches 1,16 --nodes "${VERIFY_NODES:-1,2,4}" \
-        --dump "$OUT/graphs" --out "$OUT/verify_profile.json" 2>&1 | grep -v Warn | tail -40 ;;
+        ${VERIFY_DUMP:+--dump .cache/graphs} --out "$OUT/verify_profile.json" 2>&1 | grep -v Warn | tail -40 ;;
     probe)
       timeout 150 python bench/kernels/decode_probe.py --out "$OUT" 2>&1 | tail -24
       timeout 150 python bench/kernels/attn_layout.py --out "$OUT" 2>&1 | tail -16 ;;
