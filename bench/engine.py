@@ -466,10 +466,10 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
     def hf_tok_s(groups: list[list[str]], **extra) -> float:
-        """HF generate over the row's groups, one after another, each timed after an untimed call on it: a
-        static cache is set up (and its forward compiled) per prompt shape, so with one untimed call on the
-        first group alone, batch 1's four one-prompt calls paid three set-ups (12.8 tok/s on the H100,
-        engine_real_h100_6601fae.json), where the engine's arms run warm."""
+        """HF generate over the row's groups, one after another, each timed after an untimed call on it. A
+        static cache is built per prompt shape: with one untimed call on the first group alone, batch 1's
+        four one-prompt calls ran at 12.8 tok/s on the H100 (engine_real_h100_6601fae.json; three new
+        shapes, presumably each set up or compiled anew -- not verified), while the engine's arms run warm."""
         tokens, secs = 0, 0.0
         for group in groups:
             enc = tok(group, return_tensors="pt", padding=True).to(device)
