@@ -637,7 +637,8 @@ class Engine:
             new = new[:keep]
         seq.output_ids += new
         if seq.penalty is not None:
-            seq.penalty.emit(new)
+            seq.penalty.emit(new[seq.counted_ahead :])
+        seq.counted_ahead = 0
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = "length"
         if error is not None:

@@ -12,8 +12,9 @@ Outputs reach the caller one step later.
 Eligible sequences decode plainly -- speculation off, or a speculating request the budget leaves plain
 this step (``Scheduler.plans_plain``: its acceptance pays no draft level and no probe is due, or the
 batch's roots fill the verify cap) -- with no logit processing that depends on the host's view of the
-output (bias, penalties, allowed tokens, min_tokens, a grammar) and no feature drafter (logprobs are taken
-on the device beside the picks, from the raw logits the next replay overwrites). A
+output (min_tokens still holding stops back, a grammar) and no feature drafter. Logprobs are taken on the
+device beside the picks, from the raw logits the next replay overwrites; bias, penalties and allowed tokens
+are applied in one batched pass, with each pending pick counted on the device first. A
 step is planned ahead when every decoding sequence is eligible and the pool holds each one's next slot:
 the last step's sequences (minus those whose pending token is their last by length) fed their picks,
 sequences whose prefill ended in the last step fed their roots, and the prefill chunks the scheduler
@@ -61,10 +62,10 @@ class InFlight:
 
 def eligible(seq: Sequence, engine: Engine) -> bool:
     """Whether ``seq``'s next token can be fed to a step before the host has seen it: it decodes plainly
-    this step, with no logit processing read on the host, and no feature drafter waits for the target's
-    features of its positions. (Logprobs are taken on the device beside the picks.)"""
-    s = seq.sampling
-    return (seq.matcher is None and not s.custom_logits and s.min_tokens <= len(seq.output_ids)
+    this step, with no grammar and no min_tokens left to hold stops back (both read the output on the host),
+    and no feature drafter waits for the target's features of its positions. Logprobs are taken on the
+    device beside the picks; penalties count the pending pick on the device (``Sequence.counted_ahead``)."""
+    return (seq.matcher is None and seq.sampling.min_tokens <= len(seq.output_ids)
             and seq.drafter not in engine._feature_drafters)
 
 
@@ -127,13 +128,22 @@ def launch(engine: Engine, plan: Ahead, prev: InFlight | None) -> InFlight:
                prev.next_tokens[to_device(torch.tensor(rows), batch.tokens.device)])
         batch.tokens[first : first + len(rows)].copy_(src)
     runner = engine.graphs if engine.graphs is not None else engine.target
-    logits = runner.forward(batch, engine.cache)
+    raw = logits = runner.forward(batch, engine.cache)
     for seq, n in plan.prefills:
         seq.num_cached += n
         seq.table.register_prefix(seq.token_ids, seq.num_cached)
     seqs = plan.ahead + plan.host
     trees = [TokenTree.root_only(0) for _ in seqs]  # roots named at resolution, once the host knows them
-    launched = launch_accept(trees, logits, batch.logits_start[len(plan.prefills):],
+    starts = batch.logits_start[len(plan.prefills):]
+    if any(s.sampling.custom_logits for s in seqs):  # bias, penalties, allowed tokens: one batched pass
+        for k, seq in enumerate(plan.ahead):  # each root, the pending pick, counted as emitted
+            if seq.sampling.custom_logits:
+                state = engine._penalties_of(seq, logits.device)
+                one = torch.ones(1, dtype=state.counts.dtype, device=logits.device)
+                state.counts.index_add_(0, src[k : k + 1], one)
+                seq.counted_ahead = 1
+        logits = engine._process(logits, starts, seqs, trees)
+    launched = launch_accept(trees, logits, starts,
                              [s.verify_sampling for s in seqs], [s.generator for s in seqs], [(None, None)] * len(seqs))
     picks = launched.picks
     at = [launched.at[k] for k in range(len(seqs))]
@@ -141,9 +151,9 @@ def launch(engine: Engine, plan: Ahead, prev: InFlight | None) -> InFlight:
                    picks[to_device(torch.tensor(at), picks.device)])
     asked = [k for k, s in enumerate(seqs) if s.sampling.logprobs is not None]
     table = None
-    if asked:  # the raw logits' figures for the picks, before the next replay overwrites the logits
+    if asked:  # the raw logits' figures for the picks, before the next replay overwrites them
         index = to_device(torch.tensor([[k for k in asked], [launched.starts[k] for k in asked]]), picks.device)
-        table = logprob_table(logits, index[1], next_tokens[index[0]], max(seqs[k].sampling.logprobs for k in asked))
+        table = logprob_table(raw, index[1], next_tokens[index[0]], max(seqs[k].sampling.logprobs for k in asked))
     host, event = _to_host(picks), None
     if table is not None:
         table = _to_host(table)

@@ -154,6 +154,9 @@ class Sequence:
     cached_prompt_tokens: int | None = None
     matcher: Any = None  # with sampling.grammar: the llguidance parser state after the emitted tokens
     penalty: Any = None  # with a bias or penalties: verify.processing.PenaltyState, made at the first decode
+    # tokens ``penalty`` counted on the device before they were emitted (an overlapped step's pending pick,
+    # counted when the step after it was launched: gateway/overlap.py); emitting them does not count them again
+    counted_ahead: int = 0
     verify_sampling: Any = None  # what acceptance sees: sampling, less what the step's processing applied
 
     @property

@@ -236,3 +236,24 @@ def test_logprobs_are_taken_beside_the_picks() -> None:
     assert all(lp is not None and len(lp.top) == (0, 3)[int(r) % 2] and lp.token_id == t
                for r in "0123" for t, lp in got[r])
     assert all(lp is None for _, lp in got["none"])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_penalties_bias_and_allowed_tokens_go_ahead(monkeypatch, temperature: float) -> None:
+    """Repetition, frequency and presence penalties, a logit bias and allowed tokens, greedy and seeded: the
+    pending pick is counted on the device before the next step's batched processing, and emitting it does
+    not count it twice. The tokens are step-by-step decoding's with the same batched processing."""
+    from verify import processing
+
+    monkeypatch.setattr(processing, "BATCHED_CPU", True)  # both runs process the whole step at once
+    base = dict(temperature=temperature, max_tokens=24, ignore_eos=True)
+    params = [SamplingParams(repetition_penalty=1.3, seed=1, **base),
+              SamplingParams(frequency_penalty=0.8, presence_penalty=0.5, seed=2, **base),
+              SamplingParams(logit_bias=((3, 4.0), (5, -100.0)), seed=3, **base),
+              SamplingParams(allowed_token_ids=tuple(range(10, 40)), repetition_penalty=1.2, seed=4, **base),
+              SamplingParams(seed=5, **base)]
+    reqs = [(str(i), p, sp, PLAIN) for i, (p, sp) in enumerate(zip(prompts(5, seed=6), params))]
+    want, got, eng = both(reqs)
+    assert got == want and eng.num_ahead > 10
+    assert all(10 <= t < 40 for t in got["3"])  # allowed tokens held
+    assert 5 not in got["2"]
