@@ -43,7 +43,8 @@ def test_overlapped_tokens_match_step_by_step_on_cuda(target: Transformer, spec:
     # repeats only where the drafting decisions do.
     reqs = [(str(i), torch.randint(0, 512, (5 + 3 * i,), generator=g).tolist(),
              SamplingParams(temperature=0 if i % 2 or spec.enabled else 0.8, seed=i, max_tokens=40, ignore_eos=True,
-                            logprobs=2 if i == 3 else None), spec) for i in range(6)]
+                            logprobs=2 if i == 3 else None, repetition_penalty=1.3 if i == 5 else 1.0), spec)
+            for i in range(6)]
     want = run_all(engine(target, False), reqs)
     on = engine(target, True)
     got = run_all(on, reqs)
