@@ -76,7 +76,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="capture every CUDA graph (and tune its kernels) at start instead of on first use")
     p.add_argument("--overlap", action="store_true",
                    help="launch each plain decoding step before the last one's tokens reach the host (outputs one "
-                        "step later; steps where every request decodes plainly, with no grammar or min_tokens hold)")
+                        "step later; steps where every request decodes plainly, without a grammar)")
 
 
 def load(args: argparse.Namespace) -> LLM:

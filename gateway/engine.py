@@ -435,15 +435,17 @@ class Engine:
 
     @staticmethod
     def _hold_stops(logits: torch.Tensor, starts: list[int], decoding: list[Sequence],
-                    trees: list[TokenTree]) -> torch.Tensor:
+                    trees: list[TokenTree], pending: list[int] | None = None) -> torch.Tensor:
         """A copy of ``logits`` in which no stop token can be chosen at a tree row that predicts an output token
         before ``min_tokens`` (vLLM's min_tokens): the row of a node at depth d predicts output token
         ``len(output_ids) + d``. Acceptance, greedy or sampled, then never keeps a stop token there, and a drafted
-        one is rejected like any token the target would not produce. One host-to-device copy for the step."""
+        one is rejected like any token the target would not produce. One host-to-device copy for the step.
+        ``pending[k]``: tokens of sequence k picked but not yet emitted (an overlapped step's: gateway/overlap.py)."""
         rows: list[int] = []
         cols: list[int] = []
         for k, seq in enumerate(decoding):
-            short = seq.sampling.min_tokens - len(seq.output_ids)  # nodes shallower than this may not stop
+            # nodes shallower than this may not stop
+            short = seq.sampling.min_tokens - len(seq.output_ids) - (pending[k] if pending else 0)
             if short <= 0 or not seq.stop_ids:
                 continue
             stops = sorted(seq.stop_ids)

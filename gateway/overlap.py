@@ -12,9 +12,9 @@ Outputs reach the caller one step later.
 Eligible sequences decode plainly -- speculation off, or a speculating request the budget leaves plain
 this step (``Scheduler.plans_plain``: its acceptance pays no draft level and no probe is due, or the
 batch's roots fill the verify cap) -- with no logit processing that depends on the host's view of the
-output (min_tokens still holding stops back, a grammar) and no feature drafter. Logprobs are taken on the
-device beside the picks, from the raw logits the next replay overwrites; bias, penalties and allowed tokens
-are applied in one batched pass, with each pending pick counted on the device first. A
+output (a grammar) and no feature drafter. Logprobs are taken on the device beside the picks, from the raw
+logits the next replay overwrites; bias, penalties and allowed tokens are applied in one batched pass, with
+each pending pick counted on the device first; min_tokens holds stops back counting the pending pick. A
 step is planned ahead when every decoding sequence is eligible and the pool holds each one's next slot:
 the last step's sequences (minus those whose pending token is their last by length) fed their picks,
 sequences whose prefill ended in the last step fed their roots, and the prefill chunks the scheduler
@@ -61,12 +61,11 @@ class InFlight:
 
 
 def eligible(seq: Sequence, engine: Engine) -> bool:
-    """Whether ``seq``'s next token can be fed to a step before the host has seen it: it decodes plainly
-    this step, with no grammar and no min_tokens left to hold stops back (both read the output on the host),
-    and no feature drafter waits for the target's features of its positions. Logprobs are taken on the
-    device beside the picks; penalties count the pending pick on the device (``Sequence.counted_ahead``)."""
-    return (seq.matcher is None and seq.sampling.min_tokens <= len(seq.output_ids)
-            and seq.drafter not in engine._feature_drafters)
+    """Whether ``seq``'s next token can be fed to a step before the host has seen it: it has no grammar
+    (whose parser reads each token on the host) and no feature drafter waiting for the target's features of
+    its positions. Logprobs are taken on the device beside the picks, penalties count the pending pick on the
+    device (``Sequence.counted_ahead``), and min_tokens counts it as emitted."""
+    return seq.matcher is None and seq.drafter not in engine._feature_drafters
 
 
 def plain_next(seq: Sequence, engine: Engine, batch: int, pending: bool) -> bool:
@@ -143,6 +142,9 @@ def launch(engine: Engine, plan: Ahead, prev: InFlight | None) -> InFlight:
                 state.counts.index_add_(0, src[k : k + 1], one)
                 seq.counted_ahead = 1
         logits = engine._process(logits, starts, seqs, trees)
+    pending = [1] * len(plan.ahead) + [0] * len(plan.host)  # each ahead sequence's pick is not emitted yet
+    if any(s.sampling.min_tokens > len(s.output_ids) + p for s, p in zip(seqs, pending)):
+        logits = engine._hold_stops(logits, starts, seqs, trees, pending)
     launched = launch_accept(trees, logits, starts,
                              [s.verify_sampling for s in seqs], [s.generator for s in seqs], [(None, None)] * len(seqs))
     picks = launched.picks

@@ -257,3 +257,22 @@ def test_penalties_bias_and_allowed_tokens_go_ahead(monkeypatch, temperature: fl
     assert got == want and eng.num_ahead > 10
     assert all(10 <= t < 40 for t in got["3"])  # allowed tokens held
     assert 5 not in got["2"]
+
+
+def test_min_tokens_holds_stops_back_counting_the_pending_pick() -> None:
+    """Greedy requests whose free run first emits a token at position 9: with it as their stop token and
+    min_tokens 9, the hold (counting the pick still in flight as emitted) lets it end the output exactly
+    there, as step by step; seeded ones with an early stop token end no sooner than min_tokens."""
+    ps = prompts(8, seed=7)
+    free = run_all(engine(False), [(str(i), p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), PLAIN)
+                                   for i, p in enumerate(ps)])
+    exact = [str(i) for i in range(8) if free[str(i)][9] not in free[str(i)][:9]]
+    assert len(exact) >= 2
+    reqs = [(r, ps[int(r)], SamplingParams(temperature=0, max_tokens=30, min_tokens=9,
+                                           stop_token_ids=(free[r][9],)), PLAIN) for r in exact]
+    reqs += [(f"s{i}", ps[i], SamplingParams(temperature=0.9, seed=i, max_tokens=30, min_tokens=9,
+                                             stop_token_ids=(free[str(i)][2],)), PLAIN) for i in range(2)]
+    want, got, eng = both(reqs)
+    assert got == want and eng.num_ahead > 0
+    assert all(got[r] == free[r][:10] for r in exact)  # stopped at the first position min_tokens allows
+    assert all(len(v) >= 9 for v in got.values())
