@@ -49,7 +49,8 @@ def smollm2_int4(group: int = 32, seed: int = 0) -> Transformer:
 
 def verify_step(model: Transformer, B: int, nodes: int, context: int):
     """A replayable step: ``B`` sequences of ``context`` cached tokens, each verifying a binary tree of
-    ``nodes`` nodes (N = 1: a plain decode step), the way the engine lays out a verify batch."""
+    ``nodes`` nodes (N = 1: a plain decode step), the way the engine lays out a verify batch. Returns the step,
+    its graph's replay and input load, and with ``--dump`` the graph's census (``graph_census``)."""
     cache = model.new_cache(B * (context // 16 + 8), 16)
     runner = CudaGraphRunner(model, cache, max_blocks=context // 16 + 8, buckets=(B, 2 * B), shared_logits=True)
     tables = [cache.new_table() for _ in range(B)]
@@ -60,17 +61,18 @@ def verify_step(model: Transformer, B: int, nodes: int, context: int):
                     mask_bits=bits if nodes > 1 else None, logits="all") for b, t in enumerate(tables)]
     batch = build_batch(segs, cache, DEVICE)
     if DEVICE != "cuda":
-        return lambda: model.forward(batch, cache), (None, None)
+        return lambda: model.forward(batch, cache), (None, None), None
     run = lambda: runner.forward(batch, cache)  # noqa: E731
     runner.debug = DUMP is not None
     run()  # captures the graph
     g = runner._graphs[runner._key(batch, cache)]
+    census = None
     if DUMP is not None:
         path = DUMP / f"graph_b{B}_n{nodes}.dot"
         g.graph.debug_dump(str(path))
-        run.census = graph_census(path.read_text())  # type: ignore[attr-defined]
+        census = graph_census(path.read_text())
     load = lambda: g.load(batch, cache.scratch_block, cache.page_size)  # noqa: E731
-    return run, (g.graph.replay, load)
+    return run, (g.graph.replay, load), census
 
 
 def graph_census(dot: str) -> dict:
@@ -191,13 +193,13 @@ def launch_probe(model: Transformer, context: int, reps: int) -> list[dict]:
                   flush=True)
 
     for n in (1, 2, 4):
-        steps[f"{n} nodes"] = verify_step(model, 1, n, context)
+        steps[f"{n} nodes"] = verify_step(model, 1, n, context)[:2]
     measure("captured 1, 2, 4")
     del steps["1 nodes"]
     gc.collect()
     _sync(DEVICE)
     measure("the first freed")
-    steps["1 node (new)"] = verify_step(model, 1, 1, context)
+    steps["1 node (new)"] = verify_step(model, 1, 1, context)[:2]
     measure("a new 1-node graph captured")
     return out
 
@@ -235,10 +237,10 @@ def main() -> None:
     steps = []
     for B in map(int, args.batches.split(",")):
         for n in map(int, args.nodes.split(",")):
-            run, parts = verify_step(model, B, n, args.context)
+            run, parts, census = verify_step(model, B, n, args.context)
             row = {"batch": B, "nodes": n, **timing(run, parts, args.reps)}
-            if hasattr(run, "census"):
-                row["graph"] = run.census
+            if census is not None:
+                row["graph"] = census
                 print(f"B={B} N={n} graph: {row['graph']['nodes']} edges {row['graph']['edges']}", flush=True)
             res["rows"].append(row)
             steps.append(run)

@@ -245,11 +245,10 @@ class Engine:
         if plan.empty:
             return ended
         seqs = [s for s, _ in plan.prefills] + [s for s, _ in plan.decodes]
-        if (self.config.overlap and plan.decodes and all(not w and overlap.eligible(s, self) for s, w in plan.decodes)
-                and not any(s.wants_prompt_logprobs for s, _ in plan.prefills)):
+        ahead = overlap.from_plan(self, plan) if self.config.overlap else None
+        if ahead is not None:
             try:
-                self._inflight = overlap.launch(self, overlap.Ahead([], [s for s, _ in plan.decodes], plan.prefills),
-                                                None)
+                self._inflight = overlap.launch(self, ahead, None)
             except Exception as exc:  # noqa: BLE001 -- as below
                 return ended + [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
             return ended
@@ -343,21 +342,33 @@ class Engine:
             self._feed_features(plan, batch.query_lens, results, hidden)
         logprobs = self._logprobs(raw, batch.logits_start[first:], decoding, results)
         self._prompt_logprobs(raw, batch.logits_start, plan.prefills)
-        for seq, n in plan.prefills:
+        self._advance_prefills(plan.prefills)
+        return self._settle(decoding, trees, results, [len(w) for _, w in plan.decodes], logprobs)
+
+    @staticmethod
+    def _advance_prefills(prefills: list[tuple[Sequence, int]]) -> None:
+        """Each prefilled chunk's tokens are cached (a chunk yields no token); full prompt blocks enter the
+        prefix cache."""
+        for seq, n in prefills:
             seq.num_cached += n
             seq.table.register_prefix(seq.token_ids, seq.num_cached)
-        outputs = []
+
+    def _settle(self, decoding: list[Sequence], trees: list[TokenTree], results: list[AcceptResult],
+                offered: list[int], logprobs: dict[int, list[TokenLogprob]]) -> list[RequestOutput]:
+        """The end of a step for its decoding sequences: each accepted path committed (``offered``: the draft
+        levels each was given), the drafters flushed, the tokens emitted (``logprobs`` by index), the K/V
+        compacted and the tables trimmed past each next root's slot. ``_run``'s, and an overlapped step's at
+        its resolution (gateway/overlap.py)."""
         moves: list[tuple[int, int]] = []
-        for (seq, widths), tree, result in zip(plan.decodes, trees, results):
-            moves += self._commit(seq, tree, result, len(widths))
+        for seq, tree, result, n in zip(decoding, trees, results, offered):
+            moves += self._commit(seq, tree, result, n)
         for drafter in self.drafters.values():
             drafter.flush()  # before _emit: a finished sequence releases its draft blocks
-        for k, (seq, result) in enumerate(zip(decoding, results)):
-            outputs.append(self._emit(seq, result, logprobs.get(k)))
+        outputs = [self._emit(seq, result, logprobs.get(k)) for k, (seq, result) in enumerate(zip(decoding, results))]
         if moves:
             src, dst = zip(*moves)
             self.cache.compact_slots(list(src), list(dst))
-        for seq, _ in plan.decodes:
+        for seq in decoding:
             if seq.table is not None:  # blocks past the next root's slot go back only after compaction read them
                 seq.table.truncate(seq.num_cached + 1)
         return outputs

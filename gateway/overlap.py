@@ -44,6 +44,7 @@ from verify.logprobs import TokenLogprob, logprob_table, parse_table
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
+    from gateway.scheduler import StepPlan
 
 
 @dataclass(slots=True)
@@ -104,10 +105,23 @@ def plan_ahead(engine: Engine, prev: InFlight) -> Ahead | None:
     if free < 0:
         return None
     prefills = sched.plan_prefills(engine.config.scheduler.max_step_tokens - len(ahead) - len(host), free)
-    if any(s.wants_prompt_logprobs for s, _ in prefills):  # their chunks' logits are read on the host
+    if _scores_prompts(prefills):
         return None
     sched.num_schedules += 1  # a plan, for the probes' cadence (Scheduler._probe_due)
     return Ahead(ahead, host, prefills)
+
+
+def from_plan(engine: Engine, plan: StepPlan) -> Ahead | None:
+    """A scheduler's plan as the first step of an overlapped run, where it qualifies: every decode plain and
+    eligible, no prefill scoring its prompt."""
+    if not plan.decodes or any(w or not eligible(s, engine) for s, w in plan.decodes) or _scores_prompts(plan.prefills):
+        return None
+    return Ahead([], [s for s, _ in plan.decodes], plan.prefills)
+
+
+def _scores_prompts(prefills: list[tuple[Sequence, int]]) -> bool:
+    """A prefill chunk whose logits are read on the host (prompt logprobs): its step cannot go ahead."""
+    return any(s.wants_prompt_logprobs for s, _ in prefills)
 
 
 def launch(engine: Engine, plan: Ahead, prev: InFlight | None) -> InFlight:
@@ -128,9 +142,7 @@ def launch(engine: Engine, plan: Ahead, prev: InFlight | None) -> InFlight:
         batch.tokens[first : first + len(rows)].copy_(src)
     runner = engine.graphs if engine.graphs is not None else engine.target
     raw = logits = runner.forward(batch, engine.cache)
-    for seq, n in plan.prefills:
-        seq.num_cached += n
-        seq.table.register_prefix(seq.token_ids, seq.num_cached)
+    engine._advance_prefills(plan.prefills)
     seqs = plan.ahead + plan.host
     trees = [TokenTree.root_only(0) for _ in seqs]  # roots named at resolution, once the host knows them
     starts = batch.logits_start[len(plan.prefills):]
@@ -189,14 +201,8 @@ def resolve(engine: Engine, prev: InFlight) -> list:
         entries = parse_table(prev.table.tolist(), [results[k].tokens[0] for k in prev.asked])
         for k, e in zip(prev.asked, entries):
             logprobs[k] = [TokenLogprob(e.token_id, e.logprob, e.top[: prev.seqs[k].sampling.logprobs])]
-    kept = [(k, s, t, r) for k, (s, t, r) in enumerate(zip(prev.seqs, prev.launched.trees, results))
-            if s.status is Status.RUNNING]
-    for _, seq, tree, result in kept:
-        engine._commit(seq, tree, result, 0)
-    for drafter in engine.drafters.values():
-        drafter.flush()
-    outputs = [engine._emit(seq, result, logprobs.get(k)) for k, seq, _, result in kept]
-    for _, seq, _, _ in kept:
-        if seq.table is not None:  # the next step's slot (num_cached) stays: a launched step may write it
-            seq.table.truncate(seq.num_cached + 1)
-    return outputs
+    kept = [k for k, s in enumerate(prev.seqs) if s.status is Status.RUNNING]
+    # the tables keep each next root's slot (num_cached), which a launched step may be writing
+    return engine._settle([prev.seqs[k] for k in kept], [prev.launched.trees[k] for k in kept],
+                          [results[k] for k in kept], [0] * len(kept),
+                          {j: logprobs[k] for j, k in enumerate(kept) if k in logprobs})
