@@ -6,7 +6,8 @@
 #   bash bench/gpu_run.sh tests      the CUDA-only tests (7 minutes on a fresh machine, mostly Triton builds)
 #   bash bench/gpu_run.sh profile    bench/step_profile.py: where a step's time goes (SmolLM2 shapes, random weights;
 #                                    each tree also with host-copied trees: the deferred trees' A/B; CHAIN_TREES=1/2
-#                                    free one-node-wide chains, the n-gram drafter's steps without its lookups)
+#                                    free one-node-wide chains, the n-gram drafter's steps without its lookups; launches
+#                                    per step by phase, and plain decoding with the overlap as its own arm)
 #   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair, with the per-kernel profile and the INT4 picks
 #   bash bench/gpu_run.sh verify     bench/verify_profile.py: a verify step against a decode step (SmolLM2 shape, random
 #                                    weights): per-kernel exposed time, host time of the input copies and the launch
@@ -114,7 +115,7 @@ for stage in "$@"; do
       mkdir -p "$OUT/feature_draft" && cp .cache/feature_draft/* "$OUT/feature_draft/" ;;
     fdrafts) sweep_beside_shipped .cache/feature_draft ;;
     profile) timeout 300 python bench/step_profile.py --batches "${PROFILE_BATCHES:-1,16}" --tokens 64 --trees "${TREES:-1/2,2,2,1}" \
-               --chain-trees "${CHAIN_TREES:-1}" ${PROFILE_ARGS:---host-trees} \
+               --chain-trees "${CHAIN_TREES:-1}" ${PROFILE_ARGS:---host-trees} --count-ops --overlap \
                --out "$OUT/step_profile.json" 2>&1 | grep -v '^{' | tail -10 ;;
     synthetic) timeout 300 python bench/engine.py --synthetic --profile --out "$OUT/engine_synthetic.json" 2>&1 \
                  | grep -v '^ \|^{\|^}' | tail -40 ;;

@@ -11,6 +11,9 @@ Two passes per arm:
 1. untimed phases: wall time per step, as the engine runs it (the GPU runs ahead of the host);
 2. timed phases: every phase wrapped in ``torch.cuda.synchronize()``, so each figure is host time plus
    the device work it launched. The sum exceeds pass 1 by the overlap the syncs remove.
+3. counted phases (``--count-ops``): the torch ops dispatched, Triton kernels launched and CUDA graphs
+   replayed per step, by innermost phase. Each costs the host a launch (several microseconds each on a lent
+   H100's host), so a step whose host work outlasts its device work is priced by these counts.
 
 ``--host-trees`` adds, after each tree arm, the same tree with its nodes copied to the host before the
 target's batch is built (``EngineConfig.defer_trees=False``): pass 1's A/B of deferred trees.
@@ -28,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -71,21 +75,34 @@ def random_model(layers: int, device: str, dtype: torch.dtype, seed: int) -> Tra
 
 
 class PhaseTimer:
-    """Wraps callables so that each call is timed between two device syncs, by phase name."""
+    """Wraps callables so that each call is timed between two device syncs, by phase name; with ``synced``
+    False it only keeps the stack of phases entered (``current``), for ``OpCounter``."""
 
-    def __init__(self) -> None:
+    def __init__(self, synced: bool = True) -> None:
         self.total: dict[str, float] = collections.defaultdict(float)
         self.calls: dict[str, int] = collections.defaultdict(int)
         self._undo: list[tuple[object, str, object]] = []
+        self.synced = synced
+        self.stack: list[str] = []
+
+    @property
+    def current(self) -> str:
+        return self.stack[-1] if self.stack else "(between phases)"
 
     def wrap(self, owner: object, attr: str, name: str) -> None:
         fn = getattr(owner, attr)
 
         def timed(*a, **kw):
-            sync()
+            if self.synced:
+                sync()
+            self.stack.append(name)
             t0 = time.perf_counter()
-            out = fn(*a, **kw)
-            sync()
+            try:
+                out = fn(*a, **kw)
+                if self.synced:
+                    sync()
+            finally:
+                self.stack.pop()
             self.total[name] += time.perf_counter() - t0
             self.calls[name] += 1
             return out
@@ -100,6 +117,44 @@ class PhaseTimer:
             else:
                 setattr(owner, attr, old)
         self._undo.clear()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts, by the timer's innermost phase, torch ops dispatched (views included: each is a call into
+    torch's dispatcher from Python), Triton kernel launches and CUDA graph replays."""
+
+    def __init__(self, timer: PhaseTimer) -> None:
+        super().__init__()
+        self.timer = timer
+        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._undo: list[tuple[object, str, object]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[self.timer.current]["torch ops"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def _patch(self, owner: type, attr: str, label: str) -> None:
+        fn = getattr(owner, attr)
+
+        def counted(*a, **kw):
+            self.counts[self.timer.current][label] += 1
+            return fn(*a, **kw)
+
+        self._undo.append((owner, attr, fn))
+        setattr(owner, attr, counted)
+
+    def __enter__(self):
+        from triton.runtime.jit import JITFunction
+
+        self._patch(JITFunction, "run", "triton launches")
+        self._patch(torch.cuda.CUDAGraph, "replay", "graph replays")
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for owner, attr, fn in reversed(self._undo):
+            setattr(owner, attr, fn)
+        self._undo.clear()
+        return super().__exit__(*exc)
 
 
 def run_steps(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, prompt: list[int]) -> tuple[int, int, float]:
@@ -140,14 +195,39 @@ class ChainDrafter:
 
 
 def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, prompt: list[int],
-                defer: bool = True) -> dict:
-    """``defer``: greedy trees stay on the device until the acceptance's host copy (EngineConfig.defer_trees)."""
-    engine.config = replace(engine.config, defer_trees=defer)
+                defer: bool = True, count_ops: bool = False, overlap: bool = False) -> dict:
+    """``defer``: greedy trees stay on the device until the acceptance's host copy (EngineConfig.defer_trees).
+    ``count_ops``: a third pass counting launches by phase (``OpCounter``). ``overlap``: plain steps launched
+    before the last one's tokens are read (EngineConfig.overlap; the synced pass serialises it again)."""
+    engine.config = replace(engine.config, defer_trees=defer, overlap=overlap)
     run_steps(engine, batch, spec, 16, prompt)  # warm-up: graphs, tuning
     steps, emitted, secs = run_steps(engine, batch, spec, tokens, prompt)
     row = {"steps": steps, "tokens": emitted, "ms_per_step": round(1e3 * secs / steps, 3),
            "tok_s": round(emitted / secs, 1), "tokens_per_step": round(emitted / steps, 3)}
-    timer = PhaseTimer()
+    timer = wrap_phases(engine, PhaseTimer())
+    try:
+        steps2, _, secs2 = run_steps(engine, batch, spec, tokens, prompt)
+    finally:
+        timer.restore()
+    row["synced_ms_per_step"] = round(1e3 * secs2 / steps2, 3)
+    row["phases_ms_per_step"] = {k: round(1e3 * v / steps2, 3) for k, v in timer.total.items()}
+    row["phase_calls_per_step"] = {k: round(v / steps2, 2) for k, v in timer.calls.items()}
+    if count_ops:
+        timer = wrap_phases(engine, PhaseTimer(synced=False))
+        counter = OpCounter(timer)
+        try:
+            with counter:
+                steps3, _, _ = run_steps(engine, batch, spec, tokens, prompt)
+        finally:
+            timer.restore()
+        row["launches_per_step"] = {phase: {k: round(v / steps3, 2) for k, v in c.items()}
+                                    for phase, c in counter.counts.items()}
+        row["launches_per_step_total"] = {k: round(sum(c[k] for c in counter.counts.values()) / steps3, 2)
+                                          for k in ("torch ops", "triton launches", "graph replays")}
+    return row
+
+
+def wrap_phases(engine: Engine, timer: PhaseTimer) -> PhaseTimer:
     timer.wrap(engine, "_propose", "propose (all drafting)")
     for name, d in engine.drafters.items():
         inner = getattr(d, "draft", d)
@@ -169,14 +249,7 @@ def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int
     timer.wrap(engine.cache, "compact", "KV compaction")
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine, "_emit", "emit")
-    try:
-        steps2, _, secs2 = run_steps(engine, batch, spec, tokens, prompt)
-    finally:
-        timer.restore()
-    row["synced_ms_per_step"] = round(1e3 * secs2 / steps2, 3)
-    row["phases_ms_per_step"] = {k: round(1e3 * v / steps2, 3) for k, v in timer.total.items()}
-    row["phase_calls_per_step"] = {k: round(v / steps2, 2) for k, v in timer.calls.items()}
-    return row
+    return timer
 
 
 def forward_times(engine: Engine, drafter: ModelDrafter | None) -> dict:
@@ -248,6 +321,10 @@ def main() -> None:
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--host-trees", action="store_true",
                     help="also run every tree with its nodes copied to the host before the target's batch (A/B)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="also an 'off overlap' arm: plain decoding with EngineConfig.overlap")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="a third pass per arm: torch ops, Triton launches and graph replays per step, by phase")
     ap.add_argument("--out", default=str(HERE / "results" / "step_profile.json"))
     args = ap.parse_args()
     if args.plot:
@@ -268,6 +345,8 @@ def main() -> None:
     log(json.dumps(res["forward"]))
     prompt = [(i * 7919) % 40000 + 100 for i in range(200)]
     arms = [("off", SpeculationParams(enabled=False), True)]
+    if args.overlap:
+        arms.append(("off overlap", SpeculationParams(enabled=False), "overlap"))
     for t in args.trees.split("/"):
         spec = SpeculationParams(drafter="draft", tree=tuple(int(x) for x in t.split(",")))
         arms.append((f"draft {t}", spec, True))
@@ -277,7 +356,8 @@ def main() -> None:
         arms.append((f"chain {d}", SpeculationParams(drafter="chain", tree=(1,) * int(d)), True))
     for b in (int(x) for x in args.batches.split(",")):
         for name, spec, defer in arms:
-            row = {"batch": b, "arm": name} | profile_arm(engine, b, spec, args.tokens, prompt, defer)
+            row = {"batch": b, "arm": name} | profile_arm(engine, b, spec, args.tokens, prompt, bool(defer),
+                                                          args.count_ops, defer == "overlap")
             res["rows"].append(row)
             log(json.dumps(row))
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
@@ -289,6 +369,9 @@ def main() -> None:
     for r in res["rows"]:
         ph = ", ".join(f"{k.strip()} {v}" for k, v in r["phases_ms_per_step"].items())
         print(f"{r['batch']:>5} {r['arm']:<16} {r['ms_per_step']:>8} {r['synced_ms_per_step']:>8}  {ph}")
+        if "launches_per_step" in r:
+            print("      launches a step:", r["launches_per_step_total"], "by phase:",
+                  {k.strip(): dict(v) for k, v in r["launches_per_step"].items()})
 
 
 if __name__ == "__main__":
