@@ -48,9 +48,10 @@ MT_BENCH = HERE.parent.parent / "shared" / "data" / "mt_bench_questions.jsonl"
 # The default drafter with the budget aimed at tokens per second over the batch, as a server's (LLM.generate's
 # batch_completion off): against "on", the batch-end objective's A/B within one run.
 PER_TOKEN = "per-token"
-# plain decoding / the default speculation with each plain step launched before the last one's tokens reach the
-# host (EngineConfig.overlap): their "speedup" is over the plain arm stepped one by one
-OVERLAP_ARMS = {"off-overlap": SpeculationParams(enabled=False), "on-overlap": SpeculationParams()}
+# plain decoding / the default speculation stepped one by one (EngineConfig.overlap off), where "on" and "off"
+# run as the engine does by default (on CUDA each plain step launched before the last one's tokens reach the
+# host): their "speedup" is over that "off"
+STEPPED_ARMS = {"off-stepped": SpeculationParams(enabled=False), "on-stepped": SpeculationParams()}
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                  intermediate_size=14336, tie_word_embeddings=False)
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -429,18 +430,19 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}, "first_use": first_use,
                "runs_tok_s": {k: [round(t, 1) for t, _ in v] for k, v in runs.items()}, "later_runs": later}
         table = llm.engine.drafters["ngram"].table
-        for name in [a for a in arms if (a in llm.engine.drafters or a in (NGRAM_ALONE, PER_TOKEN, *OVERLAP_ARMS))
+        for name in [a for a in arms if (a in llm.engine.drafters or a in (NGRAM_ALONE, PER_TOKEN, *STEPPED_ARMS))
                      and a != llm.engine.config.default_drafter]:
-            if name in OVERLAP_ARMS:
-                spec = OVERLAP_ARMS[name]
-                llm.engine.config = replace(llm.engine.config, overlap=True)
+            default_config = llm.engine.config
+            if name in STEPPED_ARMS:
+                spec = STEPPED_ARMS[name]
+                llm.engine.config = replace(llm.engine.config, overlap=False)
             else:
                 spec = SpeculationParams() if name == PER_TOKEN else SpeculationParams(drafter=select_arm(llm, name, table))
             llm.generate(warm, warm_sampling, spec)
             arm_runs = [generate_tok_s(llm, groups, greedy, spec, record(name, rep), batch_completion=name != PER_TOKEN)
                         for rep in range(repeats)]
-            llm.engine.config = replace(llm.engine.config, overlap=False)
-            if name not in OVERLAP_ARMS:
+            llm.engine.config = default_config
+            if name not in STEPPED_ARMS:
                 select_arm(llm, "ngram", table)
             tok_s, arm_mal = max(arm_runs)
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),
@@ -558,7 +560,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,4,16,64")
     ap.add_argument("--repeats", type=int, default=2, help="--real: timed calls per arm (the best is reported)")
-    ap.add_argument("--arms", default=f"ngram,ngram-alone,{PER_TOKEN},off-overlap,on-overlap,hybrid,lookup-first,draft",
+    ap.add_argument("--arms", default=f"ngram,ngram-alone,{PER_TOKEN},off-stepped,on-stepped,hybrid,lookup-first,draft",
                     help="--real: drafters also timed alone at each batch size ('' for none)")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="--real: prompts timed one after another at batch 1")
     ap.add_argument("--device", default="cuda", help="--real: 'cpu' for a smoke run (float32)")

@@ -51,10 +51,11 @@
 #   bash bench/gpu_run.sh feature    train a feature draft (EAGLE-style) for the embedded model into .cache/feature_draft
 #   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
-#   bash bench/gpu_run.sh real       bench/engine.py's real pair
+#   bash bench/gpu_run.sh real       bench/engine.py's real pair (REAL_ARGS: more arguments, e.g. --arms)
 #   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed, then on alone,
 #                                    then a speculation-off server with the same requests (the engine in its own
-#                                    process, serve's default; SERVE_ARGS=--engine-thread for the engine thread)
+#                                    process, serve's default; SERVE_ARGS=--engine-thread for the engine thread,
+#                                    SERVE_ARGS=--no-overlap for plain steps one by one)
 #   bash bench/gpu_run.sh structured bench/structured.py after `model`: JSON-schema output with grammar-forced
 #                                    chains on and off (needs llguidance: its wheel in .whl/)
 # A fresh machine costs about 4.5 minutes to start (counted as device time) and the CUDA tests 7 more while
@@ -179,7 +180,7 @@ for stage in "$@"; do
         --draft "${DRAFT:-$OUT/draft}" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts.json" 2>&1 | tail -25 ;;
     real)
       timeout 560 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" \
-        --batches "${BATCHES:-1,4,16,64}" --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
+        --batches "${BATCHES:-1,4,16,64}" ${REAL_ARGS:-} --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
     structured)  # bench/results/structured_gpu.json after `model`: JSON-schema output, forced chains on / off
       timeout "${STRUCTURED_TIMEOUT:-300}" python bench/structured.py --batch 8 --max-tokens 128 \
         --out "$OUT/structured_gpu.json" 2>&1 | tail -12 ;;

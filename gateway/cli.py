@@ -74,9 +74,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly (on CUDA, decode / verify / draft steps replay CUDA graphs)")
     p.add_argument("--capture-graphs", dest="capture_at_start", action="store_true",
                    help="capture every CUDA graph (and tune its kernels) at start instead of on first use")
-    p.add_argument("--overlap", action="store_true",
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each plain decoding step before the last one's tokens reach the host (outputs one "
-                        "step later; steps where every request decodes plainly, without a grammar)")
+                        "step later; steps where every request decodes plainly, without a grammar). Default: on "
+                        "for a one-process CUDA target")
 
 
 def load(args: argparse.Namespace) -> LLM:

@@ -78,8 +78,10 @@ class EngineConfig:
     # CPU the tensor ops run as they are issued, so deferring saves no wait and only adds its few extra ops).
     defer_trees: bool | None = None
     # Plain decoding steps launched before the last one's tokens reach the host (gateway/overlap.py): outputs
-    # come one step later, and the host's work between steps runs while the GPU computes the next.
-    overlap: bool = False
+    # come one step later, and the host's work between steps runs while the GPU computes the next. None: on for
+    # a one-process CUDA target (on the CPU a launch runs the whole forward before it returns, so there is
+    # nothing to overlap; a tensor-parallel target's steps have not been run overlapped on GPUs).
+    overlap: bool | None = None
 
 
 class Engine:
@@ -129,6 +131,13 @@ class Engine:
         """``EngineConfig.defer_trees``, its default (None) resolved by the target's device."""
         defer = self.config.defer_trees
         return torch.device(self.target.device).type == "cuda" if defer is None else defer
+
+    @property
+    def overlaps(self) -> bool:
+        """``EngineConfig.overlap``, its default (None) resolved by the target."""
+        if self.config.overlap is not None:
+            return self.config.overlap
+        return isinstance(self.target, Transformer) and torch.device(self.target.device).type == "cuda"
 
     def draft_caches(self) -> list[KVCache]:
         """The model drafters' KV caches, each once (the hybrid drafters share their model drafter's)."""
@@ -245,7 +254,7 @@ class Engine:
         if plan.empty:
             return ended
         seqs = [s for s, _ in plan.prefills] + [s for s, _ in plan.decodes]
-        ahead = overlap.from_plan(self, plan) if self.config.overlap else None
+        ahead = overlap.from_plan(self, plan) if self.overlaps else None
         if ahead is not None:
             try:
                 self._inflight = overlap.launch(self, ahead, None)

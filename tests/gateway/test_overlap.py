@@ -276,3 +276,17 @@ def test_min_tokens_holds_stops_back_counting_the_pending_pick() -> None:
     assert got == want and eng.num_ahead > 0
     assert all(got[r] == free[r][:10] for r in exact)  # stopped at the first position min_tokens allows
     assert all(len(v) >= 9 for v in got.values())
+
+
+def test_the_default_overlaps_only_a_one_process_cuda_target() -> None:
+    """``EngineConfig.overlap`` None (the default) resolves by the target: on the CPU a launch runs the whole
+    forward before it returns, so nothing overlaps and steps go one by one; an explicit setting wins."""
+    eng = tiny_engine()
+    assert eng.config.overlap is None and not eng.overlaps
+    reqs = [("a", prompts(1)[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), PLAIN)]
+    run_all(eng, reqs)
+    assert eng.num_ahead == 0
+    eng.config = replace(eng.config, overlap=True)
+    assert eng.overlaps
+    run_all(eng, [("b", *reqs[0][1:])])
+    assert eng.num_ahead > 0

@@ -50,3 +50,14 @@ def test_overlapped_tokens_match_step_by_step_on_cuda(target: Transformer, spec:
     got = run_all(on, reqs)
     assert got == want
     assert on.num_ahead > 0 and on.cache.pool.num_free == 256 and not on.has_work()
+
+
+def test_a_cuda_target_overlaps_by_default(target: Transformer) -> None:
+    eng = Engine(target, {}, EngineConfig(64, 16, SchedulerConfig(max_model_len=512)))
+    assert eng.config.overlap is None and eng.overlaps
+    g = torch.Generator().manual_seed(1)
+    reqs = [(str(i), torch.randint(0, 512, (6,), generator=g).tolist(),
+             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), SpeculationParams(enabled=False))
+            for i in range(3)]
+    run_all(eng, reqs)
+    assert eng.num_ahead > 0 and eng.cache.pool.num_free == 64
