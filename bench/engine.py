@@ -365,7 +365,8 @@ def _sync(device: str) -> None:
 
 
 def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: list[int], prompts_file: str,
-         arms: list[str] = (), repeats: int = 2, batch1_prompts: int = 4, device: str = "cuda") -> None:
+         arms: list[str] = (), repeats: int = 2, batch1_prompts: int = 4, device: str = "cuda",
+         peers: bool = True) -> None:
     """The real pair at each batch size: speculation on (the engine's default drafter) and off, then each
     drafter of ``arms`` alone (``drafter_arms``: tokens/s and mean accepted length), each after a warm-up
     with the same drafter, so the step-cost model has measured its depths at this batch size.
@@ -461,6 +462,12 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+    if not peers:  # --no-peers: the engine's arms alone
+        for row in rows:
+            groups = row.pop("groups")
+            row["prompts_timed"], row["calls_timed"] = sum(map(len, groups)), len(groups)
+        res["real_pair"] = rows
+        return
     tok, tgt, dm = hf_pair(model_dir, draft_dir, device)
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -562,6 +569,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="--real: timed calls per arm (the best is reported)")
     ap.add_argument("--arms", default=f"ngram,ngram-alone,{PER_TOKEN},off-stepped,on-stepped,hybrid,lookup-first,draft",
                     help="--real: drafters also timed alone at each batch size ('' for none)")
+    ap.add_argument("--no-peers", dest="peers", action="store_false",
+                    help="--real: skip HF transformers' generate (static cache, assisted)")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="--real: prompts timed one after another at batch 1")
     ap.add_argument("--device", default="cuda", help="--real: 'cpu' for a smoke run (float32)")
     ap.add_argument("--out", default=str(HERE / "results" / "engine.json"))
@@ -579,7 +588,7 @@ def main() -> None:
         synthetic(res, args.verify_only, args.profile)
     if args.real:
         real(res, args.real, args.draft, args.new_tokens, [int(b) for b in args.batches.split(",")], args.prompts_file,
-             [a for a in args.arms.split(",") if a], args.repeats, args.batch1_prompts, args.device)
+             [a for a in args.arms.split(",") if a], args.repeats, args.batch1_prompts, args.device, args.peers)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     plot(res, Path(args.out).with_suffix(".png"))
     print(json.dumps(res, indent=2))

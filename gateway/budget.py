@@ -93,6 +93,11 @@ class BudgetConfig:
     # cost at most this share more than a plain step (the load issue's bound for A/B arms in one server).
     # None: no bound.
     plain_penalty: float | None = 0.05
+    # ``SpecGate``: speculation's end-to-end A/B against plain decoding per batch bucket, in blocks of
+    # ``gate_block`` steps, the losing arm run one block in ``gate_explore``. Off: the depth caps alone.
+    gate: bool = True
+    gate_block: int = 32
+    gate_explore: int = 8
 
     def __post_init__(self) -> None:
         if self.max_verify_tokens < 1:
@@ -106,6 +111,9 @@ class BudgetConfig:
             raise ValueError(f"probe_overhead must be > 0, got {self.probe_overhead}")
         if self.plain_penalty is not None and self.plain_penalty < 0:
             raise ValueError(f"plain_penalty must be >= 0 or None, got {self.plain_penalty}")
+        if self.gate_block < 1 or self.gate_explore < 2:
+            raise ValueError(f"need gate_block >= 1 and gate_explore >= 2, got {self.gate_block} and "
+                             f"{self.gate_explore}")
 
 
 def probe_interval(plain_s: float | None, probe_s: float | None, cfg: BudgetConfig) -> int:
@@ -267,3 +275,92 @@ class StepCosts:
         if seen is None or seen[0] is None or self.steps - seen[1] > self.reprobe:
             return None
         return seen[0]
+
+
+@dataclass(slots=True)
+class SpecGate:
+    """Speculation's end-to-end A/B against plain decoding, per batch bucket: the check that no step price
+    sees.
+
+    ``StepCosts`` prices a draft level by the time of the steps that drafted. Some of what drafting costs
+    shows in no such step: on a CUDA target plain steps run overlapped (gateway/overlap.py), a drafted step
+    drains that pipeline, and the plain step after it starts a new one, paying its host work with the GPU
+    idle; probes and lookups that keep nothing cost their steps too. On a lent H100 (SmolLM2-135M,
+    ``engine_real_h100_2d5125e.json``) the default speculation ran at 0.85x of overlapped plain decoding at
+    batch 1 under the depth caps alone. So the scheduler runs the two arms in blocks of ``block`` steps --
+    speculation as the budget plans it, or every adaptive request plain with no probes -- measures each
+    block's tokens per second, and runs the arm with the better EMA, the other one block in ``explore`` so
+    that a change in either is seen (the cost of a losing arm is bounded by its share of blocks). Requests
+    that fixed their own tree keep it in both arms: an A/B experiment's shape is not the gate's to change.
+
+    The engine reports each step's decoding batch, emitted tokens and seconds (from the previous step's
+    end: a plain step's overlapped host work counts once, where it ran). A block is kept to one bucket: a
+    step in another bucket ends it (kept if it ran at least a quarter block), and the next block starts
+    there. Steps that also prefilled are not counted: a prompt's cost falls on whichever arm admitted it."""
+
+    block: int = 32
+    explore: int = 8
+    decay: float = 0.7
+    _rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, spec?) -> EMA tokens / s
+    _blocks: dict[int, int] = field(default_factory=dict)  # blocks completed per bucket
+    _bucket: int | None = None  # the running block's
+    _spec: bool = True  # the running block's arm
+    _steps: int = 0
+    _tokens: int = 0
+    _seconds: float = 0.0
+
+    def allows(self, batch: int) -> bool:
+        """Whether adaptive requests may speculate in a step of ``batch`` decoding sequences (changes nothing)."""
+        b = batch_bucket(batch)
+        return self._spec if b == self._bucket else self._arm(b)
+
+    def observe(self, batch: int, tokens: int, seconds: float, prefilled: bool = False) -> None:
+        """One engine step: ``batch`` decoding sequences, ``tokens`` emitted, ``seconds`` since the last step."""
+        if batch <= 0:
+            return
+        b = batch_bucket(batch)
+        if b != self._bucket:
+            self._close(keep=self._steps * 4 >= self.block)
+            self._bucket, self._spec = b, self._arm(b)
+        if prefilled:
+            return
+        self._steps += 1
+        self._tokens += tokens
+        self._seconds += seconds
+        if self._steps >= self.block:
+            self._close(keep=True)
+            self._spec = self._arm(b)
+
+    def rate(self, batch: int, spec: bool) -> float | None:
+        """The EMA of tokens per second of an arm at ``batch``'s bucket; None before its first block."""
+        return self._rates.get((batch_bucket(batch), spec))
+
+    def summary(self) -> dict[str, dict[str, float | bool | None]]:
+        """Per bucket: each arm's tokens per second and the arm the gate prefers."""
+        out: dict[str, dict[str, float | bool | None]] = {}
+        for b in sorted({b for b, _ in self._rates}):
+            on, off = self._rates.get((b, True)), self._rates.get((b, False))
+            out[str(b)] = {"spec_tok_s": None if on is None else round(on, 1),
+                           "plain_tok_s": None if off is None else round(off, 1), "speculate": self._better(b)}
+        return out
+
+    def _better(self, b: int) -> bool:
+        on, off = self._rates.get((b, True)), self._rates.get((b, False))
+        if on is None or off is None:
+            return on is None  # an arm never measured is measured next: speculation first
+        return on >= off
+
+    def _arm(self, b: int) -> bool:
+        """The next block's arm at bucket ``b``: the better one, the other every ``explore``-th block."""
+        better = self._better(b)
+        explore = self._blocks.get(b, 0) % self.explore == self.explore - 1
+        return not better if explore and (b, not better) in self._rates else better
+
+    def _close(self, keep: bool) -> None:
+        if self._bucket is not None and keep and self._seconds > 0:
+            key = (self._bucket, self._spec)
+            rate = self._tokens / self._seconds
+            old = self._rates.get(key)
+            self._rates[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+            self._blocks[self._bucket] = self._blocks.get(self._bucket, 0) + 1
+        self._steps, self._tokens, self._seconds = 0, 0, 0.0

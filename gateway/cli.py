@@ -64,6 +64,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapt", choices=["cost", "acceptance"], default="cost",
                    help="how default trees are cut: by acceptance and this machine's measured step times (cost), "
                         "or by acceptance alone")
+    p.add_argument("--spec-gate", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --adapt cost: run speculation against plain decoding in blocks of steps per batch size "
+                        "and keep the faster, measured end to end (gateway/budget.py SpecGate)")
     p.add_argument("--min-gain", type=float, default=BudgetConfig().min_gain,
                    help="an adaptive tree keeps draft level d while its acceptance alpha ** d is at least this "
                         "(0 keeps every level the step costs allow)")
@@ -92,7 +95,7 @@ def load(args: argparse.Namespace) -> LLM:
                         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                                   max_model_len=args.max_model_len, policy=args.policy,
                                                   budget=BudgetConfig(max_verify_tokens=args.max_verify_tokens,
-                                                                      min_gain=args.min_gain,
+                                                                      min_gain=args.min_gain, gate=args.spec_gate,
                                                                       cost_aware=args.adapt == "cost",
                                                                       plain_penalty=penalty)),
                         cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start,

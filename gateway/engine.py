@@ -125,6 +125,8 @@ class Engine:
         self._ahead_t: float | None = None  # when the last step of an unbroken overlapped run was resolved
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_prefill_chunks = 0  # prompt chunks run so far (a step that ran one is no decode step's time)
+        self._step_end: float | None = None  # when the last step() returned with work left
 
     @property
     def _defer_trees(self) -> bool:
@@ -244,6 +246,20 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One engine step. A failure fails only the sequences in this step; the pools stay whole. With
         ``EngineConfig.overlap``, a plain step's outputs come with the next call (gateway/overlap.py)."""
+        start = time.perf_counter()
+        chunks = self.num_prefill_chunks
+        outputs = self._step()
+        gate = self.scheduler.gate
+        end = time.perf_counter()
+        if gate is not None:  # speculation's end-to-end A/B (gateway/budget.py SpecGate): the time since the
+            # last step ended, so the host work between steps counts where it ran
+            batch = sum(1 for s in self.scheduler.running if not s.is_prefilling)
+            gate.observe(batch, sum(len(o.new_token_ids) for o in outputs),
+                         end - (start if self._step_end is None else self._step_end), self.num_prefill_chunks > chunks)
+        self._step_end = end if self.has_work() else None  # idle time between requests is nobody's step
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:
             return self._step_ahead()
         plan = self.scheduler.schedule(self._template_of)
@@ -299,7 +315,7 @@ class Engine:
             outputs += [self._finish(s, "error", error=f"{type(failed).__name__}: {failed}")
                         for s in seqs if s.status is Status.RUNNING]
         if self._inflight is None and self.scheduler.has_work():
-            outputs += self.step()  # prev is committed: plan as usual
+            outputs += self._step()  # prev is committed: plan as usual
         return outputs
 
     def _run(self, plan) -> list[RequestOutput]:
@@ -354,10 +370,10 @@ class Engine:
         self._advance_prefills(plan.prefills)
         return self._settle(decoding, trees, results, [len(w) for _, w in plan.decodes], logprobs)
 
-    @staticmethod
-    def _advance_prefills(prefills: list[tuple[Sequence, int]]) -> None:
+    def _advance_prefills(self, prefills: list[tuple[Sequence, int]]) -> None:
         """Each prefilled chunk's tokens are cached (a chunk yields no token); full prompt blocks enter the
         prefix cache."""
+        self.num_prefill_chunks += len(prefills)
         for seq, n in prefills:
             seq.num_cached += n
             seq.table.register_prefix(seq.token_ids, seq.num_cached)

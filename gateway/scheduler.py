@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gateway.budget import (BudgetConfig, DrafterPriors, StepCosts, adaptive_widths, cap_total, drafter_set,
-                            expected_tokens, probe_due, probe_interval)
+from gateway.budget import (BudgetConfig, DrafterPriors, SpecGate, StepCosts, adaptive_widths, cap_total,
+                            drafter_set, expected_tokens, probe_due, probe_interval)
 from gateway.sequence import Sequence, Status
 from target.blocks import BlockPool, BlockTable
 
@@ -69,6 +69,10 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.costs = StepCosts(reprobe=config.budget.reprobe)  # the engine reports each decode step's time
         self.priors = DrafterPriors()  # each drafter's acceptance so far: where a new request's estimate starts
+        budget = config.budget
+        # speculation against plain decoding, end to end (the engine reports every step); None: the caps alone
+        self.gate = SpecGate(budget.gate_block, budget.gate_explore) if budget.gate and budget.cost_aware else None
+        self._gate_open = True  # this plan's: whether adaptive requests may draft at all
         self.num_schedules = 0  # probes fall on every interval-th plan (see gateway/budget.py)
         self._intervals: dict[str | None, int] = {}  # this plan's probe interval per drafter
         self._batch = 0  # this plan's decoding sequences: the batch whose step costs price a probe
@@ -119,6 +123,7 @@ class Scheduler:
         self._intervals.clear()
         decoding = [s for s in self.running if not s.is_prefilling]
         self._batch = len(decoding)
+        self._gate_open = self.gate is None or self.gate.allows(len(decoding))
         cap = self.config.budget.max_verify_tokens
         if len(decoding) >= cap:  # the roots alone fill the verify cap: every tree would be cut away
             widths = [()] * len(decoding)
@@ -157,6 +162,8 @@ class Scheduler:
     def _widths(self, seq: Sequence, template_of: TemplateOf) -> tuple[tuple[int, ...], bool]:
         """The sequence's widths this step, and whether the budget may cut them further."""
         template, adapt = template_of(seq)
+        if adapt and not self._gate_open:  # the gate's plain arm: no tree, no probe
+            return (), adapt
         if template and adapt:  # the probe's schedule is looked up only where no depth pays
             template = adaptive_widths(template, seq.acceptance.alpha, self.config.budget,
                                        lambda: self._probe_due(seq))
@@ -249,6 +256,8 @@ class Scheduler:
             return True
         if not adapt:
             return False
+        if self.gate is not None and not self.gate.allows(batch):
+            return True
         due = lambda: probe_due(seq.steps_without_draft + pending, self.num_schedules + 1,  # noqa: E731
                                 self._interval(seq.drafter, batch))
         return not adaptive_widths(template, seq.acceptance.alpha, self.config.budget, due)

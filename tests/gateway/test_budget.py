@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.budget import (AcceptanceEMA, BudgetConfig, StepCosts, adaptive_widths, batch_bucket, cap_total,
+from gateway.budget import (AcceptanceEMA, BudgetConfig, SpecGate, StepCosts, adaptive_widths, batch_bucket, cap_total,
                             expected_tokens, probe_due, probe_interval)
 
 
@@ -202,3 +202,68 @@ def test_the_scheduler_bounds_the_depth_only_when_a_plain_request_rides_along() 
     assert widths(False)["0"] == (2, 2, 2, 1)
     mixed = widths(True)
     assert mixed["0"] == (2,) and mixed["2"] == ()  # depth 1 costs 2% more than plain; depth 2 30%
+
+
+def run_gate(gate: SpecGate, spec_rate: float, plain_rate: float, steps: int, batch: int = 1) -> tuple[float, float]:
+    """Steps through ``gate`` where a step emits one token and lasts 1 / rate of the arm the gate runs; the
+    tokens and seconds it took."""
+    tokens = seconds = 0.0
+    for _ in range(steps):
+        dt = 1.0 / (spec_rate if gate.allows(batch) else plain_rate)
+        gate.observe(batch, 1, dt)
+        tokens, seconds = tokens + 1, seconds + dt
+    return tokens, seconds
+
+
+def test_gate_measures_speculation_first_then_plain_decoding() -> None:
+    gate = SpecGate(block=4, explore=8)
+    arms = []
+    for _ in range(8):
+        arms.append(gate.allows(1))
+        gate.observe(1, 1, 1.0)
+    assert arms == [True] * 4 + [False] * 4
+    assert gate.rate(1, True) == gate.rate(1, False) == 1.0
+
+
+@pytest.mark.parametrize("spec_rate, floor", [(0.85, 0.97), (1.5, 1.4)])
+def test_gate_runs_the_better_arm_and_pays_little_for_exploring(spec_rate: float, floor: float) -> None:
+    """Speculation at 0.85x of plain decoding: the gate keeps throughput within 3% of plain; at 1.5x it keeps
+    most of the gain. Either way the losing arm still runs one block in ``explore``."""
+    gate = SpecGate(block=32, explore=8)
+    tokens, seconds = run_gate(gate, spec_rate, 1.0, 32 * 200)
+    assert tokens / seconds >= floor
+    losing = spec_rate < 1.0
+    assert gate.summary()["1"]["speculate"] is not losing
+    counts = {True: 0, False: 0}
+    for _ in range(32 * 64):
+        arm = gate.allows(1)
+        counts[arm] += 1
+        gate.observe(1, 1, 1.0 / (spec_rate if arm else 1.0))
+    assert counts[losing] == 32 * 64 // 8  # one block in eight
+
+
+def test_gate_follows_a_change_in_either_arm() -> None:
+    """Speculation stops paying (a text turns unpredictable): the gate moves to plain decoding, and back when
+    speculation pays again, through its exploring blocks."""
+    gate = SpecGate(block=16, explore=4)
+    run_gate(gate, 1.5, 1.0, 16 * 40)
+    assert gate.summary()["1"]["speculate"] is True
+    run_gate(gate, 0.6, 1.0, 16 * 40)
+    assert gate.summary()["1"]["speculate"] is False
+    run_gate(gate, 1.5, 1.0, 16 * 40)
+    assert gate.summary()["1"]["speculate"] is True
+
+
+def test_gate_keeps_buckets_apart_and_skips_prefill_steps() -> None:
+    gate = SpecGate(block=8, explore=4)
+    run_gate(gate, 0.5, 1.0, 8 * 12, batch=16)  # at batch 16 speculation loses
+    run_gate(gate, 2.0, 1.0, 8 * 12, batch=1)  # at batch 1 it wins
+    assert gate.summary()["16"]["speculate"] is False and gate.summary()["1"]["speculate"] is True
+    assert not gate.allows(16) and gate.allows(1)
+    before = gate.rate(1, True)
+    for _ in range(3):  # a short run in another bucket is dropped, not averaged into either arm
+        gate.observe(64, 1, 100.0)
+    assert gate.rate(64, True) is None and gate.rate(64, False) is None
+    for _ in range(20):
+        gate.observe(1, 0, 100.0, prefilled=True)  # prompt chunks: no decode step's time
+    assert gate.rate(1, True) == before

@@ -184,11 +184,16 @@ def test_measured_step_cost_turns_an_accurate_but_slow_draft_off() -> None:
     """The draft always agrees, but each proposal costs 0.5 s against a 30 ms target forward: the
     cost-aware budget measures that and decodes plainly. Output stays the target's. With the drafter fast
     again, the next re-measure (every ``reprobe`` steps) brings the tree back. The target's fixed 30 ms
-    dominates every step, so what the budget sees does not hang on this machine's speed or load."""
+    dominates every step, so what the budget sees does not hang on this machine's speed or load. The gate
+    (SpecGate), which runs speculation and plain decoding in blocks of steps and keeps the faster, runs short
+    blocks here, so that its exploring block comes within the fast run."""
     import time
+
+    from gateway.budget import SpecGate
 
     eng = tiny_engine(cost_aware=True)
     eng.scheduler.costs.reprobe = 20
+    eng.scheduler.gate = SpecGate(block=4, explore=4)
     forward = eng.target.forward
     eng.target.forward = lambda *a, **k: (time.sleep(0.03), forward(*a, **k))[1]
     exact = eng.drafters["exact"]
@@ -217,6 +222,8 @@ def test_measured_step_cost_turns_an_accurate_but_slow_draft_off() -> None:
     tokens, fast = run("fast")
     assert tokens == ref["ref"]
     assert fast.drafted_tokens > fast.steps  # most steps speculate again
+    gate = eng.scheduler.gate.summary()["1"]  # the engine timed both arms end to end; speculation won
+    assert gate["speculate"] and gate["spec_tok_s"] > gate["plain_tok_s"] > 0
 
 
 def test_sibling_waits_for_its_leaders_prompt_and_prefills_only_the_rest() -> None:

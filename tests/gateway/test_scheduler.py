@@ -353,3 +353,33 @@ def test_a_new_request_starts_from_its_drafters_acceptance() -> None:
         s.num_cached += n
     widths = {s.request_id: w for s, w in sched.schedule(lambda s: ((2, 2, 1), True)).decodes}
     assert widths["1"] == () and len(widths["2"]) >= 1
+
+
+def test_the_gates_plain_arm_leaves_adaptive_requests_plain_without_probes() -> None:
+    """While the gate (gateway/budget.py SpecGate) runs plain decoding at this batch, adaptive requests get no
+    tree and no probe, and ``plans_plain`` says so for overlapped steps; a tree a request fixed itself stays."""
+    sched = Scheduler(SchedulerConfig(max_running=4), BlockPool(64, 4), Clock())
+    seqs = [make_seq(i, 4, 500, 0, 0.0) for i in range(2)]
+    for s in seqs:
+        sched.add(s)
+        s.acceptance.successes, s.acceptance.trials = 9.0, 10.0  # alpha 0.9: the tree stays by acceptance
+    plan = sched.schedule(lambda s: ((2, 2, 1), True))
+    for seq, n in plan.prefills:
+        seq.table.ensure(seq.num_cached + n)
+        seq.num_cached += n
+    gate = sched.gate
+    assert gate is not None and gate.allows(2)
+    for spec in (True, False):  # one block each arm, plain decoding twice as fast
+        for _ in range(gate.block):
+            assert gate.allows(2) is spec
+            gate.observe(2, 2, 1.0 if spec else 0.5)
+    assert not gate.allows(2)
+    fixed = lambda s: ((2, 2, 1), s is seqs[0])  # noqa: E731 -- seqs[1] asked for its tree itself
+    for _ in range(3 * sched.config.budget.max_probe_every):
+        plan = sched.schedule(fixed)
+        assert dict((s.request_id, w) for s, w in plan.decodes) == {"0": (), "1": (2, 2, 1)}
+        seqs[0].steps_without_draft += 1
+    assert sched.plans_plain(seqs[0], fixed, 2, pending=False)
+    assert not sched.plans_plain(seqs[1], fixed, 2, pending=False)
+    off = Scheduler(SchedulerConfig(budget=BudgetConfig(gate=False)), BlockPool(64, 4), Clock())
+    assert off.gate is None
