@@ -296,7 +296,8 @@ class SpecGate:
     The engine reports each step's decoding batch, emitted tokens and seconds (from the previous step's
     end: a plain step's overlapped host work counts once, where it ran). A block is kept to one bucket: a
     step in another bucket ends it (kept if it ran at least a quarter block), and the next block starts
-    there. Steps that also prefilled are not counted: a prompt's cost falls on whichever arm admitted it."""
+    there. Steps that also prefilled are not counted (a prompt's cost falls on whichever arm admitted it),
+    nor steps where no decoding request speculates (both arms are the same step there)."""
 
     block: int = 32
     explore: int = 8
@@ -314,15 +315,17 @@ class SpecGate:
         b = batch_bucket(batch)
         return self._spec if b == self._bucket else self._arm(b)
 
-    def observe(self, batch: int, tokens: int, seconds: float, prefilled: bool = False) -> None:
-        """One engine step: ``batch`` decoding sequences, ``tokens`` emitted, ``seconds`` since the last step."""
+    def observe(self, batch: int, tokens: int, seconds: float, counted: bool = True) -> None:
+        """One engine step: ``batch`` decoding sequences, ``tokens`` emitted, ``seconds`` since the last step;
+        ``counted`` False for a step the arms do not tell apart (see the class's docstring): it only moves the
+        block to ``batch``'s bucket."""
         if batch <= 0:
             return
         b = batch_bucket(batch)
         if b != self._bucket:
             self._close(keep=self._steps * 4 >= self.block)
             self._bucket, self._spec = b, self._arm(b)
-        if prefilled:
+        if not counted:
             return
         self._steps += 1
         self._tokens += tokens

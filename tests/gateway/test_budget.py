@@ -265,5 +265,5 @@ def test_gate_keeps_buckets_apart_and_skips_prefill_steps() -> None:
         gate.observe(64, 1, 100.0)
     assert gate.rate(64, True) is None and gate.rate(64, False) is None
     for _ in range(20):
-        gate.observe(1, 0, 100.0, prefilled=True)  # prompt chunks: no decode step's time
+        gate.observe(1, 0, 100.0, counted=False)  # prompt chunks, or nobody speculating: the arms alike
     assert gate.rate(1, True) == before
