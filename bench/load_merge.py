@@ -101,6 +101,8 @@ def merge(mixed: list[dict], off_only: list[dict] | None, stats: dict | None, no
         report["server_stats"] = {name: {k: arm.get(k) for k in ("steps", "drafted_tokens", "accepted_tokens",
                                                                   "mean_accepted_length", "acceptance_by_depth")}
                                   for name, arm in stats.get("arms", {}).items()}
+        # the engine's speculation gate after the mixed runs: per batch bucket, the arm it runs and both arms' tok/s
+        report["speculation_gate"] = stats.get("speculation_gate")
     report["rows"] = rows
     report["notes"] = notes
     return report

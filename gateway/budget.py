@@ -338,6 +338,12 @@ class SpecGate:
         """The EMA of tokens per second of an arm at ``batch``'s bucket; None before its first block."""
         return self._rates.get((batch_bucket(batch), spec))
 
+    def state(self) -> tuple[tuple[int, bool, int | None, int | None], ...]:
+        """``summary`` as a tuple of (bucket, speculate, spec tokens/s, plain tokens/s), rates rounded to whole
+        tokens: what the engine process sends the server when it changes (gateway/engine_proc.py)."""
+        return tuple((int(b), v["speculate"], None if v["spec_tok_s"] is None else round(v["spec_tok_s"]),
+                      None if v["plain_tok_s"] is None else round(v["plain_tok_s"])) for b, v in self.summary().items())
+
     def summary(self) -> dict[str, dict[str, float | bool | None]]:
         """Per bucket: each arm's tokens per second and the arm the gate prefers."""
         out: dict[str, dict[str, float | bool | None]] = {}

@@ -297,7 +297,7 @@ class ProcessRunner:
         elif kind == "stopped":
             self._closed()
 
-    def _load(self, load: tuple[int, int, int, int] | None, healthy: bool) -> None:
+    def _load(self, load: tuple | None, healthy: bool) -> None:
         self.info.healthy = healthy
         if load is not None:
             observe_load(self.metrics, self.stats, load)

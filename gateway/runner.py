@@ -356,20 +356,22 @@ def observe_step(metrics: Metrics | None, stats: StatsStore | None, arm: Arm, de
         stats.observe_step(arm, delta, len(new_tokens), now)
 
 
-def engine_load(engine: Engine) -> tuple[int, int, int, int, int]:
-    """Waiting and running sequences, used and total target KV blocks, and the drafters' used KV blocks (each
-    pool once: the hybrid drafters share their model drafter's)."""
+def engine_load(engine: Engine) -> tuple:
+    """Waiting and running sequences, used and total target KV blocks, the drafters' used KV blocks (each
+    pool once: the hybrid drafters share their model drafter's), and the speculation gate's state per batch
+    bucket (``SpecGate.state``; empty without a gate)."""
     pool, sched = engine.cache.pool, engine.scheduler
     draft_used = sum(c.pool.num_blocks - c.pool.num_free for c in engine.draft_caches())
-    return len(sched.waiting), len(sched.running), pool.num_blocks - pool.num_free, pool.num_blocks, draft_used
+    gate = sched.gate.state() if sched.gate is not None else ()
+    return len(sched.waiting), len(sched.running), pool.num_blocks - pool.num_free, pool.num_blocks, draft_used, gate
 
 
-def observe_load(metrics: Metrics | None, stats: StatsStore | None, load: tuple[int, int, int, int, int]) -> None:
-    waiting, running, used, blocks, draft_used = load
+def observe_load(metrics: Metrics | None, stats: StatsStore | None, load: tuple) -> None:
+    waiting, running, used, blocks, draft_used, gate = load
     if metrics is not None:
         metrics.observe_engine(waiting, running, used, blocks - used, draft_used)
     if stats is not None:
-        stats.observe_load(waiting, running, used, blocks, time.monotonic())
+        stats.observe_load(waiting, running, used, blocks, time.monotonic(), gate)
 
 
 def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -125,6 +125,7 @@ class StatsStore:
         self.clock = clock
         self._lock = threading.Lock()
         self._kv_used = self._kv_total = self._waiting = self._running = 0
+        self._gate: tuple = ()  # SpecGate.state(): what the engine's speculation gate chose, per batch bucket
         self._load_before: tuple[float, int] | None = None  # the load as of the series' first second
         self.reset()
 
@@ -150,9 +151,12 @@ class StatsStore:
             second.steps += delta.steps
             second.kept += delta.kept_nodes
 
-    def observe_load(self, waiting: int, running: int, kv_used: int, kv_total: int, now: float) -> None:
+    def observe_load(self, waiting: int, running: int, kv_used: int, kv_total: int, now: float,
+                     gate: tuple = ()) -> None:
+        """``gate``: the speculation gate's (bucket, speculates, spec tok/s, plain tok/s) per batch bucket."""
         with self._lock:
             self._waiting, self._running, self._kv_used, self._kv_total = waiting, running, kv_used, kv_total
+            self._gate = gate
             bucket = self._bucket(now)
             load = (kv_used / kv_total if kv_total else 0.0, waiting)
             high = bucket.load_max or load
@@ -221,7 +225,10 @@ class StatsStore:
                     "arms": arms, "series": series,
                     "kv": {"used_blocks": self._kv_used, "total_blocks": self._kv_total,
                            "used_fraction": self._kv_used / self._kv_total if self._kv_total else 0.0},
-                    "queue": {"waiting": self._waiting, "running": self._running}}
+                    "queue": {"waiting": self._waiting, "running": self._running},
+                    # per batch bucket: whether adaptive requests speculate, and each arm's measured tokens/s
+                    "speculation_gate": {str(b): {"speculate": on, "spec_tok_s": a, "plain_tok_s": z}
+                                         for b, on, a, z in self._gate}}
 
 
     def _load_series(self, secs: range) -> list[tuple[float, int] | None]:

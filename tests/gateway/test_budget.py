@@ -260,6 +260,8 @@ def test_gate_keeps_buckets_apart_and_skips_prefill_steps() -> None:
     run_gate(gate, 2.0, 1.0, 8 * 12, batch=1)  # at batch 1 it wins
     assert gate.summary()["16"]["speculate"] is False and gate.summary()["1"]["speculate"] is True
     assert not gate.allows(16) and gate.allows(1)
+    state = dict((b, (on, a, z)) for b, on, a, z in gate.state())
+    assert state[1][0] and state[1][1] > state[1][2] and not state[16][0] and state[16][1] < state[16][2]
     before = gate.rate(1, True)
     for _ in range(3):  # a short run in another bucket is dropped, not averaged into either arm
         gate.observe(64, 1, 100.0)
