@@ -290,3 +290,26 @@ def test_the_default_overlaps_only_a_one_process_cuda_target() -> None:
     assert eng.overlaps
     run_all(eng, [("b", *reqs[0][1:])])
     assert eng.num_ahead > 0
+
+
+def test_speculating_requests_go_ahead_while_the_gate_runs_plain_decoding() -> None:
+    """Under the speculation gate's plain arm (gateway/budget.py SpecGate) a speculating request gets no tree
+    and no probe, so its steps are overlapped like plain ones; the tokens stay the step-by-step ones."""
+    from gateway.budget import SpecGate
+
+    class PlainArm(SpecGate):  # the gate held in its plain arm: no step of the run moves it
+        def allows(self, batch: int) -> bool:
+            return False
+
+        def observe(self, *args, **kwargs) -> None:
+            pass
+
+    reqs = [(str(i), p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), SpeculationParams(drafter="draft"))
+            for i, p in enumerate(prompts(3))]
+    want = run_all(engine(False), reqs)
+    on = engine(True)
+    on.scheduler.gate = PlainArm()
+    got = run_all(on, reqs)
+    assert got == want
+    assert on.num_ahead > 0.8 * 40  # nearly every step went ahead: none drafted
+    assert on.cache.pool.num_free == on.config.num_blocks
