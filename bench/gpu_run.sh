@@ -194,9 +194,17 @@ for stage in "$@"; do
       for _ in $(seq 300); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
       # untimed: the first server on a fresh machine meets Triton's cold disk cache (prefill shapes build
       # their kernels on first use) while the off-only server after it does not (load_gpu_a5ef89b.json)
-      timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 16 --requests 32 --max-tokens 16 --out "$OUT/load_gpu_warm" > /dev/null 2>&1
-      rm -f "$OUT"/load_gpu_warm*
+      # Both servers get the same warm-up, at every timed concurrency: at 573f10f, with a warm-up at 16 streams
+      # for the mixed server alone, both of its arms ran slower a token at 64 streams (3.64 / 3.79 ms p50) than
+      # the same server's later on-only run (3.16), which confounds the off arm's penalty against the off server.
+      warm_up() {  # PORT [load.py arguments: the off server's arm]
+        port=$1; shift
+        timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url "http://127.0.0.1:$port" \
+          --prompts-file .cache/mt_bench.jsonl --concurrency 1,4,16,64 --requests 64 --max-tokens 32 "$@" \
+          --out "$OUT/load_gpu_warm" > /dev/null 2>&1
+        rm -f "$OUT"/load_gpu_warm*
+      }
+      warm_up 8123
       timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
         --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --out "$OUT/load_gpu_low" 2>&1 | tail -4
       timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
@@ -214,6 +222,7 @@ for stage in "$@"; do
         --max-waiting 512 --capture-graphs --port 8124 --log-level warning > "$OUT/serve_off.log" 2>&1 &
       server=$!
       for _ in $(seq 120); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done
+      warm_up 8124 --arm 'off={"enabled": false}'
       # the same requests per level as the speculating server's runs (a level of 64 requests at concurrency 64
       # is one wave, 128 are two: not comparable)
       timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
