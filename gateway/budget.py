@@ -278,6 +278,16 @@ class StepCosts:
 
 
 @dataclass(slots=True)
+class _Block:
+    """A speculation gate's running block at one batch bucket: its arm and what it has measured so far."""
+
+    spec: bool
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
 class SpecGate:
     """Speculation's end-to-end A/B against plain decoding, per batch bucket: the check that no step price
     sees.
@@ -294,45 +304,45 @@ class SpecGate:
     that fixed their own tree keep it in both arms: an A/B experiment's shape is not the gate's to change.
 
     The engine reports each step's decoding batch, emitted tokens and seconds (from the previous step's
-    end: a plain step's overlapped host work counts once, where it ran). A block is kept to one bucket: a
-    step in another bucket ends it (kept if it ran at least a quarter block), and the next block starts
-    there. Steps that also prefilled are not counted (a prompt's cost falls on whichever arm admitted it),
-    nor steps where no decoding request speculates (both arms are the same step there)."""
+    end: a plain step's overlapped host work counts once, where it ran). Each bucket runs its own block, fed
+    by the steps at that bucket alone, so a batch size that wavers across a bucket's edge fills two blocks
+    rather than cutting both short. Steps that also prefilled are not counted (a prompt's cost falls on
+    whichever arm admitted it), nor steps where no decoding request speculates (both arms are the same step
+    there)."""
 
     block: int = 32
     explore: int = 8
     decay: float = 0.7
     _rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, spec?) -> EMA tokens / s
     _blocks: dict[int, int] = field(default_factory=dict)  # blocks completed per bucket
-    _bucket: int | None = None  # the running block's
-    _spec: bool = True  # the running block's arm
-    _steps: int = 0
-    _tokens: int = 0
-    _seconds: float = 0.0
+    _open: dict[int, _Block] = field(default_factory=dict)  # the running block per bucket
 
     def allows(self, batch: int) -> bool:
         """Whether adaptive requests may speculate in a step of ``batch`` decoding sequences (changes nothing)."""
         b = batch_bucket(batch)
-        return self._spec if b == self._bucket else self._arm(b)
+        running = self._open.get(b)
+        return running.spec if running is not None else self._arm(b)
 
     def observe(self, batch: int, tokens: int, seconds: float, counted: bool = True) -> None:
         """One engine step: ``batch`` decoding sequences, ``tokens`` emitted, ``seconds`` since the last step;
-        ``counted`` False for a step the arms do not tell apart (see the class's docstring): it only moves the
-        block to ``batch``'s bucket."""
-        if batch <= 0:
+        ``counted`` False for a step the arms do not tell apart (see the class's docstring)."""
+        if batch <= 0 or not counted:
             return
         b = batch_bucket(batch)
-        if b != self._bucket:
-            self._close(keep=self._steps * 4 >= self.block)
-            self._bucket, self._spec = b, self._arm(b)
-        if not counted:
-            return
-        self._steps += 1
-        self._tokens += tokens
-        self._seconds += seconds
-        if self._steps >= self.block:
-            self._close(keep=True)
-            self._spec = self._arm(b)
+        running = self._open.get(b)
+        if running is None:
+            running = self._open[b] = _Block(self._arm(b))
+        running.steps += 1
+        running.tokens += tokens
+        running.seconds += seconds
+        if running.steps >= self.block:
+            del self._open[b]
+            if running.seconds > 0:
+                key = (b, running.spec)
+                rate = running.tokens / running.seconds
+                old = self._rates.get(key)
+                self._rates[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+                self._blocks[b] = self._blocks.get(b, 0) + 1
 
     def rate(self, batch: int, spec: bool) -> float | None:
         """The EMA of tokens per second of an arm at ``batch``'s bucket; None before its first block."""
@@ -364,12 +374,3 @@ class SpecGate:
         better = self._better(b)
         explore = self._blocks.get(b, 0) % self.explore == self.explore - 1
         return not better if explore and (b, not better) in self._rates else better
-
-    def _close(self, keep: bool) -> None:
-        if self._bucket is not None and keep and self._seconds > 0:
-            key = (self._bucket, self._spec)
-            rate = self._tokens / self._seconds
-            old = self._rates.get(key)
-            self._rates[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
-            self._blocks[self._bucket] = self._blocks.get(self._bucket, 0) + 1
-        self._steps, self._tokens, self._seconds = 0, 0, 0.0

@@ -254,6 +254,16 @@ def test_gate_follows_a_change_in_either_arm() -> None:
     assert gate.summary()["1"]["speculate"] is True
 
 
+def test_a_batch_wavering_across_a_bucket_edge_still_fills_both_buckets_blocks() -> None:
+    """Batches of 16 and 17 sequences alternate step by step (buckets 16 and 32): each bucket's block fills
+    with its own steps, so both buckets measure both arms and settle on the better one."""
+    gate = SpecGate(block=8, explore=4)
+    for k in range(8 * 24):
+        batch = 16 + k % 2
+        gate.observe(batch, 1, 1.0 / (0.5 if gate.allows(batch) else 1.0))
+    assert gate.summary()["16"]["speculate"] is False and gate.summary()["32"]["speculate"] is False
+
+
 def test_gate_keeps_buckets_apart_and_skips_prefill_steps() -> None:
     gate = SpecGate(block=8, explore=4)
     run_gate(gate, 0.5, 1.0, 8 * 12, batch=16)  # at batch 16 speculation loses
@@ -263,9 +273,9 @@ def test_gate_keeps_buckets_apart_and_skips_prefill_steps() -> None:
     state = dict((b, (on, a, z)) for b, on, a, z in gate.state())
     assert state[1][0] and state[1][1] > state[1][2] and not state[16][0] and state[16][1] < state[16][2]
     before = gate.rate(1, True)
-    for _ in range(3):  # a short run in another bucket is dropped, not averaged into either arm
+    for _ in range(3):  # a short run in another bucket fills that bucket's block alone
         gate.observe(64, 1, 100.0)
-    assert gate.rate(64, True) is None and gate.rate(64, False) is None
+    assert gate.rate(64, True) is None and gate.rate(64, False) is None and gate.rate(1, True) == before
     for _ in range(20):
         gate.observe(1, 0, 100.0, counted=False)  # prompt chunks, or nobody speculating: the arms alike
     assert gate.rate(1, True) == before
