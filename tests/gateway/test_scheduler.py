@@ -163,18 +163,25 @@ def test_scheduler_imports_no_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_measured_step_costs_turn_speculation_down_and_keep_fixed_trees() -> None:
-    """Once plain steps are measured faster per expected token, adaptive trees are cut to nothing; a tree
-    the request fixed itself is kept and sets the floor."""
+def two_decoding(max_tokens: int) -> tuple[Scheduler, list[Sequence]]:
+    """A scheduler with two sequences past their prefill, each asking a (2, 2, 1) tree at alpha 0.9 (the tree
+    stays by acceptance)."""
     sched = Scheduler(SchedulerConfig(max_running=4), BlockPool(64, 4), Clock())
-    seqs = [make_seq(i, 4, 50, 0, 0.0) for i in range(2)]
+    seqs = [make_seq(i, 4, max_tokens, 0, 0.0) for i in range(2)]
     for s in seqs:
         sched.add(s)
-        s.acceptance.successes, s.acceptance.trials = 9.0, 10.0  # alpha 0.9: the tree stays by acceptance
+        s.acceptance.successes, s.acceptance.trials = 9.0, 10.0
     plan = sched.schedule(lambda s: ((2, 2, 1), True))
     for seq, n in plan.prefills:
         seq.table.ensure(seq.num_cached + n)
         seq.num_cached += n
+    return sched, seqs
+
+
+def test_measured_step_costs_turn_speculation_down_and_keep_fixed_trees() -> None:
+    """Once plain steps are measured faster per expected token, adaptive trees are cut to nothing; a tree
+    the request fixed itself is kept and sets the floor."""
+    sched, seqs = two_decoding(50)
     for depth in (3, 3, 2, 2, 1, 1, 0, 0):
         sched.costs.observe(2, depth, 1.0 + 10 * depth, ("draft",))  # drafting is ruinously slow here
     plan = sched.schedule(lambda s: ((2, 2, 1), True))
@@ -358,15 +365,7 @@ def test_a_new_request_starts_from_its_drafters_acceptance() -> None:
 def test_the_gates_plain_arm_leaves_adaptive_requests_plain_without_probes() -> None:
     """While the gate (gateway/budget.py SpecGate) runs plain decoding at this batch, adaptive requests get no
     tree and no probe, and ``plans_plain`` says so for overlapped steps; a tree a request fixed itself stays."""
-    sched = Scheduler(SchedulerConfig(max_running=4), BlockPool(64, 4), Clock())
-    seqs = [make_seq(i, 4, 500, 0, 0.0) for i in range(2)]
-    for s in seqs:
-        sched.add(s)
-        s.acceptance.successes, s.acceptance.trials = 9.0, 10.0  # alpha 0.9: the tree stays by acceptance
-    plan = sched.schedule(lambda s: ((2, 2, 1), True))
-    for seq, n in plan.prefills:
-        seq.table.ensure(seq.num_cached + n)
-        seq.num_cached += n
+    sched, seqs = two_decoding(500)
     gate = sched.gate
     assert gate is not None and gate.allows(2)
     for spec in (True, False):  # one block each arm, plain decoding twice as fast
