@@ -247,13 +247,14 @@ class Engine:
         """One engine step. A failure fails only the sequences in this step; the pools stay whole. With
         ``EngineConfig.overlap``, a plain step's outputs come with the next call (gateway/overlap.py)."""
         start = time.perf_counter()
+        gate = self.scheduler.gate
+        # the batch the step plans with (the gate's bucket and arm are that batch's), before it ends any request
+        decoding = [s for s in self.scheduler.running if not s.is_prefilling] if gate is not None else []
         chunks = self.num_prefill_chunks
         outputs = self._step()
-        gate = self.scheduler.gate
         end = time.perf_counter()
         if gate is not None:  # speculation's end-to-end A/B (gateway/budget.py SpecGate): the time since the
             # last step ended, so the host work between steps counts where it ran
-            decoding = [s for s in self.scheduler.running if not s.is_prefilling]
             counted = self.num_prefill_chunks == chunks and any(s.drafter for s in decoding)
             gate.observe(len(decoding), sum(len(o.new_token_ids) for o in outputs),
                          end - (start if self._step_end is None else self._step_end), counted)
