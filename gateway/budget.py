@@ -300,7 +300,9 @@ class SpecGate:
     batch 1 under the depth caps alone. So the scheduler runs the two arms in blocks of ``block`` steps --
     speculation as the budget plans it, or every adaptive request plain with no probes -- measures each
     block's tokens per second, and runs the arm with the better EMA, the other one block in ``explore`` so
-    that a change in either is seen (the cost of a losing arm is bounded by its share of blocks). Requests
+    that a change in either is seen. That share doubles, up to one block in ``max_explore``, until the losing
+    arm's measured shortfall spread over it is at most ``overhead`` of the better arm's time (as probes are
+    priced, ``probe_interval``): a loser by 15% is run one block in 16, by 50% one in 64. Requests
     that fixed their own tree keep it in both arms: an A/B experiment's shape is not the gate's to change.
 
     The engine reports each step's decoding batch, emitted tokens and seconds (from the previous step's
@@ -313,6 +315,8 @@ class SpecGate:
     block: int = 32
     explore: int = 8
     decay: float = 0.7
+    max_explore: int = 64
+    overhead: float = 0.01
     _rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, spec?) -> EMA tokens / s
     _blocks: dict[int, int] = field(default_factory=dict)  # blocks completed per bucket
     _open: dict[int, _Block] = field(default_factory=dict)  # the running block per bucket
@@ -369,8 +373,19 @@ class SpecGate:
             return on is None  # an arm never measured is measured next: speculation first
         return on >= off
 
+    def interval(self, batch: int) -> int:
+        """One block in this many runs the losing arm at ``batch``'s bucket (see the class's docstring)."""
+        on, off = self._rates.get((batch_bucket(batch), True)), self._rates.get((batch_bucket(batch), False))
+        k = self.explore
+        if on and off:
+            shortfall = 1.0 - min(on, off) / max(on, off)
+            while k < self.max_explore and shortfall / k > self.overhead:
+                k *= 2
+        return k
+
     def _arm(self, b: int) -> bool:
-        """The next block's arm at bucket ``b``: the better one, the other every ``explore``-th block."""
+        """The next block's arm at bucket ``b``: the better one, the other every ``interval``-th block."""
         better = self._better(b)
-        explore = self._blocks.get(b, 0) % self.explore == self.explore - 1
+        k = self.interval(b)
+        explore = self._blocks.get(b, 0) % k == k - 1
         return not better if explore and (b, not better) in self._rates else better

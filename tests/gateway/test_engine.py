@@ -186,14 +186,15 @@ def test_measured_step_cost_turns_an_accurate_but_slow_draft_off() -> None:
     again, the next re-measure (every ``reprobe`` steps) brings the tree back. The target's fixed 30 ms
     dominates every step, so what the budget sees does not hang on this machine's speed or load. The gate
     (SpecGate), which runs speculation and plain decoding in blocks of steps and keeps the faster, runs short
-    blocks here, so that its exploring block comes within the fast run."""
+    blocks, exploring one in four whatever the losing arm's shortfall, so that its exploring block comes
+    within the fast run."""
     import time
 
     from gateway.budget import SpecGate
 
     eng = tiny_engine(cost_aware=True)
     eng.scheduler.costs.reprobe = 20
-    eng.scheduler.gate = SpecGate(block=4, explore=4)
+    eng.scheduler.gate = SpecGate(block=4, explore=4, max_explore=4)
     forward = eng.target.forward
     eng.target.forward = lambda *a, **k: (time.sleep(0.03), forward(*a, **k))[1]
     exact = eng.drafters["exact"]
