@@ -74,6 +74,11 @@ class Metrics:
         self.kv_used = Gauge("specgate_kv_blocks_used", "Target KV blocks in use", registry=r)
         self.kv_free = Gauge("specgate_kv_blocks_free", "Target KV blocks free", registry=r)
         self.draft_kv_used = Gauge("specgate_draft_kv_blocks_used", "Draft models' KV blocks in use", registry=r)
+        self.gate = Gauge("specgate_speculation_gate", "1 where the speculation gate runs speculation at this batch "
+                          "bucket, 0 where it runs plain decoding", ["bucket"], registry=r)
+        self.gate_rate = Gauge("specgate_speculation_gate_tokens_per_second", "The gate's measured tokens/s of "
+                               "each arm at each batch bucket", ["bucket", "arm"], registry=r)
+        self._gate_seen: tuple = ()
         self.step_figures = StepFigures()
         r.register(self.step_figures)
         self._add_audit_series(r)
@@ -98,12 +103,22 @@ class Metrics:
         """One request's figures moved by ``delta`` (engine thread); a delivery holds at most one step."""
         self.step_figures.observe(arm, delta)
 
-    def observe_engine(self, waiting: int, running: int, kv_used: int, kv_free: int, draft_kv_used: int = 0) -> None:
+    def observe_engine(self, waiting: int, running: int, kv_used: int, kv_free: int, draft_kv_used: int = 0,
+                       gate: tuple = ()) -> None:
+        """``gate``: ``SpecGate.state()``, (bucket, speculates, spec tok/s, plain tok/s) per batch bucket; its
+        labelled gauges are set only when it changed (a labelled child costs microseconds a set)."""
         self.queue_depth.set(waiting)
         self.running.set(running)
         self.kv_used.set(kv_used)
         self.kv_free.set(kv_free)
         self.draft_kv_used.set(draft_kv_used)
+        if gate != self._gate_seen:
+            self._gate_seen = gate
+            for bucket, speculates, spec, plain in gate:
+                self.gate.labels(str(bucket)).set(1 if speculates else 0)
+                for arm, rate in (("spec", spec), ("plain", plain)):
+                    if rate is not None:
+                        self.gate_rate.labels(str(bucket), arm).set(rate)
 
     def observe_audit(self, checked: int = 0, mismatches: int = 0, dropped: int = 0, interrupted: int = 0,
                       pending: int | None = None, identity_rate: float | None = None) -> None:

@@ -369,7 +369,7 @@ def engine_load(engine: Engine) -> tuple:
 def observe_load(metrics: Metrics | None, stats: StatsStore | None, load: tuple) -> None:
     waiting, running, used, blocks, draft_used, gate = load
     if metrics is not None:
-        metrics.observe_engine(waiting, running, used, blocks - used, draft_used)
+        metrics.observe_engine(waiting, running, used, blocks - used, draft_used, gate)
     if stats is not None:
         stats.observe_load(waiting, running, used, blocks, time.monotonic(), gate)
 

@@ -57,3 +57,15 @@ def test_per_token_gaps_count_every_token_of_an_event_with_inclusive_bounds() ->
             'specgate_time_per_output_token_seconds_bucket{le="0.04",speculation="on"} 4.0',
             'specgate_time_per_output_token_seconds_count{speculation="on"} 4.0'} <= got
     assert not [line for line in got if 'speculation="off"' in line and "per_output_token" in line]
+
+
+def test_the_speculation_gate_shows_per_bucket_and_moves_with_it() -> None:
+    m = Metrics()
+    m.observe_engine(0, 1, 4, 60, gate=((1, True, 900, 800), (16, False, None, 5000)))
+    got = lines(m)
+    assert {'specgate_speculation_gate{bucket="1"} 1.0', 'specgate_speculation_gate{bucket="16"} 0.0',
+            'specgate_speculation_gate_tokens_per_second{arm="spec",bucket="1"} 900.0',
+            'specgate_speculation_gate_tokens_per_second{arm="plain",bucket="16"} 5000.0'} <= got
+    assert not any('arm="spec",bucket="16"' in line for line in got)  # never measured: no series
+    m.observe_engine(0, 1, 4, 60, gate=((1, False, 700, 800), (16, False, None, 5000)))
+    assert 'specgate_speculation_gate{bucket="1"} 0.0' in lines(m)
