@@ -90,8 +90,13 @@ def load(args: argparse.Namespace) -> LLM:
                      gptq_tune=args.gptq_tune,
                      dtype=args.dtype, device=args.device,
                      cache_dir=args.cache_dir, tensor_parallel=args.tensor_parallel)
+    return LLM.load(cfg, engine_config(args), log=log_stderr)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from the model flags (serve and generate)."""
     penalty = args.plain_penalty if args.plain_penalty >= 0 else None
-    ecfg = EngineConfig(num_blocks=args.num_blocks, page_size=args.page_size,
+    return EngineConfig(num_blocks=args.num_blocks, page_size=args.page_size,
                         scheduler=SchedulerConfig(max_running=args.max_running, max_waiting=args.max_waiting,
                                                   max_model_len=args.max_model_len, policy=args.policy,
                                                   budget=BudgetConfig(max_verify_tokens=args.max_verify_tokens,
@@ -100,7 +105,6 @@ def load(args: argparse.Namespace) -> LLM:
                                                                       plain_penalty=penalty)),
                         cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start,
                         overlap=args.overlap, **({"default_tree": args.tree} if args.tree else {}))
-    return LLM.load(cfg, ecfg, log=log_stderr)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

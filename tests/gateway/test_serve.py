@@ -116,3 +116,22 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> Non
             pass
         time.sleep(0.1)
     raise AssertionError("server never became healthy")
+
+
+@pytest.mark.parametrize("flags, overlap, gate", [([], None, True), (["--no-overlap", "--no-spec-gate"], False, False),
+                                                  (["--overlap"], True, True)])
+def test_overlap_and_gate_flags_reach_the_engine_config(flags: list[str], overlap, gate: bool) -> None:
+    """By default the engine decides the overlap by its target (None) and runs the speculation gate."""
+    from gateway.cli import engine_config
+
+    cfg = engine_config(serve_options().parse_args(flags))
+    assert cfg.overlap is overlap and cfg.scheduler.budget.gate is gate
+
+
+def test_a_config_file_turns_the_overlap_and_the_gate_off(tmp_path: Path) -> None:
+    from gateway.cli import engine_config
+
+    path = tmp_path / "c.toml"
+    path.write_text("overlap = false\nspec-gate = false\n")
+    cfg = engine_config(parse(["--config", str(path)]))
+    assert cfg.overlap is False and cfg.scheduler.budget.gate is False
