@@ -303,6 +303,8 @@ def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, 
     receives the change of ``first_use_counts`` across it (zero counters left out), and ``steps_by_depth``:
     for each draft depth the decode-only steps took, [steps, mean ms per step, longest step's ms]."""
     before = first_use_counts(llm) if counts is not None else {}
+    eng = llm.engine
+    steps_before = (eng.num_steps, eng.num_ahead)
     sched = llm.engine.scheduler
     costs = sched.costs
     by_depth: dict[int, list[float]] = {}  # decode-only steps of the call: draft depth -> step seconds
@@ -332,6 +334,10 @@ def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, 
         # where the call's time went: steps and mean step time per draft depth
         counts["steps_by_depth"] = {str(d): [len(v), round(1e3 * sum(v) / len(v), 3), round(1e3 * max(v), 3)]
                                     for d, v in sorted(by_depth.items())}
+        # the engine's steps in the call and how many were launched ahead of the last one's resolution
+        # (overlapped, gateway/overlap.py): the rest ran one by one
+        counts["engine_steps"] = eng.num_steps - steps_before[0]
+        counts["steps_ahead"] = eng.num_ahead - steps_before[1]
     steps = sum(g.stats.steps for g in gens)
     acc = sum(g.stats.accepted_tokens for g in gens)
     return sum(len(g.token_ids) for g in gens) / secs, (acc + steps) / max(steps, 1)
