@@ -320,6 +320,7 @@ class SpecGate:
     _rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, spec?) -> EMA tokens / s
     _blocks: dict[int, int] = field(default_factory=dict)  # blocks completed per bucket
     _open: dict[int, _Block] = field(default_factory=dict)  # the running block per bucket
+    _state: tuple | None = None  # ``state()`` until the next block completes (it is read after every step)
 
     def allows(self, batch: int) -> bool:
         """Whether adaptive requests may speculate in a step of ``batch`` decoding sequences (changes nothing)."""
@@ -347,6 +348,7 @@ class SpecGate:
                 old = self._rates.get(key)
                 self._rates[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
                 self._blocks[b] = self._blocks.get(b, 0) + 1
+                self._state = None
 
     def rate(self, batch: int, spec: bool) -> float | None:
         """The EMA of tokens per second of an arm at ``batch``'s bucket; None before its first block."""
@@ -355,8 +357,11 @@ class SpecGate:
     def state(self) -> tuple[tuple[int, bool, int | None, int | None], ...]:
         """``summary`` as a tuple of (bucket, speculate, spec tokens/s, plain tokens/s), rates rounded to whole
         tokens: what the engine process sends the server when it changes (gateway/engine_proc.py)."""
-        return tuple((int(b), v["speculate"], None if v["spec_tok_s"] is None else round(v["spec_tok_s"]),
-                      None if v["plain_tok_s"] is None else round(v["plain_tok_s"])) for b, v in self.summary().items())
+        if self._state is None:
+            self._state = tuple((int(b), v["speculate"], None if v["spec_tok_s"] is None else round(v["spec_tok_s"]),
+                                 None if v["plain_tok_s"] is None else round(v["plain_tok_s"]))
+                                for b, v in self.summary().items())
+        return self._state
 
     def summary(self) -> dict[str, dict[str, float | bool | None]]:
         """Per bucket: each arm's tokens per second and the arm the gate prefers."""

@@ -275,6 +275,9 @@ def test_gate_keeps_buckets_apart_and_skips_prefill_steps() -> None:
     assert not gate.allows(16) and gate.allows(1)
     state = dict((b, (on, a, z)) for b, on, a, z in gate.state())
     assert state[1][0] and state[1][1] > state[1][2] and not state[16][0] and state[16][1] < state[16][2]
+    kept = gate.state()
+    run_gate(gate, 2.0, 1.0, 8 * 4, batch=4)  # a new bucket's blocks: the state follows
+    assert gate.state() != kept and any(b == 4 for b, *_ in gate.state())
     before = gate.rate(1, True)
     for _ in range(3):  # a short run in another bucket fills that bucket's block alone
         gate.observe(64, 1, 100.0)
