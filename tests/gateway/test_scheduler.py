@@ -33,9 +33,13 @@ def make_seq(i: int, prompt_len: int, max_tokens: int, priority: int, now: float
     return s
 
 
-def simulate_step(sched: Scheduler, accept_draw) -> list[Sequence]:
-    """What the engine does with a plan, minus the model: reserve, advance, truncate, finish."""
+def simulate_step(sched: Scheduler, accept_draw, step_s: float = 0.0) -> list[Sequence]:
+    """What the engine does with a plan, minus the model: reserve, advance, truncate, finish; with ``step_s``,
+    the step's time and tokens reported to the speculation gate (``SpecGate``), as the engine reports them."""
     plan = sched.schedule(lambda s: ((2, 2, 1), True))
+    if step_s and sched.gate is not None:
+        emitted = sum(1 + min(len(w), 1) for _, w in plan.decodes)
+        sched.gate.observe(len(plan.decodes), emitted, step_s, counted=not plan.prefills)
     finished = list(plan.exhausted)
     for seq in plan.exhausted:  # the engine ends these with finish_reason "length"
         finish(sched, seq)
@@ -82,15 +86,16 @@ ops = st.lists(st.one_of(
 def test_random_traffic_keeps_invariants(ops, num_blocks, max_running, step_tokens) -> None:
     clock = Clock()
     pool = BlockPool(num_blocks, 4)
-    sched = Scheduler(SchedulerConfig(max_running=max_running, max_step_tokens=step_tokens, max_model_len=256, aging_s=1e9),
-                      pool, clock)
+    sched = Scheduler(SchedulerConfig(max_running=max_running, max_step_tokens=step_tokens, max_model_len=256, aging_s=1e9,
+                                      budget=BudgetConfig(gate_block=2)), pool, clock)
     seqs: list[Sequence] = []
     admitted_order: list[Sequence] = []
     ended: set[str] = set()
 
     def step(draw: int) -> None:
         before = {id(s) for s in sched.running}
-        for s in simulate_step(sched, lambda: draw):
+        # the gate sees steps of random prices, so its arm (trees or none) changes under the traffic too
+        for s in simulate_step(sched, lambda: draw, step_s=1.0 + draw):
             ended.add(s.request_id)
         admitted_order.extend(s for s in sched.running if id(s) not in before and s not in admitted_order)
         assert pool.num_free + held_blocks(sched) == num_blocks  # nothing leaked, nothing double-counted
