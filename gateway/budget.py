@@ -123,13 +123,17 @@ def probe_interval(plain_s: float | None, probe_s: float | None, cfg: BudgetConf
     draft's one-level step took 2.5x a plain step of SmolLM2 at batch 1, and a probe every 8 steps cost
     the default arm 12% (bench/results/engine_real_871c0a3.json). Unmeasured: ``probe_every``. Doubling keeps
     every interval a multiple of the shorter ones, so probe steps of different drafters coincide."""
-    k = cfg.probe_every
     if plain_s is None or probe_s is None or plain_s <= 0:
-        return k
-    extra = max(probe_s / plain_s - 1.0, 0.0)
-    while k < cfg.max_probe_every and extra / k > cfg.probe_overhead:
+        return cfg.probe_every
+    return doubled_interval(cfg.probe_every, cfg.max_probe_every, max(probe_s / plain_s - 1.0, 0.0), cfg.probe_overhead)
+
+
+def doubled_interval(k: int, cap: int, extra: float, overhead: float) -> int:
+    """``k`` doubled until ``extra`` (a dear step's cost, as a share of a plain one) spread over the interval is
+    at most ``overhead``, or ``cap`` is reached: the probes' interval and the speculation gate's exploring one."""
+    while k < cap and extra / k > overhead:
         k *= 2
-    return min(k, cfg.max_probe_every)
+    return min(k, cap)
 
 
 def probe_due(steps_without_draft: int, step: int, interval: int) -> bool:
@@ -380,13 +384,11 @@ class SpecGate:
 
     def interval(self, batch: int) -> int:
         """One block in this many runs the losing arm at ``batch``'s bucket (see the class's docstring)."""
-        on, off = self._rates.get((batch_bucket(batch), True)), self._rates.get((batch_bucket(batch), False))
-        k = self.explore
-        if on and off:
-            shortfall = 1.0 - min(on, off) / max(on, off)
-            while k < self.max_explore and shortfall / k > self.overhead:
-                k *= 2
-        return k
+        b = batch_bucket(batch)
+        on, off = self._rates.get((b, True)), self._rates.get((b, False))
+        if not (on and off):
+            return self.explore
+        return doubled_interval(self.explore, self.max_explore, 1.0 - min(on, off) / max(on, off), self.overhead)
 
     def _arm(self, b: int) -> bool:
         """The next block's arm at bucket ``b``: the better one, the other every ``interval``-th block."""
