@@ -304,7 +304,7 @@ def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, 
     for each draft depth the decode-only steps took, [steps, mean ms per step, longest step's ms]."""
     before = first_use_counts(llm) if counts is not None else {}
     eng = llm.engine
-    steps_before = (eng.num_steps, eng.num_ahead)
+    steps_before = (eng.num_steps, eng.num_ahead, eng.wait_s)
     sched = llm.engine.scheduler
     costs = sched.costs
     by_depth: dict[int, list[float]] = {}  # decode-only steps of the call: draft depth -> step seconds
@@ -338,6 +338,10 @@ def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, 
         # (overlapped, gateway/overlap.py): the rest ran one by one
         counts["engine_steps"] = eng.num_steps - steps_before[0]
         counts["steps_ahead"] = eng.num_ahead - steps_before[1]
+        # the host's wait on overlapped steps' picks: a call whose steps wait near nothing is bound by the host
+        counts["wait_ms"] = round(1e3 * (eng.wait_s - steps_before[2]), 1)
+        if sched.gate is not None:  # the speculation gate's arms after the call: (bucket, speculate, tok/s on, off)
+            counts["gate"] = [list(s) for s in sched.gate.state()]
     steps = sum(g.stats.steps for g in gens)
     acc = sum(g.stats.accepted_tokens for g in gens)
     return sum(len(g.token_ids) for g in gens) / secs, (acc + steps) / max(steps, 1)

@@ -201,9 +201,12 @@ def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int
     before the last one's tokens are read (EngineConfig.overlap; the synced pass serialises it again)."""
     engine.config = replace(engine.config, defer_trees=defer, overlap=overlap)
     run_steps(engine, batch, spec, 16, prompt)  # warm-up: graphs, tuning
+    ahead, wait = engine.num_ahead, engine.wait_s
     steps, emitted, secs = run_steps(engine, batch, spec, tokens, prompt)
     row = {"steps": steps, "tokens": emitted, "ms_per_step": round(1e3 * secs / steps, 3),
-           "tok_s": round(emitted / secs, 1), "tokens_per_step": round(emitted / steps, 3)}
+           "tok_s": round(emitted / secs, 1), "tokens_per_step": round(emitted / steps, 3),
+           # overlapped steps, and the host's wait on their picks (near zero: the host bounds the step)
+           "steps_ahead": engine.num_ahead - ahead, "wait_ms_per_step": round(1e3 * (engine.wait_s - wait) / steps, 3)}
     timer = wrap_phases(engine, PhaseTimer())
     try:
         steps2, _, secs2 = run_steps(engine, batch, spec, tokens, prompt)
@@ -322,7 +325,8 @@ def main() -> None:
     ap.add_argument("--host-trees", action="store_true",
                     help="also run every tree with its nodes copied to the host before the target's batch (A/B)")
     ap.add_argument("--overlap", action="store_true",
-                    help="also an 'off overlap' arm: plain decoding with EngineConfig.overlap")
+                    help="also 'off overlap' and 'ngram overlap' arms: plain decoding and adaptive n-gram speculation "
+                         "with EngineConfig.overlap")
     ap.add_argument("--count-ops", action="store_true",
                     help="a third pass per arm: torch ops, Triton launches and graph replays per step, by phase")
     ap.add_argument("--out", default=str(HERE / "results" / "step_profile.json"))
@@ -347,6 +351,9 @@ def main() -> None:
     arms = [("off", SpeculationParams(enabled=False), True)]
     if args.overlap:
         arms.append(("off overlap", SpeculationParams(enabled=False), "overlap"))
+        # speculation on with the n-gram drafter, as the server's default: what speculating requests cost the
+        # overlapped plain steps the budget and the gate leave them
+        arms.append(("ngram overlap", SpeculationParams(drafter="ngram"), "overlap"))
     for t in args.trees.split("/"):
         spec = SpeculationParams(drafter="draft", tree=tuple(int(x) for x in t.split(",")))
         arms.append((f"draft {t}", spec, True))

@@ -122,6 +122,8 @@ class Engine:
         self._forced_step = False
         self._inflight: overlap.InFlight | None = None  # a launched plain step not yet resolved (overlap)
         self.num_ahead = 0  # steps launched before the step ahead of them was resolved
+        # seconds the host waited on an overlapped step's picks: near zero while the host, not the GPU, bounds the step
+        self.wait_s = 0.0
         self._ahead_t: float | None = None  # when the last step of an unbroken overlapped run was resolved
         self.num_steps = 0
         self.num_preemptions = 0

@@ -30,6 +30,7 @@ the same stream after it, and the slot lies past the prompt, so in no block the 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -192,7 +193,9 @@ def resolve(engine: Engine, prev: InFlight) -> list:
     """``prev``'s tokens committed and emitted (``Engine._commit`` / ``_emit``), for its sequences still
     running; their outputs."""
     if prev.event is not None:
+        t0 = time.perf_counter()
         prev.event.synchronize()  # only prev's copy: a step launched after it may still run
+        engine.wait_s += time.perf_counter() - t0
     ids = prev.host.tolist()
     prev.launched.trees = [TokenTree.root_only(s.token_ids[-1]) for s in prev.seqs]
     results: list[AcceptResult] = finish_accept(prev.launched, ids)
