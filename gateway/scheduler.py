@@ -243,6 +243,14 @@ class Scheduler:
         probe = self.costs.seconds(batch, 1, drafter_set([drafter])) if cfg.cost_aware else None
         return probe_interval(plain, probe, cfg)
 
+    def gate_tells(self, batch: int) -> bool:
+        """Whether a step of ``batch`` decoding sequences differs between the gate's arms: not where the roots
+        alone fill the verify cap, which leaves every tree plain in both. Counted there, such steps fed the arms
+        each other's noise (a CPU replay of the engine bench at batch 64 had the gate pick speculation at 189
+        against 112 tokens/s for two arms that ran the same steps), and the pick then ruled that bucket's
+        smaller batches, where it does decide."""
+        return batch < self.config.budget.max_verify_tokens
+
     def plans_plain(self, seq: Sequence, template_of: TemplateOf, batch: int, pending: bool) -> bool:
         """Whether the next plan leaves ``seq`` plain, asked before the step ahead of it is committed
         (``pending``: a plain step of it is in flight and will count toward its probe) and changing nothing:

@@ -227,6 +227,29 @@ def test_measured_step_cost_turns_an_accurate_but_slow_draft_off() -> None:
     assert gate["speculate"] and gate["spec_tok_s"] > gate["plain_tok_s"] > 0
 
 
+def test_the_gate_counts_no_step_whose_roots_fill_the_verify_cap() -> None:
+    """With three speculating sequences under a verify cap of three tokens every tree is cut away in both of the
+    gate's arms: those steps tell the arms nothing, and the gate takes none of them. Once one sequence has
+    ended, two roots leave room for a draft node and the gate times its blocks again."""
+    from dataclasses import replace
+
+    from gateway.budget import SpecGate
+
+    eng = tiny_engine(cost_aware=True)
+    sched = eng.scheduler
+    sched.config = replace(sched.config, budget=replace(sched.config.budget, max_verify_tokens=3))
+    sched.gate = SpecGate(block=4, explore=4, max_explore=4)
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=20)
+    for i, n in enumerate((20, 60, 60)):
+        eng.add(str(i), [1, 2, 3 + i], replace(greedy, max_tokens=n), SpeculationParams(drafter="exact"))
+    while "0" in eng._seqs:  # all three decode: nothing counted
+        eng.step()
+    assert sched.gate.summary() == {} and not sched.gate._open
+    while eng.has_work():
+        eng.step()
+    assert "2" in sched.gate.summary()  # two decoding sequences: the bucket of 2 was timed
+
+
 def test_sibling_waits_for_its_leaders_prompt_and_prefills_only_the_rest() -> None:
     """prefix_of (the choices of an n > 1 request): added together, the sibling is admitted only once the
     leader's prompt is cached, and takes every full block from the cache. Without it both compute it."""
