@@ -157,9 +157,10 @@ class OpCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def run_steps(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, prompt: list[int]) -> tuple[int, int, float]:
-    sampling = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    for i in range(batch):
+def run_steps(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, prompt: list[int],
+              temperature: float = 0.0) -> tuple[int, int, float]:
+    for i in range(batch):  # seeded when sampled: every pass of an arm draws the same tokens
+        sampling = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=i)
         engine.add(f"r{i}", prompt[i:] + prompt[:i], sampling, spec)
     steps = emitted = 0
     sync()
@@ -195,21 +196,21 @@ class ChainDrafter:
 
 
 def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int, prompt: list[int],
-                defer: bool = True, count_ops: bool = False, overlap: bool = False) -> dict:
+                defer: bool = True, count_ops: bool = False, overlap: bool = False, temperature: float = 0.0) -> dict:
     """``defer``: greedy trees stay on the device until the acceptance's host copy (EngineConfig.defer_trees).
     ``count_ops``: a third pass counting launches by phase (``OpCounter``). ``overlap``: plain steps launched
     before the last one's tokens are read (EngineConfig.overlap; the synced pass serialises it again)."""
     engine.config = replace(engine.config, defer_trees=defer, overlap=overlap)
-    run_steps(engine, batch, spec, 16, prompt)  # warm-up: graphs, tuning
+    run_steps(engine, batch, spec, 16, prompt, temperature)  # warm-up: graphs, tuning
     ahead, wait = engine.num_ahead, engine.wait_s
-    steps, emitted, secs = run_steps(engine, batch, spec, tokens, prompt)
+    steps, emitted, secs = run_steps(engine, batch, spec, tokens, prompt, temperature)
     row = {"steps": steps, "tokens": emitted, "ms_per_step": round(1e3 * secs / steps, 3),
            "tok_s": round(emitted / secs, 1), "tokens_per_step": round(emitted / steps, 3),
            # overlapped steps, and the host's wait on their picks (near zero: the host bounds the step)
            "steps_ahead": engine.num_ahead - ahead, "wait_ms_per_step": round(1e3 * (engine.wait_s - wait) / steps, 3)}
     timer = wrap_phases(engine, PhaseTimer())
     try:
-        steps2, _, secs2 = run_steps(engine, batch, spec, tokens, prompt)
+        steps2, _, secs2 = run_steps(engine, batch, spec, tokens, prompt, temperature)
     finally:
         timer.restore()
     row["synced_ms_per_step"] = round(1e3 * secs2 / steps2, 3)
@@ -220,7 +221,7 @@ def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int
         counter = OpCounter(timer)
         try:
             with counter:
-                steps3, _, _ = run_steps(engine, batch, spec, tokens, prompt)
+                steps3, _, _ = run_steps(engine, batch, spec, tokens, prompt, temperature)
         finally:
             timer.restore()
         row["launches_per_step"] = {phase: {k: round(v / steps3, 2) for k, v in c.items()}
@@ -239,6 +240,7 @@ def wrap_phases(engine: Engine, timer: PhaseTimer) -> PhaseTimer:
             timer.wrap(inner, "_catch_up", "  draft catch-up (batch + forward)")
             timer.wrap(inner.loop, "grow", "  draft tree loop (one host copy)")
             timer.wrap(inner.loop, "grow_on_device", "  draft tree loop (no host copy)")
+            timer.wrap(inner.loop, "grow_sampled", "  draft sampled tree loop (one host copy)")
             timer.wrap(inner, "flush", "  draft flush (KV compaction)")
     timer.wrap(model_drafter_mod, "expand_all", "  draft top-k + host copy")
     timer.wrap(model_drafter_mod, "build_batch", "  draft build_batch")
@@ -327,6 +329,8 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true",
                     help="also 'off overlap' and 'ngram overlap' arms: plain decoding and adaptive n-gram speculation "
                          "with EngineConfig.overlap")
+    ap.add_argument("--sampled", action="store_true",
+                    help="each tree also sampled at T=0.7, with an 'off T=0.7' arm: the stochastic path's price")
     ap.add_argument("--count-ops", action="store_true",
                     help="a third pass per arm: torch ops, Triton launches and graph replays per step, by phase")
     ap.add_argument("--out", default=str(HERE / "results" / "step_profile.json"))
@@ -348,23 +352,27 @@ def main() -> None:
            "forward": forward_times(engine, drafter), "rows": []}
     log(json.dumps(res["forward"]))
     prompt = [(i * 7919) % 40000 + 100 for i in range(200)]
-    arms = [("off", SpeculationParams(enabled=False), True)]
+    arms = [("off", SpeculationParams(enabled=False), True, 0.0)]
+    if args.sampled:
+        arms.append(("off T=0.7", SpeculationParams(enabled=False), True, 0.7))
     if args.overlap:
-        arms.append(("off overlap", SpeculationParams(enabled=False), "overlap"))
+        arms.append(("off overlap", SpeculationParams(enabled=False), "overlap", 0.0))
         # speculation on with the n-gram drafter, as the server's default: what speculating requests cost the
         # overlapped plain steps the budget and the gate leave them
-        arms.append(("ngram overlap", SpeculationParams(drafter="ngram"), "overlap"))
+        arms.append(("ngram overlap", SpeculationParams(drafter="ngram"), "overlap", 0.0))
     for t in args.trees.split("/"):
         spec = SpeculationParams(drafter="draft", tree=tuple(int(x) for x in t.split(",")))
-        arms.append((f"draft {t}", spec, True))
+        arms.append((f"draft {t}", spec, True, 0.0))
         if args.host_trees:  # the same tree copied to the host before the target's batch is built
-            arms.append((f"draft {t} host", spec, False))
+            arms.append((f"draft {t} host", spec, False, 0.0))
+        if args.sampled:  # the same tree drafted and verified at T=0.7 (seeded requests)
+            arms.append((f"draft {t} T=0.7", spec, True, 0.7))
     for d in filter(None, args.chain_trees.split("/")):
-        arms.append((f"chain {d}", SpeculationParams(drafter="chain", tree=(1,) * int(d)), True))
+        arms.append((f"chain {d}", SpeculationParams(drafter="chain", tree=(1,) * int(d)), True, 0.0))
     for b in (int(x) for x in args.batches.split(",")):
-        for name, spec, defer in arms:
+        for name, spec, defer, temperature in arms:
             row = {"batch": b, "arm": name} | profile_arm(engine, b, spec, args.tokens, prompt, bool(defer),
-                                                          args.count_ops, defer == "overlap")
+                                                          args.count_ops, defer == "overlap", temperature)
             res["rows"].append(row)
             log(json.dumps(row))
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import (SamplingParams, apply_penalties, process_logits, race_argmax, sample, sample_rows,
-                             tree_path_counts)
+from verify.sampling import (SamplingParams, apply_penalties, inverse_cdf, process_logits, race_argmax, sample,
+                             sample_rows, tree_path_counts)
 
 
 @dataclass(slots=True)
@@ -211,13 +211,13 @@ def _stochastic_parallel(trees: list[TokenTree], p: torch.Tensor, generators: li
     A node's decisions depend only on its own target row, its draft row and its children's tokens, never
     on which path reached it: so every node tries its children in order against its running residual,
     all nodes in parallel (one loop over the sibling rank), each decision with its own uniform draw, and
-    every node draws the bonus it would emit if the path ended there (an exponential race over its
-    final residual). The host then follows accepted children from the root. Each emitted token is drawn
-    exactly as in the sequential walk, so the output distribution is the target's.
+    every node draws the bonus it would emit if the path ended there (over its final residual, as ``sample``
+    draws: a race on CUDA, an inverse CDF on the CPU). The host then follows accepted children from the root.
+    Each emitted token is drawn exactly as in the sequential walk, so the output distribution is the target's.
 
     Rows are independent, so the trees of one step are stacked: ``trees`` share their processing and are
     all drafted with probabilities or all with point masses. Each tree draws from its own generator, in
-    the order one tree alone would (its uniforms, then its race), so batching changes no sequence's
+    the order one tree alone would (its uniforms, then its bonus draws), so batching changes no sequence's
     tokens.
 
     p: [R, V] processed target probabilities, tree after tree. Returns int64 ``[3R]`` on p's device: each
@@ -237,12 +237,18 @@ def _stochastic_parallel(trees: list[TokenTree], p: torch.Tensor, generators: li
     kid, kid_tok = torch.tensor(kid_rows, dtype=torch.int64), torch.tensor(tok_rows, dtype=torch.int64)
     kid, kid_tok = kid.to(p.device, non_blocking=True), kid_tok.to(p.device, non_blocking=True)
     u = torch.ones(R, K, device=p.device)  # padded siblings are never live
-    race = torch.empty(R, V, device=p.device)
+    # The bonus draws, as ``sample`` makes them: an exponential race on CUDA (launches dominate), one float64
+    # uniform a node against its residual's running sum on the CPU (arithmetic does: the race's V draws a row
+    # cost a 16-node tree ~7 ms there).
+    race = torch.empty(R, V, device=p.device) if p.is_cuda else torch.empty(R, dtype=torch.float64)
     off = 0
     for (tokens, children), generator in zip(lists, generators):
         n, k = len(tokens), max(len(c) for c in children)
         u[off : off + n, :k] = torch.rand(n, k, generator=generator, device=p.device)
-        race[off : off + n].exponential_(generator=generator)
+        if p.is_cuda:
+            race[off : off + n].exponential_(generator=generator)
+        else:
+            race[off : off + n] = torch.rand(n, generator=generator, dtype=torch.float64)
         off += n
     q = None
     if trees[0].draft_probs is not None:  # p - q needs both on one scale
@@ -264,7 +270,8 @@ def _stochastic_parallel(trees: list[TokenTree], p: torch.Tensor, generators: li
         else:
             p = torch.where(rejected, _normalise((p - q).clamp_min(0), fallback=p), p)
             q = torch.where(rejected, _normalise(q.scatter(1, t, 0.0), fallback=q), q)
-    bonus = race_argmax(p, race)  # [R]: p_i / Exp(1) is largest at i with probability p_i / sum(p)
+    # [R]: p_i / Exp(1) is largest at i with probability p_i / sum(p); the inverse CDF draws i as often
+    bonus = race_argmax(p, race) if p.is_cuda else inverse_cdf(p, race)
     return torch.cat((child, bonus, bad.long()))
 
 

@@ -260,13 +260,13 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
     Two exact draws, by where the cost lies. On CUDA, launches dominate: an exponential race, one fill of
     ``generator`` for the whole block (``race_argmax``). On the CPU, arithmetic does: one float64 uniform
-    per row against the row's running sum (``_inverse_cdf``), where the race would draw V numbers a row.
+    per row against the row's running sum (``inverse_cdf``), where the race would draw V numbers a row.
     """
     rows = probs.reshape(-1, probs.shape[-1])  # [N, V]
     if rows.is_cuda:
         out = race_argmax(rows, torch.empty(rows.shape, device=rows.device).exponential_(generator=generator))
     else:
-        out = _inverse_cdf(rows, torch.rand(rows.shape[0], generator=generator, dtype=torch.float64))
+        out = inverse_cdf(rows, torch.rand(rows.shape[0], generator=generator, dtype=torch.float64))
     return out.reshape(probs.shape[:-1])
 
 
@@ -279,7 +279,7 @@ def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch
         for row, generator in zip(race, generators):
             row.exponential_(generator=generator)
         return race_argmax(probs, race)
-    return _inverse_cdf(probs, torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]))
+    return inverse_cdf(probs, torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]))
 
 
 def race_scores(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
@@ -296,7 +296,7 @@ def race_argmax(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
     return race_scores(probs, race).argmax(-1)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [N, V] (>= 0), u [N] float64 in [0, 1) -> [N]: the first index whose running sum exceeds ``u``
     times the row's total, so a zero-probability token is never drawn."""
     cdf = probs.to(torch.float64).cumsum(-1)  # [N, V]; float64: 49k float32 terms would drift by ~1e-3

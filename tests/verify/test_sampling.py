@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import (SamplingParams, _inverse_cdf, apply_penalties, make_generator, process_logits,
+from verify.sampling import (SamplingParams, inverse_cdf, apply_penalties, make_generator, process_logits,
                              process_rows, race_argmax, sample, sample_rows, tree_path_counts)
 
 
@@ -182,13 +182,13 @@ def test_race_argmax_never_draws_a_zero_probability_token() -> None:
     assert race_argmax(probs, race).tolist() == [1, 3, 1]
 
 
-def test_inverse_cdf_never_draws_a_zero_probability_token() -> None:
+def testinverse_cdf_never_draws_a_zero_probability_token() -> None:
     """Zero-mass tokens inside and at the end of a row, against the smallest and the largest uniforms, and
     against uniforms that land exactly on a running sum."""
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]] * 4 + [[0.5, 0.5, 0.0, 0.0, 0.0, 0.0]])  # [5, 6]
     below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
     u = torch.tensor([0.0, 0.25, 0.2499999, float(below_one), 0.5], dtype=torch.float64)
-    assert _inverse_cdf(probs, u).tolist() == [1, 3, 1, 3, 1]
+    assert inverse_cdf(probs, u).tolist() == [1, 3, 1, 3, 1]
 
 
 def test_process_rows_gives_each_row_what_process_logits_gives_it() -> None:
