@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import SamplingParams, process_logits, race_scores
+from verify.sampling import SamplingParams, draws_without_replacement, process_logits, race_scores
 
 
 @dataclass(slots=True)
@@ -152,20 +152,32 @@ def _expand_sampled(builders: list[TreeBuilder], depth: int, rows: list[torch.Te
     before drawing (Sequoia's condition for lossless multi-candidate verification). The draws are an
     exponential race (the Gumbel-top-k trick, Kool et al. 2019): ranking tokens by ``q_i / E_i``, E_i ~ Exp(1)
     from the builder's own generator, orders them exactly as successive draws without replacement do, so
-    one top-k per row replaces a multinomial and a host copy per frontier node.
+    one top-k per row replaces a multinomial and a host copy per frontier node. That is CUDA's form, where
+    launches are the cost; the CPU, whose cost is arithmetic, makes the successive draws themselves from the
+    level's width in uniforms a row (``draws_without_replacement``) rather than V exponentials.
     """
     q = process_logits(torch.cat(rows).float(), builders[0].sampling)  # [sum F, V] on the draft's device
-    race = torch.empty_like(q)
     fronts = [b.frontier(depth) for b in builders]
     counts = [_allocate(b.widths[depth], [b.cum_logp[f] for f in front]) for b, front in zip(builders, fronts)]
+    if q.is_cuda:
+        noise = torch.empty_like(q)
+    else:  # the level's width in uniforms a frontier row (draws_without_replacement), as the tree loop draws them
+        noise = torch.full((q.shape[0], max(b.widths[depth] for b in builders)), 0.5, dtype=torch.float64)
     at = 0
-    for b, r in zip(builders, rows):
-        race[at : at + r.shape[0]].exponential_(generator=b.generator)  # this builder's frontier rows
+    for b, r in zip(builders, rows):  # this builder's frontier rows, from its own generator
+        if q.is_cuda:
+            noise[at : at + r.shape[0]].exponential_(generator=b.generator)
+        else:
+            noise[at : at + r.shape[0], : b.widths[depth]] = torch.rand(r.shape[0], b.widths[depth],
+                                                                      generator=b.generator, dtype=torch.float64)
         at += r.shape[0]
     k = min(max((max(c) for c in counts if c), default=0), q.shape[-1])  # an empty frontier draws none
     if k == 0:
         return
-    drawn = race_scores(q, race).topk(k, dim=-1).indices  # [sum F, k], in draw order; zero mass ranks last
+    if q.is_cuda:
+        drawn = race_scores(q, noise).topk(k, dim=-1).indices  # [sum F, k], in draw order; zero mass ranks last
+    else:  # only the first ``support`` draws of a row are kept (below), and those all had mass
+        drawn = draws_without_replacement(q, noise[:, :k])[0]
     logq = q.gather(1, drawn).log()
     support = (q > 0).sum(-1, keepdim=True)  # [sum F, 1]
     # float64 holds every token id and count exactly: one host copy for the whole group

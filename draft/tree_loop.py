@@ -20,9 +20,11 @@ batch without reading them (``TokenTree.deferred``). Elsewhere the same code run
 Sampled trees (``grow_sampled``) run the same loop with the host builder's sampled rule
 (``draft.base._expand_sampled``): each frontier node's share of the level's width by largest remainder of
 its cumulative probability, then that many draws without replacement from the processed draft
-distribution q by an exponential race. The race's noise comes from each request's own generator in one
-draw before the loop, so a request's tree does not depend on its batch; on the CPU, whose generator fills
-a tensor in order however it is split, that draw equals the host builder's level-by-level draws. A draw
+distribution q: on CUDA by an exponential race, on the CPU by successive inverse-CDF draws from the level's
+width in uniforms a frontier node (``draws_without_replacement``: V exponentials a row were the CPU's cost).
+The noise comes from each request's own generator in one draw before the loop, so a request's tree does not
+depend on its batch; on the CPU, whose generator fills a tensor in order however it is split, that draw
+equals the host builder's level-by-level draws. A draw
 past q's support (top-k, top-p) is kept in the layout but marked invalid, with no share of the next
 level: the caller cuts it, as the host builder never adds it. The loop runs eagerly, its draft forwards
 through the drafter's graph runner when it has one, and the tree comes back with the q rows of its nodes
@@ -48,7 +50,7 @@ from target.graphs import BATCH_BUCKETS, ONE_LAUNCH
 from target.kv_cache import BlockTable, KVCache
 from target.transfer import to_device
 from target.model import Transformer
-from verify.sampling import SamplingParams, process_rows, race_scores
+from verify.sampling import SamplingParams, draws_without_replacement, process_rows, race_scores
 
 
 @dataclass(slots=True)
@@ -79,11 +81,14 @@ class _Inputs:
 class _Sampled:
     """A sampled loop's per-row knobs and race noise."""
 
-    noise: torch.Tensor  # [B, R, V] Exp(1) for the R frontier nodes (every node above the leaves), by node
+    # CUDA: [B, R, V] Exp(1) for the R frontier nodes (every node above the leaves), by node. CPU: [B, U] float64
+    # uniforms, each frontier node's next-level width of them in node order (draws_without_replacement)
+    noise: torch.Tensor
     temperature: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] float32, 1 = off
     filtered: bool  # some row has top-k or top-p
+    offsets: dict[int, int] | None = None  # CPU: a level's first frontier node -> where its uniforms start
 
 
 class GreedyTreeLoop:
@@ -192,15 +197,22 @@ class GreedyTreeLoop:
         ctx, slot_t, bt, _ = self._prepare(ctxs, tables, widths, root_hidden)
         plan = self._plan(G, widths)
         R = plan.levels[-2][1]  # frontier nodes: every node above the leaves
-        noise = torch.empty(G, R, self.model.config.vocab_size, device=self.device)
-        for g, gen in enumerate(generators):  # one draw per request, whatever shares its batch
-            noise[g].exponential_(generator=gen)
+        if self.device.type == "cuda":
+            noise = torch.empty(G, R, self.model.config.vocab_size, device=self.device)
+            for g, gen in enumerate(generators):  # one draw per request, whatever shares its batch
+                noise[g].exponential_(generator=gen)
+        else:  # each frontier row's width of uniforms, level after level: the host builder's draws, in its order
+            offsets, U = {}, 0
+            for (lo, hi), w in zip(plan.levels, widths):
+                offsets[lo], U = U, U + (hi - lo) * w
+            noise = torch.stack([torch.rand(U, generator=gen, dtype=torch.float64) for gen in generators])
         knobs = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in sampling], dtype=torch.float64)
         knobs = to_device(knobs, self.device)
         filtered = any(p.top_k > 0 or p.top_p < 1 for p in sampling)
         x = _Inputs(root_logits, ctx, slot_t, bt, root_hidden)
         out, q = self._levels(plan, x, _Sampled(noise, knobs[:, 0].float(), knobs[:, 1].long(),
-                                                knobs[:, 2].float(), filtered))
+                                                knobs[:, 2].float(), filtered,
+                                                None if self.device.type == "cuda" else offsets))
         tokens, parents, _, valid = out.tolist()  # the loop's one host copy
         N = len(tokens[0])
         q = torch.cat((q, q.new_zeros(G, N - R, q.shape[-1])), dim=1)  # leaves: no children, no q row
@@ -342,8 +354,13 @@ class GreedyTreeLoop:
         order = (share - counts).masked_fill(~ok, -1.0).argsort(dim=-1, descending=True, stable=True)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(F, device=self.device).expand(B, F))
         counts = counts + (rank < rest).to(counts.dtype)  # largest remainders first
-        drawn = race_scores(q, smp.noise[:, lo:hi]).topk(w, dim=-1).indices  # [B, F, w] in draw order
-        logq = q.gather(-1, drawn).log()  # -inf past the support
+        if smp.offsets is not None:  # the CPU's successive draws, from this level's uniforms
+            at = smp.offsets[lo]
+            drawn, ok = draws_without_replacement(q, smp.noise[:, at : at + F * w].view(B, F, w))
+            logq = q.gather(-1, drawn).log().masked_fill(~ok, float("-inf"))  # -inf past the support
+        else:
+            drawn = race_scores(q, smp.noise[:, lo:hi]).topk(w, dim=-1).indices  # [B, F, w] in draw order
+            logq = q.gather(-1, drawn).log()  # -inf past the support
         pos = torch.arange(F * w, device=self.device).view(F, w)
         take = torch.arange(w, device=self.device) < counts[..., None]  # each node's first counts draws
         idx = torch.where(take, pos, pos + F * w).flatten(1).topk(w, dim=-1, largest=False).indices.sort(-1).values

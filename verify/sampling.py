@@ -296,6 +296,24 @@ def race_argmax(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
     return race_scores(probs, race).argmax(-1)
 
 
+def draws_without_replacement(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [..., V] (>= 0), u [..., k] float64 in [0, 1) -> ([..., k] int64, [..., k] bool): k successive
+    draws without replacement, in draw order, each by ``inverse_cdf`` over what the earlier draws left; and
+    whether each draw found mass left (False past the support, where its index means nothing). Draws in the
+    order the exponential race's top-k ranks tokens (``race_scores``), from k uniforms a row instead of V
+    exponentials: the CPU's form, where the race's V draws a row are the cost."""
+    V, k = probs.shape[-1], u.shape[-1]
+    rows = probs.reshape(-1, V).to(torch.float64, copy=True)  # [M, V]
+    us = u.reshape(-1, k)
+    out = torch.empty(rows.shape[0], k, dtype=torch.int64)
+    ok = torch.empty(rows.shape[0], k, dtype=torch.bool)
+    for j in range(k):
+        ok[:, j] = rows.sum(-1) > 0
+        out[:, j] = inverse_cdf(rows, us[:, j]).clamp_max(V - 1)  # an empty row draws V: past the end
+        rows.scatter_(1, out[:, j : j + 1], 0.0)
+    return out.view(u.shape), ok.view(u.shape)
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """probs [N, V] (>= 0), u [N] float64 in [0, 1) -> [N]: the first index whose running sum exceeds ``u``
     times the row's total, so a zero-probability token is never drawn."""

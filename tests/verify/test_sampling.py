@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from draft.tree import TokenTree
-from verify.sampling import (SamplingParams, inverse_cdf, apply_penalties, make_generator, process_logits,
-                             process_rows, race_argmax, sample, sample_rows, tree_path_counts)
+from verify.sampling import (SamplingParams, apply_penalties, draws_without_replacement, inverse_cdf, make_generator,
+                             process_logits, process_rows, race_argmax, race_scores, sample, sample_rows,
+                             tree_path_counts)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -182,13 +183,42 @@ def test_race_argmax_never_draws_a_zero_probability_token() -> None:
     assert race_argmax(probs, race).tolist() == [1, 3, 1]
 
 
-def testinverse_cdf_never_draws_a_zero_probability_token() -> None:
+def test_inverse_cdf_never_draws_a_zero_probability_token() -> None:
     """Zero-mass tokens inside and at the end of a row, against the smallest and the largest uniforms, and
     against uniforms that land exactly on a running sum."""
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]] * 4 + [[0.5, 0.5, 0.0, 0.0, 0.0, 0.0]])  # [5, 6]
     below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
     u = torch.tensor([0.0, 0.25, 0.2499999, float(below_one), 0.5], dtype=torch.float64)
     assert inverse_cdf(probs, u).tolist() == [1, 3, 1, 3, 1]
+
+
+def test_draws_without_replacement_follow_successive_draws() -> None:
+    """The CPU's draws without replacement: the first draw follows p, the ordered pair (i, j) comes with
+    probability p_i p_j / (1 - p_i), and no token repeats in a row; the race's top-k (CUDA's form) gives the
+    same pair frequencies on the same probabilities."""
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    n = 40_000
+    u = torch.rand(n, 2, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    drawn, ok = draws_without_replacement(p.expand(n, 4), u)
+    assert ok.all() and (drawn[:, 0] != drawn[:, 1]).all() and (drawn < 3).all()
+    race = torch.empty(n, 4).exponential_(generator=torch.Generator().manual_seed(6))
+    raced = race_scores(p.expand(n, 4), race).topk(2, dim=-1).indices
+    want = torch.tensor([[p[i] * p[j] / (1 - p[i]) if i != j else 0.0 for j in range(4)] for i in range(4)])
+    for pairs in (drawn, raced):
+        freq = torch.bincount(pairs[:, 0] * 4 + pairs[:, 1], minlength=16).view(4, 4) / n
+        torch.testing.assert_close(freq, want, atol=0.01, rtol=0)
+
+
+def test_draws_without_replacement_flag_the_draws_past_the_support() -> None:
+    """Two tokens with mass and four draws: the first two are those tokens, in some order, and the last two
+    are flagged as drawn from nothing. Leading dimensions come back as given."""
+    p = torch.tensor([[[0.0, 0.4, 0.0, 0.6, 0.0]]]).expand(2, 3, 5)
+    u = torch.rand(2, 3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    drawn, ok = draws_without_replacement(p, u)
+    assert drawn.shape == ok.shape == (2, 3, 4)
+    assert ok[..., :2].all() and not ok[..., 2:].any()
+    assert sorted(drawn[0, 0, :2].tolist()) == [1, 3]
+    assert all(sorted(r[:2]) == [1, 3] for r in drawn.reshape(-1, 4).tolist())
 
 
 def test_process_rows_gives_each_row_what_process_logits_gives_it() -> None:
