@@ -51,6 +51,8 @@
 #   bash bench/gpu_run.sh feature    train a feature draft (EAGLE-style) for the embedded model into .cache/feature_draft
 #   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
+#   bash bench/gpu_run.sh sampling   bench/sampling_step.py: a step's sampled draws, stochastic trees by the one-launch
+#                                    kernel and by torch passes
 #   bash bench/gpu_run.sh real       bench/engine.py's real pair (REAL_ARGS: more arguments, e.g. --arms)
 #   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed, then on alone,
 #                                    then a speculation-off server with the same requests (the engine in its own
@@ -106,9 +108,11 @@ for stage in "$@"; do
     tests) PYTHONPATH=".:tests:tests/gateway" python -m pytest -q --noconftest -p no:cacheprovider tests/target/test_graphs_cuda.py \
              tests/target/test_model_cuda.py tests/kernels/test_fused_norm_rope.py tests/draft/test_tree_loop.py \
              tests/gateway/test_logit_controls_cuda.py tests/gateway/test_overlap_cuda.py tests/kernels/test_graph_inputs.py \
-             tests/draft/test_feature_drafter.py tests/kernels/test_paged_decode.py tests/kernels/test_tree_attention.py \
-             -k "cuda or gpu or graph" 2>&1 | tail -15 ;;
+             tests/draft/test_feature_drafter.py tests/kernels/test_paged_decode.py tests/kernels/test_tree_attention.py tests/kernels/test_stochastic_accept.py \
+             -k "cuda or gpu or graph or stochastic_accept" 2>&1 | tail -15 ;;
     prefetch) timeout 420 python bench/kernels/prefetch_probe.py --out "$OUT" 2>&1 | tail -18 ;;
+    sampling) timeout 300 python bench/sampling_step.py --device cuda --batches 1,16,64 --reps 15 \
+                --out "$OUT/sampling_step.json" 2>&1 | tail -16 ;;
     feature)
       timeout 540 python -m draft.distill --target embedded --out .cache/feature_draft --layers 1 --feature --device cuda \
         --samples 2 --temperature 0,0.9 --max-tokens 192 --sample-batch 128 --steps "${FEATURE_STEPS:-2000}" --batch-size 16 \

@@ -11,7 +11,9 @@ these sizes the cost is launches, not arithmetic):
 
 Setting ``tree16`` verifies a 16-node tree per sequence (a binary heap with draft probabilities, T=0.7):
 ``per_row`` is then each tree processed and decided alone (``_stochastic_parallel`` on one tree, the
-engine's path before trees were stacked), ``batched`` every tree of the step in one pass.
+engine's path before trees were stacked), ``batched`` every tree of the step in one pass (on CUDA one kernel
+launch for every decision and bonus, kernels/stochastic_accept.py), ``batched_torch`` the same with the
+decisions as torch passes (``SPECGATE_ACCEPT_KERNEL=0``).
 
 Setting ``draft_level`` grows one level of a sampled draft tree (two frontier nodes a sequence, two children
 in all, T=0.7): ``per_row`` restates ``draft.base``'s draw before its race top-k (a multinomial and two host copies
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import provenance  # noqa: E402  (bench/, this script's own directory)
 from draft.base import TreeBuilder, _allocate, expand_all  # noqa: E402
 from draft.tree import TokenTree  # noqa: E402
+import verify.accept as accept_mod  # noqa: E402
 from verify.accept import _stochastic_parallel, accept_batch  # noqa: E402
 from verify.sampling import SamplingParams, make_generator, process_logits  # noqa: E402
 
@@ -96,6 +99,15 @@ def trees_batched(logits: torch.Tensor, params: SamplingParams, gens: list[torch
                                                gens, [(None, None)] * B)]
 
 
+def torch_passes(fn, *args) -> list[int]:
+    """``fn`` with stochastic trees decided by torch passes (``SPECGATE_ACCEPT_KERNEL=0``'s path)."""
+    accept_mod.ACCEPT_KERNEL = False
+    try:
+        return fn(*args)
+    finally:
+        accept_mod.ACCEPT_KERNEL = True
+
+
 def per_row(logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]) -> list[int]:
     picks = [torch.multinomial(process_logits(logits[i : i + 1], params)[0], 1, generator=g)
              for i, g in enumerate(gens)]
@@ -141,6 +153,8 @@ def main() -> None:
                 logits = torch.randn(B * TREE_NODES, args.vocab, device=device, generator=gen) * 3
                 arms = {"per_row": lambda l, p, g: per_tree(l, p, g, trees),
                         "batched": lambda l, p, g: trees_batched(l, p, g, trees)}
+                if device.type == "cuda":  # the decisions as torch passes, beside the one-launch kernel
+                    arms["batched_torch"] = lambda l, p, g: torch_passes(trees_batched, l, p, g, trees)
             else:
                 logits = torch.randn(B, args.vocab, device=device, generator=gen) * 3
                 arms = {"batched": batched} if params.is_greedy else {"per_row": per_row, "batched": batched}

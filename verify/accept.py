@@ -13,13 +13,19 @@ every node of every tree on the device and copies the outcome to the host once p
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from draft.tree import TokenTree
+from kernels.stochastic_accept import normalise, residual_decisions_ref, stochastic_accept
 from verify.sampling import (SamplingParams, apply_penalties, inverse_cdf, process_logits, race_argmax, sample,
                              sample_rows, tree_path_counts)
+
+
+# Stochastic trees' decisions on CUDA: one kernel launch (kernels/stochastic_accept.py); 0 keeps the torch passes.
+ACCEPT_KERNEL = os.environ.get("SPECGATE_ACCEPT_KERNEL", "1") != "0"
 
 
 @dataclass(slots=True)
@@ -251,25 +257,11 @@ def _stochastic_parallel(trees: list[TokenTree], p: torch.Tensor, generators: li
             race[off : off + n] = torch.rand(n, generator=generator, dtype=torch.float64)
         off += n
     q = None
-    if trees[0].draft_probs is not None:  # p - q needs both on one scale
+    if trees[0].draft_probs is not None:
         q = torch.cat([t.draft_probs.to(p.device, torch.float32) for t in trees])  # [R, V]
-        p, q = _normalise(p, fallback=p), _normalise(q, fallback=q)
-    child = torch.full((R,), -1, dtype=torch.int64, device=p.device)
-    bad = torch.zeros(R, dtype=torch.bool, device=p.device)
-    for j in range(K):
-        t = kid_tok[:, j : j + 1]  # [R, 1]
-        live = (kid[:, j] >= 0) & (child < 0)  # [R]: a child to try, none accepted yet
-        p_t = p.gather(1, t)[:, 0]
-        q_t = p.sum(-1) if q is None else q.gather(1, t)[:, 0]  # a point mass is one-hot(t) at p's scale
-        bad = bad | (live & (q_t <= 0))
-        ok = live & (u[:, j] * q_t < p_t)  # u < p_t / q_t
-        child = torch.where(ok, kid[:, j], child)
-        rejected = (live & ~ok)[:, None]  # [R, 1]
-        if q is None:
-            p = torch.where(rejected, p.scatter(1, t, 0.0), p)
-        else:
-            p = torch.where(rejected, _normalise((p - q).clamp_min(0), fallback=p), p)
-            q = torch.where(rejected, _normalise(q.scatter(1, t, 0.0), fallback=q), q)
+    if p.is_cuda and ACCEPT_KERNEL:  # every decision and every bonus in one launch (kernels/stochastic_accept.py)
+        return stochastic_accept(p.float().contiguous(), q, kid, kid_tok, u, race)
+    child, bad, p = residual_decisions_ref(p, q, kid, kid_tok, u)
     # [R]: p_i / Exp(1) is largest at i with probability p_i / sum(p); the inverse CDF draws i as often
     bonus = race_argmax(p, race) if p.is_cuda else inverse_cdf(p, race)
     return torch.cat((child, bonus, bad.long()))
@@ -341,7 +333,7 @@ def _try_children(children: list[int], tokens: list[int], p: torch.Tensor, q: to
     Draft q: accept with min(1, p[t] / q[t]); on reject p <- norm(max(p - q, 0)), q <- norm(q with t zeroed).
     """
     if q is not None:  # p - q needs both on one scale
-        p, q = _normalise(p, fallback=p), _normalise(q, fallback=q)
+        p, q = normalise(p, fallback=p), normalise(q, fallback=q)
     for child in children:
         t = tokens[child]
         u = torch.rand((), generator=generator, device=p.device)
@@ -355,21 +347,9 @@ def _try_children(children: list[int], tokens: list[int], p: torch.Tensor, q: to
         if q is None:
             p = without_t
         else:
-            p = _normalise((p - q).clamp_min(0), fallback=p)
-            q = _normalise(q.index_fill(0, torch.tensor([t], device=q.device), 0.0), fallback=q)
+            p = normalise((p - q).clamp_min(0), fallback=p)
+            q = normalise(q.index_fill(0, torch.tensor([t], device=q.device), 0.0), fallback=q)
     return None, p
-
-
-def _normalise(x: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """x / sum(x), or ``fallback`` when x has no mass (no host sync).
-
-    For the Sequoia residual max(p - q, 0), zero mass means p <= q everywhere, i.e. p == q, where the
-    rejection that led here has probability zero: it can only come from float rounding, so keeping p is
-    as good as any choice. For q with t zeroed, zero mass means q was a point mass at t and no sibling can
-    follow; a drafter that still adds one hits the zero-probability check in ``_try_children``.
-    """
-    mass = x.sum(-1, keepdim=True)  # one vector, or each row of a matrix
-    return torch.where(mass > 0, x / mass.clamp_min(torch.finfo(x.dtype).tiny), fallback)
 
 
 def _penalise(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.Tensor | None,
