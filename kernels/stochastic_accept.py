@@ -122,8 +122,7 @@ def _stochastic_accept_kernel(p_ptr, q_ptr, kid_ptr, tok_ptr, u_ptr, race_ptr, o
         t = tl.load(tok_ptr + row * K + j)
         live = (kid >= 0) & (child < 0)
         if HAS_Q:
-            v, w = _chain(tl.load(p_row + t) / pd, tl.load(q_row + t) / qd, t, zd, sd, fz, fs, tt, n, KP)
-            p_t, q_t = v, w
+            p_t, q_t = _chain(tl.load(p_row + t) / pd, tl.load(q_row + t) / qd, t, zd, sd, fz, fs, tt, n, KP)
         else:
             p_t = tl.load(p_row + t)
             q_t = mass
@@ -138,10 +137,10 @@ def _stochastic_accept_kernel(p_ptr, q_ptr, kid_ptr, tok_ptr, u_ptr, race_ptr, o
                 for lo in range(0, V, BLOCK):
                     x = lo + offs
                     m = x < V
-                    v, w = _chain(tl.load(p_row + x, mask=m, other=0.0) / pd, tl.load(q_row + x, mask=m, other=0.0) / qd,
-                                  x, zd, sd, fz, fs, tt, n, KP)
-                    zs += tl.maximum(v - w, 0.0)
-                    ss += tl.where(x == t, 0.0, w)
+                    rv, rw = _chain(tl.load(p_row + x, mask=m, other=0.0) / pd,
+                                    tl.load(q_row + x, mask=m, other=0.0) / qd, x, zd, sd, fz, fs, tt, n, KP)
+                    zs += tl.maximum(rv - rw, 0.0)
+                    ss += tl.where(x == t, 0.0, rw)
                 z = tl.sum(zs, 0)
                 s = tl.sum(ss, 0)
                 zd = tl.where(k == n, tl.maximum(z, 1.1754943508222875e-38), zd)
@@ -158,14 +157,14 @@ def _stochastic_accept_kernel(p_ptr, q_ptr, kid_ptr, tok_ptr, u_ptr, race_ptr, o
     for lo in range(0, V, BLOCK):
         x = lo + offs
         m = x < V
-        v = tl.load(p_row + x, mask=m, other=0.0)
+        bv = tl.load(p_row + x, mask=m, other=0.0)
         if HAS_Q:
-            v, w = _chain(v / pd, tl.load(q_row + x, mask=m, other=0.0) / qd, x, zd, sd, fz, fs, tt, n, KP)
+            bv, bw = _chain(bv / pd, tl.load(q_row + x, mask=m, other=0.0) / qd, x, zd, sd, fz, fs, tt, n, KP)
         else:
             for i in tl.static_range(KP):
-                v = tl.where((i < n) & (x == tl.sum(tl.where(k == i, tt, 0), 0)), 0.0, v)
+                bv = tl.where((i < n) & (x == tl.sum(tl.where(k == i, tt, 0), 0)), 0.0, bv)
         e = tl.load(race_row + x, mask=m, other=1.0)
-        score = tl.where(m, tl.where(v > 0, v / e, -1.0), -2.0)
+        score = tl.where(m, tl.where(bv > 0, bv / e, -1.0), -2.0)
         better = score > best
         best = tl.where(better, score, best)
         best_at = tl.where(better, x, best_at)

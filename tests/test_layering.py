@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT = {"gateway", "draft", "target", "verify", "kernels", "bench", "tests"}
 ALLOWED = {
     "kernels": {"kernels"},
-    "verify": {"verify", "draft.tree"},
+    "verify": {"verify", "draft.tree", "kernels"},
     "target": {"target", "kernels"},
     "draft": {"draft", "target", "verify.sampling", "kernels"},
     "gateway": {"gateway", "draft", "target", "verify", "kernels"},
