@@ -250,7 +250,7 @@ def _stochastic_parallel(trees: list[TokenTree], p: torch.Tensor, generators: li
     off = 0
     for (tokens, children), generator in zip(lists, generators):
         n, k = len(tokens), max(len(c) for c in children)
-        u[off : off + n, :k] = torch.rand(n, k, generator=generator, device=p.device)
+        u[off : off + n, :k].uniform_(generator=generator)  # in place: one launch, not a draw and a copy
         if p.is_cuda:
             race[off : off + n].exponential_(generator=generator)
         else:
