@@ -37,6 +37,7 @@ top-k host copies and Python tree building.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,14 @@ from target.kv_cache import BlockTable, KVCache
 from target.transfer import to_device
 from target.model import Transformer
 from verify.sampling import SamplingParams, draws_without_replacement, process_rows, race_scores
+
+
+# SPECGATE_SAMPLED_GRAPHS=1: sampled trees on CUDA replay one graph per (batch bucket, widths, top-k/top-p or
+# not), as greedy trees do, captured on first use. Off by default until it has run on a GPU (its CUDA test is
+# tests/draft/test_tree_loop.py): the loop then runs eagerly, each draft forward through the drafter's graph
+# runner, ~300 launches a step at batch 1 (bench/results/step_profile_h100_9cfad4d.json: the sampled loop took
+# 4.0 ms of a 6.0 ms step, the greedy loop's one replay 1.0 ms).
+SAMPLED_GRAPHS = os.environ.get("SPECGATE_SAMPLED_GRAPHS", "0") == "1"
 
 
 @dataclass(slots=True)
@@ -103,6 +112,9 @@ class GreedyTreeLoop:
         # (batch bucket, widths) -> the graph, its static inputs and its outputs (``_levels``')
         self._graphs: dict[tuple[int, tuple[int, ...]],
                            tuple[torch.cuda.CUDAGraph, _Inputs, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # (batch bucket, widths, filtered) -> a sampled loop's graph, its static inputs, its static noise and
+        # knobs ([B, 3] float64: temperature, top-k, top-p), and its outputs
+        self._sampled_graphs: dict[tuple[int, tuple[int, ...], bool], tuple] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.replays = 0
         # A feature draft (Transformer.fc) feeds each node with its parent's feature (the root's comes from
@@ -194,7 +206,14 @@ class GreedyTreeLoop:
         of its nodes (zero for nodes with no children). ``sampling[g]`` is sequence g's (not greedy),
         ``generators[g]`` its generator, on this loop's device."""
         G = len(ctxs)
-        ctx, slot_t, bt, _ = self._prepare(ctxs, tables, widths, root_hidden)
+        ctx, slot_t, bt, cols = self._prepare(ctxs, tables, widths, root_hidden)
+        knobs = [[p.temperature, p.top_k, p.top_p] for p in sampling]
+        filtered = any(p.top_k > 0 or p.top_p < 1 for p in sampling)
+        B = next((b for b in self.buckets if b >= G), None)
+        if self.graphs and SAMPLED_GRAPHS and B is not None and cols <= self.max_blocks:
+            out, q = self._replay_sampled(B, widths, filtered, root_logits, ctx, slot_t, bt, root_hidden, knobs,
+                                          generators)
+            return self._sampled_trees(out, q, self._plan(G, widths).levels[-2][1])
         plan = self._plan(G, widths)
         R = plan.levels[-2][1]  # frontier nodes: every node above the leaves
         if self.device.type == "cuda":
@@ -206,18 +225,66 @@ class GreedyTreeLoop:
             for (lo, hi), w in zip(plan.levels, widths):
                 offsets[lo], U = U, U + (hi - lo) * w
             noise = torch.stack([torch.rand(U, generator=gen, dtype=torch.float64) for gen in generators])
-        knobs = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in sampling], dtype=torch.float64)
-        knobs = to_device(knobs, self.device)
-        filtered = any(p.top_k > 0 or p.top_p < 1 for p in sampling)
+        kn = to_device(torch.tensor(knobs, dtype=torch.float64), self.device)
         x = _Inputs(root_logits, ctx, slot_t, bt, root_hidden)
-        out, q = self._levels(plan, x, _Sampled(noise, knobs[:, 0].float(), knobs[:, 1].long(),
-                                                knobs[:, 2].float(), filtered,
+        out, q = self._levels(plan, x, _Sampled(noise, kn[:, 0].float(), kn[:, 1].long(), kn[:, 2].float(), filtered,
                                                 None if self.device.type == "cuda" else offsets))
+        return self._sampled_trees(out, q, R)
+
+    @staticmethod
+    def _sampled_trees(out: torch.Tensor, q: torch.Tensor, R: int
+                       ) -> list[tuple[list[int], list[int], list[bool], torch.Tensor]]:
+        """``grow_sampled``'s result from the loop's outputs: ``out`` [4, G, N] and the frontier's q rows
+        ``q`` [G, R, V] (copied here: a graph's are overwritten by its next replay)."""
         tokens, parents, _, valid = out.tolist()  # the loop's one host copy
-        N = len(tokens[0])
+        G, N = len(tokens), len(tokens[0])
         q = torch.cat((q, q.new_zeros(G, N - R, q.shape[-1])), dim=1)  # leaves: no children, no q row
         return [([int(t) for t in tok], [int(p) for p in par], [v > 0 for v in val], q[g])
                 for g, (tok, par, val) in enumerate(zip(tokens, parents, valid))]
+
+    def _replay_sampled(self, B: int, widths: tuple[int, ...], filtered: bool, root_logits: torch.Tensor,
+                        ctx: torch.Tensor, slot_t: torch.Tensor, bt: torch.Tensor, root_hidden: torch.Tensor | None,
+                        knobs: list[list[float]], generators: list[torch.Generator]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampled loop of ``G`` sequences from its graph: the inputs copied in as ``_run`` copies them, each
+        request's race noise drawn into the static noise from its own generator (outside the graph: a launch a
+        request), the knobs copied (padding rows at temperature 1, unfiltered). Views of the graph's outputs."""
+        G = len(generators)
+        graph, static, noise, kn, (out_all, q_all) = self._sampled_graph(B, widths, filtered)
+        static.root_logits[:G].copy_(root_logits)
+        static.root_logits[G:].zero_()
+        if ONE_LAUNCH:
+            load_tree_inputs(static, ctx, slot_t, bt, self.cache.scratch_block, self.cache.page_size)
+        else:
+            load_tree_reference(static, ctx, slot_t, bt, self.cache.scratch_block, self.cache.page_size)
+        if static.root_hidden is not None:
+            static.root_hidden[:G].copy_(root_hidden)
+            static.root_hidden[G:].zero_()
+        for g, gen in enumerate(generators):  # one draw per request, whatever shares its batch
+            noise[g].exponential_(generator=gen)
+        kn.copy_(to_device(torch.tensor(knobs + [[1.0, 0, 1.0]] * (B - G), dtype=torch.float64), self.device))
+        graph.replay()
+        self.replays += 1
+        return out_all[:, :G], q_all[:G]
+
+    def _sampled_graph(self, B: int, widths: tuple[int, ...], filtered: bool):
+        """The sampled loop for bucket ``B`` as one graph: ``_graph``'s static inputs plus static noise and knobs;
+        its draft forwards run inside it (the model's, not the runner's graphs). Captured on first use."""
+        key = (B, widths, filtered)
+        if key in self._sampled_graphs:
+            return self._sampled_graphs[key]
+        plan = self._plan(B, widths)
+        static = self._static_inputs(plan)
+        noise = torch.ones(B, plan.levels[-2][1], self.model.config.vocab_size, device=self.device)
+        kn = torch.tensor([[1.0, 0, 1.0]] * B, dtype=torch.float64, device=self.device)
+
+        def loop():
+            smp = _Sampled(noise, kn[:, 0].float(), kn[:, 1].long(), kn[:, 2].float(), filtered)
+            return self._levels(plan, static, smp, whole=True)
+
+        graph = self._capture(loop)
+        self._sampled_graphs[key] = (graph[0], static, noise, kn, graph[1])
+        return self._sampled_graphs[key]
 
     def _prepare(self, ctxs: list[int], tables: list[BlockTable], widths: tuple[int, ...],
                  root_hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -281,7 +348,7 @@ class GreedyTreeLoop:
         plan = self._plans[key] = _Plan(B, widths, levels, torch.tensor(depth, **i64), own, feeds)
         return plan
 
-    def _levels(self, plan: _Plan, x: _Inputs, smp: _Sampled | None = None):
+    def _levels(self, plan: _Plan, x: _Inputs, smp: _Sampled | None = None, whole: bool = False):
         """[3, B, N] float64: tokens, parents (exact in float64) and cumulative log-probabilities, so one
         host copy reads all three; and [B, N] int64 ancestor bits (bit ``i - 1`` = node ``i``, none for the
         root: the feeds' format). Device ops only: capturable. Sampled (``smp``): [4, B, N], each node's
@@ -325,9 +392,10 @@ class GreedyTreeLoop:
                 tokens=tok[:, 1 : 1 + n].reshape(-1), positions=positions[:, :n].reshape(-1),
                 slot_mapping=x.slots[:, :n].reshape(-1), block_tables=x.block_tables, context_lens=context_lens,
                 query_start=query_start, mask_bits=bits[:, 1 : 1 + n].reshape(-1), logits_indices=rows,
-                logits_start=[], query_lens=(n,) * B, logits_rows=rows_host if smp is not None else ())
-            # the greedy loop is captured whole; the sampled one replays the runner's graph for each forward
-            fwd = self.runner if smp is not None and self.runner is not None else self.model
+                logits_start=[], query_lens=(n,) * B, logits_rows=rows_host if smp is not None and not whole else ())
+            # the greedy loop is captured whole, the sampled one too on CUDA (``whole``); an eager sampled loop
+            # replays the runner's graph for each forward
+            fwd = self.runner if smp is not None and self.runner is not None and not whole else self.model
             if node_h is None:
                 front = fwd.forward(batch, self.cache).view(B, new_hi - new_lo, -1)
                 continue
@@ -376,26 +444,36 @@ class GreedyTreeLoop:
         if key in self._graphs:
             return self._graphs[key]
         plan = self._plan(B, widths)
-        N, V = plan.levels[-1][1], self.model.logits_width
+        static = self._static_inputs(plan)
+        graph, out = self._capture(lambda: self._levels(plan, static))
+        self._graphs[key] = (graph, static, out)
+        return self._graphs[key]
+
+    def _static_inputs(self, plan: _Plan) -> _Inputs:
+        """A graph's input buffers for ``plan``: padding rows point at the scratch block."""
+        B, N, V = plan.B, plan.levels[-1][1], self.model.logits_width
         scratch = self.cache.scratch_block
-        static = _Inputs(
+        return _Inputs(
             root_logits=torch.zeros(B, V, dtype=torch.float32, device=self.device),
             ctx=torch.full((B,), -1, dtype=torch.int64, device=self.device),
             slots=torch.full((B, N - 1), scratch * self.cache.page_size, dtype=torch.int64, device=self.device),
             block_tables=torch.full((B, self.max_blocks), scratch, dtype=torch.int32, device=self.device),
             root_hidden=torch.zeros(B, self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
             if self.features else None)
+
+    def _capture(self, loop):
+        """``loop()`` captured as a graph (after two runs outside it: every kernel compiled and tuned); the graph
+        and what the capture returned."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile and tune every kernel outside the capture
-                self._levels(plan, static)
+            for _ in range(2):
+                loop()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._levels(plan, static)
-        self._graphs[key] = (graph, static, out)
-        return self._graphs[key]
+            out = loop()
+        return graph, out
 
 
 def is_narrowing(asked: tuple[int, ...], widths: tuple[int, ...]) -> bool:

@@ -242,31 +242,43 @@ def test_sampled_loop_with_cut_draws_commits_the_fed_slots():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_sampled_loop_replays_the_runners_graphs_cuda():
-    """On CUDA the sampled loop's draft forwards replay the drafter's graph runner, with each request's
-    noise drawn from its own CUDA generator; sampled requests finish and free every block."""
-    engine, drafter = cuda_engine()
-    engine.capture_graphs()
-    runner, fed = drafter.loop.runner, []
+def test_sampled_loop_replays_its_graph_or_the_runners_cuda(monkeypatch):
+    """On CUDA a sampled loop replays one graph of its own per (bucket, widths, filtered), each request's noise
+    drawn into it from its own CUDA generator; with SPECGATE_SAMPLED_GRAPHS=0 it runs eagerly and its draft
+    forwards replay the drafter's graph runner. Either way sampled requests finish, free every block, and
+    draw the same tokens: the same noise, the same kernels."""
+    from draft import tree_loop
 
-    class Counting:  # the drafter's runner, counting the loop's forwards through it
-        def forward(self, batch, cache):
-            fed.append(len(batch.query_lens))
-            return runner.forward(batch, cache)
+    outs = {}
+    for whole in (True, False):
+        monkeypatch.setattr(tree_loop, "SAMPLED_GRAPHS", whole)
+        engine, drafter = cuda_engine()
+        engine.capture_graphs()
+        runner, fed = drafter.loop.runner, []
 
-    drafter.loop.runner = Counting()
-    before = drafter.graphs.replays
-    for i, params in enumerate([SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=1),
-                                SamplingParams(temperature=1.0, top_p=0.9, top_k=4, max_tokens=24, ignore_eos=True)]):
-        engine.add(f"s{i}", [(5 * j + i) % 500 + 3 for j in range(9)], params, SpeculationParams(tree=(2, 2, 1)))
-    out = {}
-    while engine.has_work():
-        for o in engine.step():
-            assert o.error is None, o.error
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-    assert [len(v) for v in out.values()] == [24, 24]
-    assert fed and drafter.graphs.replays >= before + len(fed) and drafter.loop.replays == 0
-    assert drafter.cache.pool.num_free == drafter.cache.pool.num_blocks
+        class Counting:  # the drafter's runner, counting the loop's forwards through it
+            def forward(self, batch, cache):
+                fed.append(len(batch.query_lens))
+                return runner.forward(batch, cache)
+
+        drafter.loop.runner = Counting()
+        before = drafter.loop.replays
+        for i, params in enumerate([SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=1),
+                                    SamplingParams(temperature=1.0, top_p=0.9, top_k=4, max_tokens=24,
+                                                   ignore_eos=True, seed=2)]):
+            engine.add(f"s{i}", [(5 * j + i) % 500 + 3 for j in range(9)], params, SpeculationParams(tree=(2, 2, 1)))
+        out = outs[whole] = {}
+        while engine.has_work():
+            for o in engine.step():
+                assert o.error is None, o.error
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert [len(v) for v in out.values()] == [24, 24]
+        if whole:
+            assert not fed and drafter.loop.replays > before and drafter.loop._sampled_graphs
+        else:
+            assert fed and drafter.loop.replays == before
+        assert drafter.cache.pool.num_free == drafter.cache.pool.num_blocks
+    assert outs[True] == outs[False]
 
 
 def _resolved(tree):
