@@ -31,8 +31,10 @@ from pathlib import Path
 # "idle ngram": every request speculates with the n-gram drafter, whose lookups the target never confirms (its
 # next token depends on the position too), so the budget soon leaves them plain but for probes: what speculating
 # requests cost the host in a batch where speculation does not pay.
+# "overlapped": plain steps launched ahead of the last one's resolution (EngineConfig.overlap, the default on a
+# CUDA target): the host work a GPU step hides while the host keeps up, and bounds where it does not.
 CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48), ("plain+penalties", 64),
-           ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64)]
+           ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64), ("plain overlapped", 64)]
 VOCAB = 512
 PENALTY_VOCAB = 49152
 
@@ -63,9 +65,12 @@ def measure(steps: int) -> dict[str, float]:
             return out
 
         engine = tiny_engine(num_blocks=8192, page_size=16, max_running=64, vocab=V, tree=(2, 2, 2, 1))
+        if arm == "plain overlapped":
+            engine.config = replace(engine.config, overlap=True)
         engine.target.forward = rule
         engine.drafters["draft"].model.forward = rule
-        named = {"plain": SpeculationParams(enabled=False), "adaptive": SpeculationParams(),
+        named = {"plain": SpeculationParams(enabled=False), "plain overlapped": SpeculationParams(enabled=False),
+                 "adaptive": SpeculationParams(),
                  "idle ngram": SpeculationParams(drafter="ngram")}
         spec = named.get(arm, SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)))
         if arm == "adaptive":

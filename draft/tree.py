@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_TREE_NODES = 64  # the ancestor mask is one int64 bit per node
+_ROOT_PARENTS, _ROOT_DEPTHS = [-1], [0]  # every one-node tree's: host lists are read, never changed
 
 
 @dataclass(slots=True)
@@ -117,8 +118,8 @@ class TokenTree:
 
     @staticmethod
     def root_only(token: int, device: torch.device | str = "cpu") -> "TokenTree":
-        """The one-node tree: plain decoding of the pending token."""
-        return TokenTree(([token], [-1], [0]), device=device)
+        """The one-node tree: plain decoding of the pending token (its parents and depths lists shared)."""
+        return TokenTree(([token], _ROOT_PARENTS, _ROOT_DEPTHS), device=device)
 
     @staticmethod
     def from_lists(tokens: list[int], parents: list[int], device: torch.device | str = "cpu",

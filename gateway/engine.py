@@ -558,7 +558,7 @@ class Engine:
                     asked[i] = cut_widths(widths, len(chain)) if seq.sampling.is_greedy else ()
                 by_drafter.setdefault(seq.drafter, []).append(i)
             else:
-                trees[i] = TokenTree.root_only(seq.token_ids[-1])
+                trees[i] = TokenTree.root_only(seq.last_token)
         defer = self._defer_trees
         for name, idx in by_drafter.items():
             # A tree that nothing reads on the host before the target scores it (no grammar, no forced chain, no
@@ -575,7 +575,7 @@ class Engine:
         for i, chain in forced.items():
             seq, own = decodes[i][0], trees[i]
             trees[i] = graft_chains(own, [chain]) if asked[i] else TokenTree.from_lists(
-                [seq.token_ids[-1], *chain], list(range(-1, len(chain))))
+                [seq.last_token, *chain], list(range(-1, len(chain))))
             index = list(range(own.num_nodes)) if asked[i] else [0]  # grafted nodes come after the drafter's
             self._own[seq.request_id] = (own, index + [-1] * (trees[i].num_nodes - len(index)), True)
         for i, (seq, _) in enumerate(decodes):
@@ -613,7 +613,7 @@ class Engine:
             return None, None
         state = self._penalties_of(seq, device)
         before_root = state.counts.clone()
-        before_root[seq.token_ids[-1]] -= 1  # the root: the last output, or on the first step the prompt's last
+        before_root[seq.last_token] -= 1  # the root: the last output, or on the first step the prompt's last
         return state.prompt, before_root
 
     def _penalties_of(self, seq: Sequence, device: torch.device) -> PenaltyState:
@@ -633,8 +633,15 @@ class Engine:
     def _commit(self, seq: Sequence, tree: TokenTree, result: AcceptResult, offered: int) -> list[tuple[int, int]]:
         """Advance the sequence past the accepted path; return the target's KV moves (src, dst). ``offered``:
         the draft levels the scheduler gave it this step."""
-        ctx = seq.num_cached
         nodes = result.accepted_nodes
+        if tree.num_nodes == 1 and seq.request_id not in self._own:  # plain decoding: its one node kept in place
+            seq.num_cached += 1
+            if seq.drafter:
+                self.drafters[seq.drafter].commit(seq.request_id, tree, nodes)
+            self.scheduler.observe_step(seq, 0, 0, offered)
+            seq.stats.record(1, [], nodes)
+            return []
+        ctx = seq.num_cached
         slots = seq.table.slots(ctx, ctx + tree.num_nodes)
         moves = [(slots[n], slots[d]) for d, n in enumerate(nodes) if n != d]
         seq.num_cached = ctx + len(nodes)

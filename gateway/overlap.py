@@ -48,6 +48,11 @@ if TYPE_CHECKING:
     from gateway.scheduler import StepPlan
 
 
+# A launched step's trees before resolution: one-node trees whose root the host does not know yet. Shared, as
+# acceptance only reads them.
+PENDING_ROOT = TokenTree.root_only(0)
+
+
 @dataclass(slots=True)
 class InFlight:
     """A launched plain step whose picks are not on the host yet."""
@@ -133,7 +138,7 @@ def launch(engine: Engine, plan: Ahead, prev: InFlight | None) -> InFlight:
             for s, n in plan.prefills]
     first = sum(n for _, n in plan.prefills)  # the row of the first decoding segment
     segs += [Segment(s.table, s.num_cached + 1, [0], logits="all") for s in plan.ahead]
-    segs += [Segment(s.table, s.num_cached, [s.token_ids[-1]], logits="all") for s in plan.host]
+    segs += [Segment(s.table, s.num_cached, [s.last_token], logits="all") for s in plan.host]
     batch = build_batch(segs, engine.cache, engine.target.device)
     if plan.ahead:
         where = {id(s): k for k, s in enumerate(prev.seqs)}
@@ -145,7 +150,7 @@ def launch(engine: Engine, plan: Ahead, prev: InFlight | None) -> InFlight:
     raw = logits = runner.forward(batch, engine.cache)
     engine._advance_prefills(plan.prefills)
     seqs = plan.ahead + plan.host
-    trees = [TokenTree.root_only(0) for _ in seqs]  # roots named at resolution, once the host knows them
+    trees = [PENDING_ROOT] * len(seqs)  # roots named at resolution, once the host knows them (read-only here)
     starts = batch.logits_start[len(plan.prefills):]
     if any(s.sampling.custom_logits for s in seqs):  # bias, penalties, allowed tokens: one batched pass
         for k, seq in enumerate(plan.ahead):  # each root, the pending pick, counted as emitted
@@ -197,7 +202,7 @@ def resolve(engine: Engine, prev: InFlight) -> list:
         prev.event.synchronize()  # only prev's copy: a step launched after it may still run
         engine.wait_s += time.perf_counter() - t0
     ids = prev.host.tolist()
-    prev.launched.trees = [TokenTree.root_only(s.token_ids[-1]) for s in prev.seqs]
+    prev.launched.trees = [TokenTree.root_only(s.last_token) for s in prev.seqs]
     results: list[AcceptResult] = finish_accept(prev.launched, ids)
     logprobs: dict[int, list[TokenLogprob]] = {}
     if prev.table is not None:

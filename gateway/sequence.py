@@ -168,6 +168,11 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def last_token(self) -> int:
+        """``token_ids[-1]`` without building the list: the root of the sequence's next step."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         return getattr(self.sampling, "prompt_logprobs", None) is not None
 
