@@ -67,12 +67,29 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
     any_bits = any(s.mask_bits is not None for s in segments)
     tails: list[torch.Tensor] = []  # device nodes, tokens then bits of each segment's
     tail_rows: list[int] = []  # the rows they go to
+    P = cache.pool.page_size
+    refcount = cache.pool.refcount
     for s in segments:
         n, ctx, table = len(s.tokens), s.context_len, s.table
         end = ctx + n
+        base = query_start[-1]
+        if (n == 1 and s.logits in ("all", "last") and s.positions is None and s.mask_bits is None
+                and s.device_nodes is None and not any_bits):
+            # a plain decode's one token (most segments of a busy step): its slot, without the general calls
+            blocks = table.blocks
+            if ctx // P >= len(blocks):
+                table.ensure(end)
+            elif refcount(blocks[ctx // P]) > 1:
+                cache.make_writable(table, ctx, end)
+            tokens.append(s.tokens[0])
+            positions.append(ctx)
+            slots.append(blocks[ctx // P] * P + ctx % P)
+            logit_rows.append(base)
+            query_start.append(base + 1)
+            logits_start.append(len(logit_rows))
+            continue
         table.ensure(end)
         cache.make_writable(table, ctx, end)
-        base = query_start[-1]
         if s.device_nodes is not None:
             first, dev_tokens, dev_bits = s.device_nodes
             tails += (dev_tokens, dev_bits)

@@ -37,6 +37,33 @@ def test_fields_hold_the_segments_and_start_16_byte_aligned(lens: list[int]) -> 
     assert all(f.data_ptr() % 16 == 0 and f.is_contiguous() for f in fields)
 
 
+def test_one_token_segments_take_the_general_paths_slots_and_copies() -> None:
+    """A plain decode's one-token segment is packed by a shortcut: its slot in a fresh block (allocated), in a
+    block it shares with a fork (copied first: copy-on-write), or in a block of its own. Fields, tables and the
+    cache's contents equal what the general path makes (forced here by naming the positions)."""
+    def run(general: bool):
+        cache = KVCache(num_layers=1, num_blocks=32, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32,
+                        device="cpu")
+        cache.k.copy_(torch.arange(cache.k.numel(), dtype=torch.float32).view_as(cache.k))
+        fresh, shared, own = cache.new_table(), cache.new_table(), cache.new_table()
+        fresh.ensure(8)  # two full blocks: the next token needs a third
+        shared.ensure(6)
+        fork = shared.fork()  # its last block is now shared: writing slot 6 copies it first
+        own.ensure(3)
+        segs = [Segment(t, ctx, [tok], positions=[ctx] if general else None, logits=lg)
+                for t, ctx, tok, lg in ((fresh, 8, 11, "last"), (shared, 6, 12, "all"), (own, 2, 13, "last"))]
+        b = build_batch(segs, cache, "cpu")
+        fields = [b.tokens, b.positions, b.slot_mapping, b.block_tables, b.context_lens, b.query_start,
+                  b.logits_indices]
+        return [f.tolist() for f in fields], b.logits_rows, b.is_decode, [t.blocks for t in (fresh, shared, own, fork)], \
+            cache.k.clone()
+
+    fast, slow = run(False), run(True)
+    assert fast[:4] == slow[:4] and torch.equal(fast[4], slow[4])
+    assert fast[3][1] != fast[3][3]  # the shared block was copied: the fork keeps the original
+    assert len(fast[3][0]) == 3  # the fresh table grew a block
+
+
 def test_device_nodes_land_in_their_rows() -> None:
     """A deferred tree's nodes come from the device (``Segment.device_nodes``), between its root and any host
     nodes after them: the batch holds exactly what the same segments with host lists hold."""
