@@ -359,7 +359,13 @@ def _penalise(logits: torch.Tensor, params: SamplingParams, prompt_mask: torch.T
         return logits
     path_counts = None
     if tree is not None and params.use_penalties:
-        path_counts = tree_path_counts(tree, logits.shape[-1]).to(logits.device)  # [N, V]
+        if tree.num_nodes == 1:  # the root alone (plain decoding): one more count, no [N, V] path matrix
+            V = logits.shape[-1]
+            output_counts = (torch.zeros(V, dtype=torch.int64, device=logits.device) if output_counts is None
+                             else output_counts.clone())
+            output_counts[tree.host()[0][0]] += 1
+        else:
+            path_counts = tree_path_counts(tree, logits.shape[-1]).to(logits.device)  # [N, V]
     return apply_penalties(logits, params, prompt_mask, output_counts, path_counts)
 
 

@@ -91,6 +91,28 @@ def test_greedy_keeps_the_deeper_twin_and_stochastic_refuses_twins() -> None:
         accept_stochastic(tree, torch.full((4, V), 1 / V), torch.Generator())
 
 
+@pytest.mark.parametrize("with_counts", [True, False])
+def test_a_one_node_trees_penalties_count_its_root_as_the_path_matrix_does(with_counts: bool) -> None:
+    """Plain decoding's one-node tree adds its root to the counts directly; the logits equal those of the path
+    matrix (tree_path_counts) for every penalty, with or without earlier outputs, and the counts handed in are
+    left as they were."""
+    from verify.accept import _penalise
+    from verify.sampling import tree_path_counts
+
+    g = torch.Generator().manual_seed(4)
+    vocab = 50
+    logits = torch.randn(1, vocab, generator=g) * 3
+    counts = torch.randint(0, 3, (vocab,), generator=g, dtype=torch.int32) if with_counts else None
+    before = None if counts is None else counts.clone()
+    prompt = torch.rand(vocab, generator=g) > 0.7
+    params = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    tree = TokenTree.root_only(17)
+    got = _penalise(logits, params, prompt, counts, tree)
+    want = apply_penalties(logits, params, prompt, counts, tree_path_counts(tree, vocab))
+    assert torch.equal(got, want)
+    assert counts is None or torch.equal(counts, before)
+
+
 def test_shape_mismatch_is_rejected() -> None:
     tree = TokenTree.from_lists([1, 2], [-1, 0])
     with pytest.raises(ValueError, match="N=2"):
