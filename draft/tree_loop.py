@@ -183,16 +183,7 @@ class GreedyTreeLoop:
         if not self.graphs or B is None or cols > self.max_blocks:
             return self._levels(self._plan(G, widths), _Inputs(root_logits, ctx, slot_t, bt, root_hidden))
         graph, static, (out_all, bits_all) = self._graph(B, widths)
-        scratch = self.cache.scratch_block
-        static.root_logits[:G].copy_(root_logits)
-        static.root_logits[G:].zero_()
-        if ONE_LAUNCH:  # roots, slots and block tables in one kernel (kernels/graph_inputs.py)
-            load_tree_inputs(static, ctx, slot_t, bt, scratch, self.cache.page_size)
-        else:
-            load_tree_reference(static, ctx, slot_t, bt, scratch, self.cache.page_size)
-        if static.root_hidden is not None:
-            static.root_hidden[:G].copy_(root_hidden)
-            static.root_hidden[G:].zero_()
+        self._load(static, root_logits, ctx, slot_t, bt, root_hidden)
         graph.replay()
         self.replays += 1
         return out_all[:, :G], bits_all[:G]
@@ -209,13 +200,13 @@ class GreedyTreeLoop:
         ctx, slot_t, bt, cols = self._prepare(ctxs, tables, widths, root_hidden)
         knobs = [[p.temperature, p.top_k, p.top_p] for p in sampling]
         filtered = any(p.top_k > 0 or p.top_p < 1 for p in sampling)
+        plan = self._plan(G, widths)
+        R = plan.levels[-2][1]  # frontier nodes: every node above the leaves
         B = next((b for b in self.buckets if b >= G), None)
         if self.graphs and SAMPLED_GRAPHS and B is not None and cols <= self.max_blocks:
             out, q = self._replay_sampled(B, widths, filtered, root_logits, ctx, slot_t, bt, root_hidden, knobs,
                                           generators)
-            return self._sampled_trees(out, q, self._plan(G, widths).levels[-2][1])
-        plan = self._plan(G, widths)
-        R = plan.levels[-2][1]  # frontier nodes: every node above the leaves
+            return self._sampled_trees(out, q, R)
         if self.device.type == "cuda":
             noise = torch.empty(G, R, self.model.config.vocab_size, device=self.device)
             for g, gen in enumerate(generators):  # one draw per request, whatever shares its batch
@@ -251,21 +242,28 @@ class GreedyTreeLoop:
         request), the knobs copied (padding rows at temperature 1, unfiltered). Views of the graph's outputs."""
         G = len(generators)
         graph, static, noise, kn, (out_all, q_all) = self._sampled_graph(B, widths, filtered)
-        static.root_logits[:G].copy_(root_logits)
-        static.root_logits[G:].zero_()
-        if ONE_LAUNCH:
-            load_tree_inputs(static, ctx, slot_t, bt, self.cache.scratch_block, self.cache.page_size)
-        else:
-            load_tree_reference(static, ctx, slot_t, bt, self.cache.scratch_block, self.cache.page_size)
-        if static.root_hidden is not None:
-            static.root_hidden[:G].copy_(root_hidden)
-            static.root_hidden[G:].zero_()
+        self._load(static, root_logits, ctx, slot_t, bt, root_hidden)
         for g, gen in enumerate(generators):  # one draw per request, whatever shares its batch
             noise[g].exponential_(generator=gen)
         kn.copy_(to_device(torch.tensor(knobs + [[1.0, 0, 1.0]] * (B - G), dtype=torch.float64), self.device))
         graph.replay()
         self.replays += 1
         return out_all[:, :G], q_all[:G]
+
+    def _load(self, static: _Inputs, root_logits: torch.Tensor, ctx: torch.Tensor, slot_t: torch.Tensor,
+              bt: torch.Tensor, root_hidden: torch.Tensor | None) -> None:
+        """Copy ``G`` sequences' inputs into a graph's static buffers; the padding rows after them get zero roots
+        and the scratch block."""
+        G = root_logits.shape[0]
+        static.root_logits[:G].copy_(root_logits)
+        static.root_logits[G:].zero_()
+        if ONE_LAUNCH:  # roots, slots and block tables in one kernel (kernels/graph_inputs.py)
+            load_tree_inputs(static, ctx, slot_t, bt, self.cache.scratch_block, self.cache.page_size)
+        else:
+            load_tree_reference(static, ctx, slot_t, bt, self.cache.scratch_block, self.cache.page_size)
+        if static.root_hidden is not None:
+            static.root_hidden[:G].copy_(root_hidden)
+            static.root_hidden[G:].zero_()
 
     def _sampled_graph(self, B: int, widths: tuple[int, ...], filtered: bool):
         """The sampled loop for bucket ``B`` as one graph: ``_graph``'s static inputs plus static noise and knobs;

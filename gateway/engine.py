@@ -258,7 +258,7 @@ class Engine:
         if gate is not None:  # speculation's end-to-end A/B (gateway/budget.py SpecGate): the time since the
             # last step ended, so the host work between steps counts where it ran
             counted = (self.num_prefill_chunks == chunks and any(s.drafter for s in decoding)
-                       and self.scheduler.gate_tells(len(decoding)))
+                       and not self.scheduler.roots_fill_cap(len(decoding)))
             gate.observe(len(decoding), sum(len(o.new_token_ids) for o in outputs),
                          end - (start if self._step_end is None else self._step_end), counted)
         self._step_end = end if self.has_work() else None  # idle time between requests is nobody's step

@@ -125,7 +125,7 @@ class Scheduler:
         self._batch = len(decoding)
         self._gate_open = self.gate is None or self.gate.allows(len(decoding))
         cap = self.config.budget.max_verify_tokens
-        if len(decoding) >= cap:  # the roots alone fill the verify cap: every tree would be cut away
+        if self.roots_fill_cap(len(decoding)):  # every tree would be cut away
             widths = [()] * len(decoding)
         else:
             asked = [self._widths(s, template_of) for s in decoding]
@@ -243,13 +243,10 @@ class Scheduler:
         probe = self.costs.seconds(batch, 1, drafter_set([drafter])) if cfg.cost_aware else None
         return probe_interval(plain, probe, cfg)
 
-    def gate_tells(self, batch: int) -> bool:
-        """Whether a step of ``batch`` decoding sequences differs between the gate's arms: not where the roots
-        alone fill the verify cap, which leaves every tree plain in both. Counted there, such steps fed the arms
-        each other's noise (a CPU replay of the engine bench at batch 64 had the gate pick speculation at 189
-        against 112 tokens/s for two arms that ran the same steps), and the pick then ruled that bucket's
-        smaller batches, where it does decide."""
-        return batch < self.config.budget.max_verify_tokens
+    def roots_fill_cap(self, batch: int) -> bool:
+        """Whether ``batch`` decoding sequences' roots alone fill the verify cap: every tree of such a step is cut
+        away, whatever the budget or the gate's arm (so the gate does not count it: both arms run it plain)."""
+        return batch >= self.config.budget.max_verify_tokens
 
     def plans_plain(self, seq: Sequence, template_of: TemplateOf, batch: int, pending: bool) -> bool:
         """Whether the next plan leaves ``seq`` plain, asked before the step ahead of it is committed
@@ -257,7 +254,7 @@ class Scheduler:
         an overlapped step's test for a speculating request (gateway/overlap.py). False where unsure: its
         tree template fixed by the request, or one the budget may still keep. The depth and verify caps only
         cut trees, so a sequence its own budget leaves plain stays plain in the plan."""
-        if batch >= self.config.budget.max_verify_tokens:  # the roots alone fill the verify cap
+        if self.roots_fill_cap(batch):
             return True
         template, adapt = template_of(seq)
         if not template:
