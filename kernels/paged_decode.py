@@ -14,6 +14,7 @@ graphs and never sync with the host.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,13 @@ _SHORT_SPLITS, _SHORT_SPLIT_TOKENS = 16, 32
 # deeper pipelines (num_stages 5 and 7) cost occupancy and measured slower on an H200.
 DECODE_PROGRAMS_PER_SM = 4
 DECODE_PREFETCH = False  # the hand-pipelined loop (_prefetched_tiles); see bench/kernels/prefetch_probe.py
+# Block ids read this many tokens' pages at a time into registers (_chunked_tiles), 0 = one lookup per tile
+# inside the loop. With the lookup out of the loop the pipeliner double-buffers K/V (sm_90 build: two
+# 64x128 buffers each and async_wait 2, against one and async_wait 0); the buffers cost shared memory, so
+# fewer programs fit on an SM.
+# SPECGATE_ATTN_CHUNK sets it (and tree_attention's TREE_CHUNK_TOKENS) for A/B runs.
+DECODE_CHUNK_TOKENS = int(os.environ.get("SPECGATE_ATTN_CHUNK", "0"))
+CHUNKED_PROGRAMS_PER_SM = 3  # block_n=64, 3 stages: 153 registers and 70 KB of shared memory (ptxas, sm_90a)
 PREFETCH_WARPS = 8
 # The merge stays a launch of its own. Two forms of it inside the decode kernel, by the last split of each
 # (sequence, KV head) to finish, measured slower than the launch they saved: reading the partials one after
@@ -205,6 +213,30 @@ def _prefetched_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, lo, h
     return acc, l_i, m_i
 
 
+@triton.jit
+def _chunked_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, lo, full_hi, qk_scale, stride_kb, stride_kp,
+                   offs_n, offs_d, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BT_CHUNK: tl.constexpr):
+    """The whole tiles ``[lo, full_hi)`` with their block ids read BT_CHUNK pages at a time into registers:
+    each tile's K/V addresses come from those registers (``tl.gather``), not from a load inside the loop,
+    so Triton's pipeliner can keep several K/V tiles in flight instead of waiting on every copy at each
+    tile's block-table lookup. Chunks sit on multiples of their length, which whole tiles divide; ``lo``
+    sits on a tile, not necessarily on a page or a chunk."""
+    CHUNK: tl.constexpr = BT_CHUNK * PAGE
+    offs_p = tl.arange(0, BT_CHUNK)
+    for c in range(lo // CHUNK, tl.cdiv(full_hi, CHUNK)):
+        base = c * CHUNK
+        pages = tl.load(bt_row + base // PAGE + offs_p, mask=base + offs_p * PAGE < full_hi, other=0)  # [BT_CHUNK]
+        for start in range(tl.maximum(lo, base), tl.minimum(base + CHUNK, full_hi), BLOCK_N):
+            rel = start - base + offs_n  # [BLOCK_N] token offsets in the chunk
+            blk = tl.gather(pages, rel // PAGE, 0).to(tl.int64)
+            kv_ptrs = (blk * stride_kb + (rel % PAGE) * stride_kp + kv_head_off)[:, None] + offs_d[None, :]
+            k = tl.load(k_ptr + kv_ptrs)
+            v = tl.load(v_ptr + kv_ptrs)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v)
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=["stride_btb", "stride_ls", "num_splits"])  # batch-dependent: see tree_attention
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, o_ptr, lse_ptr,
@@ -217,7 +249,7 @@ def _paged_decode_kernel(
     num_splits,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, LEN_OFFSET: tl.constexpr,
-    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, BT_CHUNK: tl.constexpr = 0,
 ):
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
@@ -247,9 +279,13 @@ def _paged_decode_kernel(
         acc, l_i, m_i = _prefetched_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, lo, hi, qk_scale,
                                           stride_kb, stride_kp, offs_n, offs_d, PAGE, BLOCK_N)
     else:
-        for start in range(lo, full_hi, BLOCK_N):
-            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len,
-                                         qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, False)
+        if BT_CHUNK > 0:
+            acc, l_i, m_i = _chunked_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, lo, full_hi, qk_scale,
+                                           stride_kb, stride_kp, offs_n, offs_d, PAGE, BLOCK_N, BT_CHUNK)
+        else:
+            for start in range(lo, full_hi, BLOCK_N):
+                acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len,
+                                             qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, False)
         for start in range(full_hi, hi, BLOCK_N):
             acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, seq_len,
                                          qk_scale, stride_kb, stride_kp, offs_n, offs_d, PAGE, True)
@@ -309,6 +345,14 @@ def pick_num_splits(num_programs: int, max_len: int, device: torch.device, progr
     return max(1, min(MAX_SPLITS, fill, by_len))
 
 
+def chunk_pages(chunk_tokens: int, page: int, block_n: int) -> int:
+    """Pages per block-id chunk for ``chunk_tokens`` (0: no chunks): a power of two (``tl.arange``) covering
+    whole tiles, so no tile straddles two chunks; 0 where pages are not a power of two."""
+    if chunk_tokens <= 0 or page & (page - 1):
+        return 0
+    return triton.next_power_of_2(max(chunk_tokens, block_n, page) // page)
+
+
 def use_triton_for(t: torch.Tensor, use_triton: bool | None) -> bool:
     """Triton on CUDA by default; ``use_triton=True`` forces it (CPU tensors need TRITON_INTERPRET=1)."""
     return t.is_cuda if use_triton is None else use_triton
@@ -329,12 +373,15 @@ def paged_decode_attention(
     num_stages: int = 3,
     len_offset: int = 0,
     prefetch: bool | None = None,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     """Dispatch: the Triton kernel on CUDA (or when forced), elsewhere the batched torch path (or with
     ``BATCHED_CPU`` off the one-sequence-at-a-time reference). Sequence ``b``
     attends to ``seq_lens[b] + len_offset`` tokens: the model passes its context lengths and 1, which
     saves a launch per layer for the addition. ``prefetch`` picks the hand-pipelined loop
-    (``_prefetched_tiles``, ``num_stages`` ignored) or Triton's pipeliner; None takes ``DECODE_PREFETCH``."""
+    (``_prefetched_tiles``, ``num_stages`` ignored) or Triton's pipeliner; None takes ``DECODE_PREFETCH``.
+    ``chunk_tokens`` > 0 has the pipelined loop read its block ids that many tokens at a time
+    (``_chunked_tiles``); None takes ``DECODE_CHUNK_TOKENS``."""
     if not use_triton_for(q, use_triton):
         cpu = paged_decode_attention_batched if BATCHED_CPU else paged_decode_attention_ref
         return cpu(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
@@ -345,9 +392,12 @@ def paged_decode_attention(
         raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, kv {tuple(k_cache.shape)}")
     G = H // Hkv
     prefetch = DECODE_PREFETCH if prefetch is None else prefetch
+    chunk = 0 if prefetch else (DECODE_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens)
     max_len = block_tables.shape[1] * P
-    S = num_splits or pick_num_splits(B * Hkv, max_len, q.device, DECODE_PROGRAMS_PER_SM, _SHORT_SPLITS)
+    per_sm = CHUNKED_PROGRAMS_PER_SM if chunk else DECODE_PROGRAMS_PER_SM
+    S = num_splits or pick_num_splits(B * Hkv, max_len, q.device, per_sm, _SHORT_SPLITS)
     block_n = block_n or (32 if max_len // S < 64 else 64)  # short splits: half tiles, twice the programs busy
+    bt_chunk = chunk_pages(chunk, P, block_n)
     out = torch.empty_like(q)
     o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, B, H, D, dtype=torch.float32)  # [S, B, H, D]
     lse = q.new_empty(S, B, H, dtype=torch.float32)  # [S, B, H]
@@ -356,7 +406,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1), S,
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
-        IS_SPLIT=S > 1, LEN_OFFSET=len_offset, PREFETCH=prefetch,
+        IS_SPLIT=S > 1, LEN_OFFSET=len_offset, PREFETCH=prefetch, BT_CHUNK=bt_chunk,
         num_warps=num_warps or (PREFETCH_WARPS if prefetch else 4), num_stages=1 if prefetch else num_stages,
         **pdl_meta(q.device))
     if S > 1:

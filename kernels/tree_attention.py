@@ -23,15 +23,16 @@ import triton
 import triton.language as tl
 
 from kernels import paged_decode
-from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _prefetched_tiles, _softmax_step, cpu_chunks,
-                                  gather_kv, merge_splits, paged_decode_attention, pick_num_splits,
-                                  use_triton_for)
+from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _chunked_tiles, _prefetched_tiles, _softmax_step,
+                                  chunk_pages, cpu_chunks, gather_kv, merge_splits, paged_decode_attention,
+                                  pick_num_splits, use_triton_for)
 from kernels.pdl import pdl_enter, pdl_meta
 
 # Programs of the default configs resident per SM at D=128: 180 to 213 registers and 74 to 99 KB of
 # shared memory each (ptxas -v, sm_90a); 128-row tiles (8 warps) fit only one, which measured the same.
 TREE_PROGRAMS_PER_SM = 2
 TREE_PREFETCH = False  # see tree_attention's ``prefetch``
+TREE_CHUNK_TOKENS = paged_decode.DECODE_CHUNK_TOKENS  # see tree_attention's ``chunk_tokens``
 
 
 def _visible(n: int, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -230,7 +231,7 @@ def _tree_attention_kernel(
     stride_ls, stride_lt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, IS_SPLIT: tl.constexpr,
-    HAS_BITS: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BITS: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, BT_CHUNK: tl.constexpr = 0,
 ):
     pdl_enter(USE_PDL)
     tile = tl.program_id(0)
@@ -286,6 +287,9 @@ def _tree_attention_kernel(
     if PREFETCH:  # the prefix's whole tiles, pipelined by hand (paged_decode._prefetched_tiles)
         acc, l_i, m_i = _prefetched_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, lo, full_hi, qk_scale,
                                           stride_kb, stride_kp, offs_n, offs_d, PAGE, BLOCK_N)
+    elif BT_CHUNK > 0:  # the prefix's whole tiles, block ids read a chunk at a time (paged_decode._chunked_tiles)
+        acc, l_i, m_i = _chunked_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, lo, full_hi, qk_scale,
+                                       stride_kb, stride_kp, offs_n, offs_d, PAGE, BLOCK_N, BT_CHUNK)
     else:
         for start in range(lo, full_hi, BLOCK_N):
             acc, l_i, m_i = _tree_tile(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, start, ctx, kv_hi, tok,
@@ -320,11 +324,13 @@ def tree_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     prefetch: bool | None = None,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere (for decode batches, the
     batched CPU path of ``paged_decode_attention``). ``prefetch`` runs the
     prefix's whole tiles through the hand-pipelined loop of the decode kernel (then ``num_stages`` applies
-    to nothing: 1); None takes ``TREE_PREFETCH``.
+    to nothing: 1); None takes ``TREE_PREFETCH``. ``chunk_tokens`` > 0 reads the prefix's block ids that
+    many tokens at a time (the decode kernel's ``_chunked_tiles``); None takes ``TREE_CHUNK_TOKENS``.
 
     ``is_decode=True`` promises one new token per sequence (``query_start == arange(B + 1)``) and
     routes to the split-KV decode kernel; the promise is not checked (that would sync).
@@ -347,6 +353,7 @@ def tree_attention(
         return out
     G = H // Hkv
     prefetch = TREE_PREFETCH if prefetch is None else prefetch
+    chunk = 0 if prefetch else (TREE_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens)
     block_g = triton.next_power_of_2(G)
     # One query tile per tree (up to 128 rows); chunked prefill takes several.
     block_q = min(triton.next_power_of_2(-(-T // B)), max(1, 128 // block_g))
@@ -368,6 +375,7 @@ def tree_attention(
         GROUP=G, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=block_n,
         # BLOCK_B has a floor: one compiled variant for every batch up to 64 sequences
         BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None, PREFETCH=prefetch,
+        BT_CHUNK=chunk_pages(chunk, P, block_n),
         num_warps=num_warps or (4 if block_q * block_g <= 64 else 8), num_stages=1 if prefetch else num_stages,
         **pdl_meta(q.device))
     if S > 1:

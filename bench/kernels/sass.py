@@ -147,9 +147,13 @@ def decode_cases():
     div16 = {"q_ptr", "k_ptr", "v_ptr", "bt_ptr", "seq_lens_ptr", "o_ptr", "lse_ptr", "stride_qb", "stride_qh",
              "stride_kb", "stride_kp", "stride_kh", "stride_os", "stride_ob", "stride_oh", "stride_ls", "stride_lb"}
     base = dict(GROUP=4, PAGE=16, HEAD_DIM=128, BLOCK_G=16, IS_SPLIT=True)
-    base = dict(base, LEN_OFFSET=0)
+    base = dict(base, LEN_OFFSET=0, USE_PDL=True, BT_CHUNK=0)
     cases = [("decode_pipelined_n64_st3_w4", PD._paged_decode_kernel, sig, dict(base, BLOCK_N=64, PREFETCH=False),
               div16, 4, 3, None, None)]
+    for bt in (16, 64):
+        for st in (3, 4):
+            cases.append((f"decode_chunked{bt}_n64_st{st}_w4", PD._paged_decode_kernel, sig,
+                          dict(base, BLOCK_N=64, PREFETCH=False, BT_CHUNK=bt), div16, 4, st, None, None))
     for bn, nw in RP.RP_TILES:
         cases.append((f"decode_prefetch_n{bn}_w{nw}", PD._paged_decode_kernel, sig,
                       dict(base, BLOCK_N=bn, PREFETCH=True), div16, nw, 1, None, None))

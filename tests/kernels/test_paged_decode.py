@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
+from kernels.paged_decode import chunk_pages, paged_decode_attention, paged_decode_attention_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -37,7 +37,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_case(seq_lens, page, num_heads, num_kv_heads, head_dim, dtype, num_splits, seed, device=DEVICE,
-             prefetch=None, block_n=None, len_offset=0):
+             prefetch=None, block_n=None, len_offset=0, chunk_tokens=None):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, block_tables = make_paged(seq_lens, page, num_kv_heads, head_dim, dtype, gen, device)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(dtype).to(device)
@@ -45,7 +45,8 @@ def run_case(seq_lens, page, num_heads, num_kv_heads, head_dim, dtype, num_split
     scale = head_dim**-0.5
     ref = paged_decode_attention_ref(q, k_cache, v_cache, block_tables, lens + len_offset, scale)
     out = paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale, use_triton=True, num_splits=num_splits,
-                                 prefetch=prefetch, block_n=block_n, len_offset=len_offset)
+                                 prefetch=prefetch, block_n=block_n, len_offset=len_offset,
+                                 chunk_tokens=chunk_tokens)
     assert out.shape == ref.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     return rel_err(out, ref)
@@ -70,6 +71,27 @@ def test_prefetch_loop_tiles_and_len_offset(block_n):
         err = run_case(lens, 16, 4, 2, 32, torch.float16, splits, seed=block_n + len(lens), prefetch=True,
                        block_n=block_n, len_offset=1)
         assert err < 5e-3, (lens, splits, err)
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("chunk_tokens", [32, 128, 1024])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_chunked_block_ids(page, chunk_tokens, num_splits):
+    # Lengths that end inside a chunk, on a chunk's last tile, and several chunks into a split; tiles of 32
+    # and 64 tokens, so a chunk holds one page, a part of one (no: whole tiles only) or many.
+    for block_n in (32, 64):
+        err = run_case([1, 37, 150, 230, 300], page, 4, 2, 32, torch.float16, num_splits, seed=page + chunk_tokens,
+                       block_n=block_n, chunk_tokens=chunk_tokens, len_offset=1)
+        assert err < 2e-3, (block_n, err)
+
+
+def test_chunk_pages_cover_whole_tiles():
+    assert chunk_pages(0, 16, 64) == 0
+    assert chunk_pages(1024, 16, 64) == 64
+    assert chunk_pages(32, 16, 64) == 4  # at least one 64-token tile
+    assert chunk_pages(32, 64, 32) == 1  # at least one page
+    assert chunk_pages(1000, 16, 64) == 64  # a power of two of pages
+    assert chunk_pages(1024, 24, 64) == 0  # pages not a power of two: one lookup per tile
 
 
 def test_batch_of_one_head_dim_128_auto_splits():
@@ -105,10 +127,10 @@ def test_ref_matches_dense_sdpa(num_heads, num_kv_heads):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("page", [16, 64])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_gpu_bf16(page, prefetch):
+@pytest.mark.parametrize("prefetch,chunk_tokens", [(False, 0), (True, 0), (False, 1024), (False, 64)])
+def test_gpu_bf16(page, prefetch, chunk_tokens):
     err = run_case([1, 700, 4000, 33], page, 32, 8, 128, torch.bfloat16, None, seed=4, device=torch.device("cuda"),
-                   prefetch=prefetch)
+                   prefetch=prefetch, chunk_tokens=chunk_tokens)
     assert err < 1e-2
 
 

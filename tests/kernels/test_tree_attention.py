@@ -72,13 +72,13 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check(seqs, page=16, num_heads=3, num_kv_heads=1, head_dim=64, num_splits=None, use_bits=True, seed=0,
-          dtype=torch.float16, device=DEVICE, tol=5e-3, prefetch=None):
+          dtype=torch.float16, device=DEVICE, tol=5e-3, prefetch=None, **launch):
     batch = make_batch(seqs, page, num_heads, num_kv_heads, head_dim, dtype, seed, device)
     if not use_bits:
         batch["mask_bits"] = None
     args = list(batch.values()) + [head_dim**-0.5]
     ref = tree_attention_ref(*args)
-    out = tree_attention(*args, use_triton=True, num_splits=num_splits, prefetch=prefetch)
+    out = tree_attention(*args, use_triton=True, num_splits=num_splits, prefetch=prefetch, **launch)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) < tol
@@ -102,6 +102,16 @@ def test_mixed_batch(page, num_heads, num_kv_heads, num_splits, prefetch):
     # contexts are not multiples of the page size.
     seqs = [(20, 70), (45, BRANCHING), (0, CHAIN), (33, [-1])]
     check(seqs, page, num_heads, num_kv_heads, num_splits=num_splits, seed=page + num_splits, prefetch=prefetch)
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("chunk_tokens,block_n", [(32, 32), (128, 32), (1024, 128), (64, 128)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_chunked_prefix_block_ids(page, chunk_tokens, block_n, num_splits):
+    # Prefixes of several chunks and tiles, one ending inside a page, beside a tree with no whole tile.
+    seqs = [(300, BRANCHING), (517, 70), (40, CHAIN), (257, [-1])]
+    check(seqs, page, 4, 2, 32, num_splits=num_splits, seed=page + block_n, chunk_tokens=chunk_tokens,
+          block_n=block_n)
 
 
 def test_head_dim_128_auto_splits():
@@ -154,11 +164,12 @@ def test_ref_matches_dense_sdpa(num_heads, num_kv_heads):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("page", [16, 64])
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_gpu_bf16(page, prefetch):
+@pytest.mark.parametrize("prefetch,chunk_tokens", [(False, 0), (True, 0), (False, 1024)])
+def test_gpu_bf16(page, prefetch, chunk_tokens):
     tree16 = [-1] + [i // 2 for i in range(15)]
     seqs = [(4000, tree16), (517, 300), (2048, 1), (0, tree16), (100, list(range(-1, 63)))]
-    check(seqs, page, 32, 8, 128, dtype=torch.bfloat16, device=torch.device("cuda"), tol=1e-2, prefetch=prefetch)
+    check(seqs, page, 32, 8, 128, dtype=torch.bfloat16, device=torch.device("cuda"), tol=1e-2, prefetch=prefetch,
+          chunk_tokens=chunk_tokens)
 
 
 @pytest.mark.parametrize("page", [16, 64])

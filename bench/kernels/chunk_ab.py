@@ -1,0 +1,129 @@
+"""Block ids a chunk at a time (``paged_decode._chunked_tiles``) against one lookup per tile, in one run.
+
+With the block-table lookup inside the loop, Triton's pipeliner keeps one K/V buffer and waits on every
+copy at each tile (sm_90 build: ``async_wait 0``); with the chunk's block ids in registers it double- or
+triple-buffers (``bench/kernels/sass.py decode``). This times both on the issue's decode shapes after a
+read and a write flush of L2, beside SDPA on the same KV made contiguous, and on 4-, 16- and 64-node trees
+at B=16 / 4k. Every variant is checked against SDPA first.
+
+    python bench/kernels/chunk_ab.py --out DIR --commit SHA
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import bench.kernels.bench_attention as BA  # noqa: E402
+from bench.kernels.attn_layout import caches  # noqa: E402
+from kernels.paged_decode import paged_decode_attention  # noqa: E402
+from kernels.tree_attention import tree_attention  # noqa: E402
+
+# (block_n, stages) of the chunked loop; every split count in SPLITS (None: the launcher's pick)
+CHUNKED = [(64, 3), (64, 4), (128, 2), (128, 3), (32, 5)]
+SPLITS = (None, 1, 2, 4, 8)
+
+
+def check(fn, ref, name):
+    err = BA.rel_err(fn(), ref)
+    if err > 1e-2:
+        raise SystemExit(f"{name}: error {err}")
+
+
+def decode_rows(B, ctx, page, chunks, gen):
+    layouts, bt, k, v = caches(B, ctx, page, gen)
+    kc, vc = layouts["token_major"]
+    q = torch.randn(B, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
+    lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
+    scale = BA.D**-0.5
+    ref = BA.sdpa(q[:, :, None], k, v)[:, :, 0]
+    arms = {"shipped": lambda: paged_decode_attention(q, kc, vc, bt, lens, scale, chunk_tokens=0)}
+    for c in chunks:
+        arms[f"c{c}"] = lambda c=c: paged_decode_attention(q, kc, vc, bt, lens, scale, chunk_tokens=c)
+        for s in SPLITS[1:] if B > 1 else (None,):
+            for bn, st in CHUNKED:
+                arms[f"c{c}_s{s}_n{bn}_st{st}"] = (
+                    lambda c=c, s=s, bn=bn, st=st: paged_decode_attention(
+                        q, kc, vc, bt, lens, scale, chunk_tokens=c, num_splits=s, block_n=bn, num_stages=st))
+    for name, fn in arms.items():
+        check(fn, ref, f"B={B} ctx={ctx} page={page} {name}")
+    kv_bytes = 2 * B * ctx * BA.HKV * BA.D * 2
+    rows = []
+    for flush in ("read", "write"):
+        BA.FLUSH = flush
+        sdpa_us = BA.time_us(lambda: BA.sdpa(q[:, :, None], k, v))
+        times = {name: BA.time_us(fn) for name, fn in arms.items()}
+        chunked = {n: t for n, t in times.items() if n != "shipped"}
+        best = min(chunked, key=chunked.get)
+        row = {"B": B, "ctx": ctx, "page": page, "flush": flush, "sdpa_us": sdpa_us, "shipped_us": times["shipped"],
+               **{f"c{c}_us": times[f"c{c}"] for c in chunks}, "best": best, "best_us": times[best],
+               "best_tbps": kv_bytes / times[best] / 1e6, "times": times}
+        rows.append(row)
+        picks = "  ".join(f"c{c} {times[f'c{c}']:6.1f} (x{sdpa_us / times[f'c{c}']:.3f})" for c in chunks)
+        print(f"decode B={B:2d} ctx={ctx:5d} p{page:2d} {flush:5s}: SDPA {sdpa_us:6.1f}  shipped {times['shipped']:6.1f} "
+              f"(x{sdpa_us / times['shipped']:.3f})  {picks}  best {best} {times[best]:6.1f} "
+              f"(x{sdpa_us / times[best]:.3f}, {kv_bytes / times[best] / 1e6:.2f} TB/s)", flush=True)
+    return rows
+
+
+def verify_rows(B, ctx, nodes, page, chunks, gen):
+    k_cache, v_cache, bt, k, v = BA.paged_kv(B, ctx + nodes, page, gen)
+    bits, tree = BA.tree_bits(BA.binary_tree(nodes))
+    q = torch.randn(B * nodes, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
+    ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
+    qs = torch.arange(B + 1, dtype=torch.int32, device=BA.DEV) * nodes
+    mask_bits = torch.tensor(bits * B, dtype=torch.int64, device=BA.DEV)
+    args = (q, k_cache, v_cache, bt, ctx_lens, qs, mask_bits, BA.D**-0.5)
+    mask = torch.ones(nodes, ctx + nodes, dtype=torch.bool, device=BA.DEV)
+    mask[:, ctx:] = tree.to(BA.DEV)
+    q4 = q.view(B, nodes, BA.H, BA.D).transpose(1, 2)
+    ref = BA.sdpa(q4, k, v, mask[None, None].expand(B, 1, -1, -1)).transpose(1, 2).reshape(B * nodes, BA.H, BA.D)
+    arms = {"shipped": lambda: tree_attention(*args, chunk_tokens=0)}
+    for c in chunks:
+        arms[f"c{c}"] = lambda c=c: tree_attention(*args, chunk_tokens=c)
+        for bn, st in [(32, 7), (32, 5), (64, 3), (128, 2), (128, 3)]:
+            arms[f"c{c}_n{bn}_st{st}"] = lambda c=c, bn=bn, st=st: tree_attention(*args, chunk_tokens=c, block_n=bn,
+                                                                                   num_stages=st)
+    for name, fn in arms.items():
+        check(fn, ref, f"verify B={B} nodes={nodes} {name}")
+    BA.FLUSH = "write"
+    times = {name: BA.time_us(fn) for name, fn in arms.items()}
+    best = min(times, key=times.get)
+    print(f"verify B={B} ctx={ctx} nodes={nodes:2d} p{page}: shipped {times['shipped']:6.1f}  "
+          + "  ".join(f"c{c} {times[f'c{c}']:6.1f}" for c in chunks) + f"  best {best} {times[best]:6.1f}", flush=True)
+    return {"B": B, "ctx": ctx, "nodes": nodes, "page": page, "flush": "write", "shipped_us": times["shipped"],
+            **{f"c{c}_us": times[f"c{c}"] for c in chunks}, "best": best, "best_us": times[best], "times": times}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
+    ap.add_argument("--chunks", default="1024,4096")
+    ap.add_argument("--pages", default="16,64")
+    args = ap.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",")]
+    gen = torch.Generator(device=BA.DEV).manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": args.commit,
+           "torch": torch.__version__, "copy_tbps": BA.copy_tbps(), "chunks": chunks, "decode": [], "verify": []}
+    path = os.path.join(args.out, "chunk_ab.json")
+    for page in (int(p) for p in args.pages.split(",")):
+        for B, ctx in [(16, 4096), (64, 2048), (1, 32768), (1, 4096)]:
+            res["decode"] += decode_rows(B, ctx, page, chunks, gen)
+            with open(path, "w") as f:
+                json.dump(res, f, indent=1)
+    for nodes in (4, 16, 64):
+        res["verify"].append(verify_rows(16, 4096, nodes, 16, chunks, gen))
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+    print("copy TB/s", round(res["copy_tbps"], 3), "wrote", path)
+
+
+if __name__ == "__main__":
+    main()
