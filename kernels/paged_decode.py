@@ -228,7 +228,9 @@ def _chunked_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, bt_row, kv_head_off, lo, full
         pages = tl.load(bt_row + base // PAGE + offs_p, mask=base + offs_p * PAGE < full_hi, other=0)  # [BT_CHUNK]
         for start in range(tl.maximum(lo, base), tl.minimum(base + CHUNK, full_hi), BLOCK_N):
             rel = start - base + offs_n  # [BLOCK_N] token offsets in the chunk
-            blk = tl.gather(pages, rel // PAGE, 0).to(tl.int64)
+            # in range for every real tile; the pipeliner also computes addresses for tiles past the loop's
+            # end (their loads predicated off), and an index out of range there faults in the gather
+            blk = tl.gather(pages, (rel // PAGE) % BT_CHUNK, 0).to(tl.int64)
             kv_ptrs = (blk * stride_kb + (rel % PAGE) * stride_kp + kv_head_off)[:, None] + offs_d[None, :]
             k = tl.load(k_ptr + kv_ptrs)
             v = tl.load(v_ptr + kv_ptrs)

@@ -101,13 +101,88 @@ def verify_rows(B, ctx, nodes, page, chunks, gen):
             **{f"c{c}_us": times[f"c{c}"] for c in chunks}, "best": best, "best_us": times[best], "times": times}
 
 
+POLICY_DECODE = {"shipped": dict(chunk_tokens=0), "c_s1_n128_st3": dict(chunk_tokens=4096, num_splits=1, block_n=128,
+                                                                             num_stages=3),
+                 "c_s1_n64_st4": dict(chunk_tokens=4096, num_splits=1, block_n=64, num_stages=4),
+                 "c_s1_n128_st2": dict(chunk_tokens=4096, num_splits=1, block_n=128, num_stages=2),
+                 "c_s2_n128_st3": dict(chunk_tokens=4096, num_splits=2, block_n=128, num_stages=3),
+                 "u_s1_n128_st3": dict(chunk_tokens=0, num_splits=1, block_n=128, num_stages=3)}
+
+
+def policy_rows(gen):
+    """Where one program per (sequence, KV head) with the chunked loop beats the split loop: batches
+    around one wave of programs, three context lengths, read and write flush."""
+    rows = []
+    for B, ctx in [(8, 4096), (12, 4096), (16, 2048), (16, 4096), (16, 8192), (24, 4096), (32, 2048), (32, 4096),
+                   (48, 2048)]:
+        layouts, bt, k, v = caches(B, ctx, 16, gen)
+        kc, vc = layouts["token_major"]
+        q = torch.randn(B, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
+        lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
+        scale = BA.D**-0.5
+        ref = BA.sdpa(q[:, :, None], k, v)[:, :, 0]
+        arms = {n: (lambda kw=kw: paged_decode_attention(q, kc, vc, bt, lens, scale, **kw)) for n, kw in POLICY_DECODE.items()}
+        for name, fn in arms.items():
+            check(fn, ref, f"policy B={B} ctx={ctx} {name}")
+        for flush in ("read", "write"):
+            BA.FLUSH = flush
+            sdpa_us = BA.time_us(lambda: BA.sdpa(q[:, :, None], k, v))
+            times = {name: BA.time_us(fn) for name, fn in arms.items()}
+            rows.append({"B": B, "ctx": ctx, "page": 16, "flush": flush, "sdpa_us": sdpa_us, "times": times})
+            print(f"policy B={B:2d} ctx={ctx:5d} {flush:5s}: SDPA {sdpa_us:6.1f} "
+                  + " ".join(f"{n} {t:6.1f}" for n, t in times.items()), flush=True)
+    return rows
+
+
+def tree_policy_rows(gen):
+    """Large trees: the chunked prefix loop against the same tile unchunked."""
+    rows = []
+    for B, nodes in [(16, 32), (16, 64), (4, 64), (64, 16)]:
+        ctx = 4096 if B <= 16 else 2048
+        k_cache, v_cache, bt, k, v = BA.paged_kv(B, ctx + nodes, 16, gen)
+        bits, tree = BA.tree_bits(BA.binary_tree(nodes))
+        q = torch.randn(B * nodes, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
+        ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
+        qs = torch.arange(B + 1, dtype=torch.int32, device=BA.DEV) * nodes
+        mask_bits = torch.tensor(bits * B, dtype=torch.int64, device=BA.DEV)
+        args = (q, k_cache, v_cache, bt, ctx_lens, qs, mask_bits, BA.D**-0.5)
+        mask = torch.ones(nodes, ctx + nodes, dtype=torch.bool, device=BA.DEV)
+        mask[:, ctx:] = tree.to(BA.DEV)
+        q4 = q.view(B, nodes, BA.H, BA.D).transpose(1, 2)
+        ref = BA.sdpa(q4, k, v, mask[None, None].expand(B, 1, -1, -1)).transpose(1, 2).reshape(B * nodes, BA.H, BA.D)
+        arms = {"shipped": dict(chunk_tokens=0)}
+        for bn, st in [(128, 3), (128, 2), (64, 3), (64, 4)]:
+            arms[f"u_n{bn}_st{st}"] = dict(chunk_tokens=0, block_n=bn, num_stages=st)
+            arms[f"c_n{bn}_st{st}"] = dict(chunk_tokens=4096, block_n=bn, num_stages=st)
+        fns = {n: (lambda kw=kw: tree_attention(*args, **kw)) for n, kw in arms.items()}
+        for name, fn in fns.items():
+            check(fn, ref, f"tree policy B={B} nodes={nodes} {name}")
+        BA.FLUSH = "write"
+        times = {name: BA.time_us(fn) for name, fn in fns.items()}
+        rows.append({"B": B, "ctx": ctx, "nodes": nodes, "page": 16, "flush": "write", "times": times})
+        print(f"tree B={B:2d} nodes={nodes:2d}: " + " ".join(f"{n} {t:6.1f}" for n, t in times.items()), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--chunks", default="1024,4096")
     ap.add_argument("--pages", default="16,64")
+    ap.add_argument("--policy", action="store_true",
+                    help="instead: batches around one wave of programs (policy_rows) and large trees, into chunk_policy.json")
     args = ap.parse_args()
+    if args.policy:
+        gen = torch.Generator(device=BA.DEV).manual_seed(0)
+        res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+               "commit": args.commit, "torch": torch.__version__, "copy_tbps": BA.copy_tbps(),
+               "decode": policy_rows(gen)}
+        res["tree"] = tree_policy_rows(gen)
+        with open(os.path.join(args.out, "chunk_policy.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        print("copy TB/s", round(res["copy_tbps"], 3))
+        return
     chunks = [int(c) for c in args.chunks.split(",")]
     gen = torch.Generator(device=BA.DEV).manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": args.commit,
