@@ -39,8 +39,13 @@ DECODE_PREFETCH = False  # the hand-pipelined loop (_prefetched_tiles); see benc
 # inside the loop. With the lookup out of the loop the pipeliner double-buffers K/V (sm_90 build: two
 # 64x128 buffers each and async_wait 2, against one and async_wait 0); the buffers cost shared memory, so
 # fewer programs fit on an SM.
-# SPECGATE_ATTN_CHUNK sets it (and tree_attention's TREE_CHUNK_TOKENS) for A/B runs.
+# The launcher's default uses it only for batches whose (sequence, KV head) programs make about one wave
+# (WAVE_PROGRAMS, in SMs): there one program each, unsplit and with no merge launch, streams its whole
+# context through WAVE_TILE (block_n, stages); everywhere else the split loop keeps its lookups.
+# SPECGATE_ATTN_CHUNK sets it (and tree_attention's TREE_CHUNK_TOKENS) for A/B runs; 0 turns it off.
 DECODE_CHUNK_TOKENS = int(os.environ.get("SPECGATE_ATTN_CHUNK", "0"))
+WAVE_PROGRAMS = (0.9, 2.0)
+WAVE_TILE = (128, 3)
 CHUNKED_PROGRAMS_PER_SM = 3  # block_n=64, 3 stages: 153 registers and 70 KB of shared memory (ptxas, sm_90a)
 PREFETCH_WARPS = 8
 # The merge stays a launch of its own. Two forms of it inside the decode kernel, by the last split of each
@@ -355,6 +360,29 @@ def chunk_pages(chunk_tokens: int, page: int, block_n: int) -> int:
     return triton.next_power_of_2(max(chunk_tokens, block_n, page) // page)
 
 
+def decode_plan(programs: int, max_blocks: int, page: int, device: torch.device, num_splits: int | None = None,
+                block_n: int | None = None, num_stages: int | None = None, prefetch: bool = False,
+                chunk_tokens: int | None = None) -> tuple[int, int, int, int]:
+    """``(splits, block_n, num_stages, chunk pages)`` of a decode launch over ``programs`` (sequence, KV head)
+    pairs and block tables ``max_blocks`` wide; the arguments the caller fixed stay as given."""
+    auto = num_splits is None and block_n is None and num_stages is None and chunk_tokens is None
+    if auto and not prefetch and DECODE_CHUNK_TOKENS > 0 and one_wave(programs, device):
+        chunk, num_splits, (block_n, num_stages) = DECODE_CHUNK_TOKENS, 1, WAVE_TILE
+    else:
+        chunk = 0 if prefetch or chunk_tokens is None else chunk_tokens
+    max_len = max_blocks * page
+    per_sm = CHUNKED_PROGRAMS_PER_SM if chunk else DECODE_PROGRAMS_PER_SM
+    S = num_splits or pick_num_splits(programs, max_len, device, per_sm, _SHORT_SPLITS)
+    block_n = block_n or (32 if max_len // S < 64 else 64)  # short splits: half tiles, twice the programs busy
+    return S, block_n, num_stages or 3, chunk_pages(chunk, page, block_n)
+
+
+def one_wave(num_programs: int, device: torch.device) -> bool:
+    """Whether ``num_programs`` (sequence, KV head) programs make about one wave: ``WAVE_PROGRAMS`` in SMs."""
+    lo, hi = WAVE_PROGRAMS
+    return lo * _num_sms(device) <= num_programs <= hi * _num_sms(device)
+
+
 def use_triton_for(t: torch.Tensor, use_triton: bool | None) -> bool:
     """Triton on CUDA by default; ``use_triton=True`` forces it (CPU tensors need TRITON_INTERPRET=1)."""
     return t.is_cuda if use_triton is None else use_triton
@@ -372,7 +400,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     len_offset: int = 0,
     prefetch: bool | None = None,
     chunk_tokens: int | None = None,
@@ -383,7 +411,8 @@ def paged_decode_attention(
     saves a launch per layer for the addition. ``prefetch`` picks the hand-pipelined loop
     (``_prefetched_tiles``, ``num_stages`` ignored) or Triton's pipeliner; None takes ``DECODE_PREFETCH``.
     ``chunk_tokens`` > 0 has the pipelined loop read its block ids that many tokens at a time
-    (``_chunked_tiles``); None takes ``DECODE_CHUNK_TOKENS``."""
+    (``_chunked_tiles``), 0 never; None takes ``DECODE_CHUNK_TOKENS`` where the batch makes one wave of
+    programs and the caller fixed no launch parameter (``one_wave``)."""
     if not use_triton_for(q, use_triton):
         cpu = paged_decode_attention_batched if BATCHED_CPU else paged_decode_attention_ref
         return cpu(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
@@ -394,12 +423,8 @@ def paged_decode_attention(
         raise ValueError(f"unsupported shapes: q {tuple(q.shape)}, kv {tuple(k_cache.shape)}")
     G = H // Hkv
     prefetch = DECODE_PREFETCH if prefetch is None else prefetch
-    chunk = 0 if prefetch else (DECODE_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens)
-    max_len = block_tables.shape[1] * P
-    per_sm = CHUNKED_PROGRAMS_PER_SM if chunk else DECODE_PROGRAMS_PER_SM
-    S = num_splits or pick_num_splits(B * Hkv, max_len, q.device, per_sm, _SHORT_SPLITS)
-    block_n = block_n or (32 if max_len // S < 64 else 64)  # short splits: half tiles, twice the programs busy
-    bt_chunk = chunk_pages(chunk, P, block_n)
+    S, block_n, num_stages, bt_chunk = decode_plan(B * Hkv, block_tables.shape[1], P, q.device, num_splits, block_n,
+                                                   num_stages, prefetch, chunk_tokens)
     out = torch.empty_like(q)
     o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, B, H, D, dtype=torch.float32)  # [S, B, H, D]
     lse = q.new_empty(S, B, H, dtype=torch.float32)  # [S, B, H]

@@ -25,7 +25,7 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from kernels.compact_kv import compact_kv, compact_kv_ref  # noqa: E402
-from kernels.paged_decode import DECODE_PROGRAMS_PER_SM, paged_decode_attention, pick_num_splits  # noqa: E402
+from kernels.paged_decode import decode_plan, paged_decode_attention, pick_num_splits  # noqa: E402
 from kernels.tree_attention import tree_attention  # noqa: E402
 
 H, HKV, D = 32, 8, 128
@@ -164,7 +164,7 @@ def bench_decode(B, ctx, page, flex, gen, log, flex_jobs):
     lens = torch.full((B,), ctx, dtype=torch.int32, device=DEV)
     scale = D**-0.5
     err = rel_err(paged_decode_attention(q, k_cache, v_cache, bt, lens, scale), sdpa(q[:, :, None], k, v)[:, :, 0])
-    auto = pick_num_splits(B * HKV, bt.shape[1] * page, DEV, DECODE_PROGRAMS_PER_SM)
+    plan = decode_plan(B * HKV, bt.shape[1], page, DEV)  # (splits, block_n, stages, chunk pages)
     variants = {}
     # (block_n, num_stages, programs resident per SM by ptxas -v): one wave of programs, and twice that.
     for bn, stages, per_sm in [(32, 7, 4), (64, 5, 3), (32, 5, 5), (64, 3, 4)]:
@@ -173,6 +173,11 @@ def bench_decode(B, ctx, page, flex, gen, log, flex_jobs):
             variants[f"s{splits}_n{bn}_st{stages}"] = (
                 lambda s=splits, bn=bn, st=stages: paged_decode_attention(
                     q, k_cache, v_cache, bt, lens, scale, num_splits=s, block_n=bn, num_stages=st))
+    # one program per (sequence, KV head), block ids a chunk at a time (paged_decode._chunked_tiles)
+    for bn, stages in [(128, 3), (64, 4)]:
+        variants[f"s1_n{bn}_st{stages}_chunked"] = (
+            lambda bn=bn, st=stages: paged_decode_attention(q, k_cache, v_cache, bt, lens, scale, num_splits=1,
+                                                            block_n=bn, num_stages=st, chunk_tokens=4096))
     name, best_us, times = best(variants)
     us = time_us(lambda: paged_decode_attention(q, k_cache, v_cache, bt, lens, scale))  # shipped defaults
     ctx_lens = lens - 1  # the same work through the tree kernel: one new token per sequence
@@ -182,7 +187,8 @@ def bench_decode(B, ctx, page, flex, gen, log, flex_jobs):
     sdpa_us = time_us(lambda: sdpa(q4, k, v))
     kv_bytes = 2 * B * ctx * HKV * D * 2
     row = dict(B=B, ctx=ctx, page=page, us=us, tbps=kv_bytes / us / 1e6, sdpa_us=sdpa_us, flex_us=None,
-               best_us=best_us, best=name, auto_splits=auto, tree_n1_us=tree_n1_us, err=err,
+               best_us=best_us, best=name, auto_splits=plan[0],
+               plan=f"s{plan[0]}_n{plan[1]}_st{plan[2]}" + ("_chunked" if plan[3] else ""), tree_n1_us=tree_n1_us, err=err,
                eager_us=eager_us(lambda: paged_decode_attention(q, k_cache, v_cache, bt, lens, scale)))
     log["decode_variants"].append(dict(B=B, ctx=ctx, page=page, times=times))
     flex_jobs.append((row, lambda: flex.time(q4, k, v)))

@@ -85,6 +85,30 @@ def test_chunked_block_ids(page, chunk_tokens, num_splits):
         assert err < 2e-3, (block_n, err)
 
 
+def test_plan_chunks_one_wave_of_programs_only(monkeypatch):
+    from kernels import paged_decode as PD
+    cpu = torch.device("cpu")  # 8 SMs on the CPU: one wave is 7.2 to 16 programs
+    monkeypatch.setattr(PD, "DECODE_CHUNK_TOKENS", 0)
+    assert PD.decode_plan(8, 256, 16, cpu) == (4, 64, 3, 0)  # off: the split loop
+    monkeypatch.setattr(PD, "DECODE_CHUNK_TOKENS", 4096)
+    assert PD.decode_plan(8, 256, 16, cpu) == (1, 128, 3, 256)  # one program each, unsplit, chunked
+    assert PD.decode_plan(16, 256, 64, cpu) == (1, 128, 3, 64)
+    assert PD.decode_plan(4, 256, 16, cpu)[3] == 0  # half a wave: splits, no chunks
+    assert PD.decode_plan(32, 256, 16, cpu)[3] == 0  # four waves
+    assert PD.decode_plan(8, 256, 16, cpu, num_splits=2) == (2, 64, 3, 0)  # a fixed argument keeps the old loop
+    assert PD.decode_plan(8, 256, 16, cpu, chunk_tokens=1024)[3] == 64  # an explicit chunk holds everywhere
+    assert PD.decode_plan(2, 256, 16, cpu, chunk_tokens=1024)[3] == 64
+    assert PD.decode_plan(8, 256, 16, cpu, prefetch=True)[3] == 0
+
+
+def test_one_wave_launch_matches_ref(monkeypatch):
+    from kernels import paged_decode as PD
+    monkeypatch.setattr(PD, "DECODE_CHUNK_TOKENS", 64)  # several chunks per sequence
+    assert PD.decode_plan(4 * 2, 20, 16, DEVICE)[3] > 0
+    err = run_case([1, 37, 150, 300], 16, 4, 2, 32, torch.float16, None, seed=5, len_offset=1)
+    assert err < 2e-3
+
+
 def test_chunk_pages_cover_whole_tiles():
     assert chunk_pages(0, 16, 64) == 0
     assert chunk_pages(1024, 16, 64) == 64
