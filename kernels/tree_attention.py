@@ -33,6 +33,10 @@ from kernels.pdl import pdl_enter, pdl_meta
 TREE_PROGRAMS_PER_SM = 2
 TREE_PREFETCH = False  # see tree_attention's ``prefetch``
 TREE_CHUNK_TOKENS = paged_decode.DECODE_CHUNK_TOKENS  # see tree_attention's ``chunk_tokens``
+# Query tiles of at least this many rows (tokens x query heads: 64-node trees at G = 4) stream their prefix
+# through the chunked loop in (block_n, stages) steps, where TREE_CHUNK_TOKENS is on; smaller tiles keep
+# their lookups.
+TREE_CHUNK_ROWS, TREE_CHUNK_TILE = 128, (128, 3)
 
 
 def _visible(n: int, bits: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -330,7 +334,8 @@ def tree_attention(
     batched CPU path of ``paged_decode_attention``). ``prefetch`` runs the
     prefix's whole tiles through the hand-pipelined loop of the decode kernel (then ``num_stages`` applies
     to nothing: 1); None takes ``TREE_PREFETCH``. ``chunk_tokens`` > 0 reads the prefix's block ids that
-    many tokens at a time (the decode kernel's ``_chunked_tiles``); None takes ``TREE_CHUNK_TOKENS``.
+    many tokens at a time (the decode kernel's ``_chunked_tiles``), 0 never; None takes ``TREE_CHUNK_TOKENS``
+    for query tiles of ``TREE_CHUNK_ROWS`` rows or more where the caller fixed no launch parameter.
 
     ``is_decode=True`` promises one new token per sequence (``query_start == arange(B + 1)``) and
     routes to the split-KV decode kernel; the promise is not checked (that would sync).
@@ -353,7 +358,6 @@ def tree_attention(
         return out
     G = H // Hkv
     prefetch = TREE_PREFETCH if prefetch is None else prefetch
-    chunk = 0 if prefetch else (TREE_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens)
     block_g = triton.next_power_of_2(G)
     # One query tile per tree (up to 128 rows); chunked prefill takes several.
     block_q = min(triton.next_power_of_2(-(-T // B)), max(1, 128 // block_g))
@@ -361,6 +365,11 @@ def tree_attention(
     num_slots = -(-T // block_q) + min(B, T)  # >= sum over sequences of ceil(n_b / block_q)
     # Measured on an H200 (bench/kernels/bench_attention.py): tiles of <= 32 rows stream 128-key steps;
     # 64- and 128-row tiles (trees of 16+ nodes, prefill) run 32-key steps 7 stages deep.
+    if (chunk_tokens is None and block_n is None and num_stages is None and not prefetch and TREE_CHUNK_TOKENS > 0
+            and block_q * block_g >= TREE_CHUNK_ROWS):
+        chunk, (block_n, num_stages) = TREE_CHUNK_TOKENS, TREE_CHUNK_TILE
+    else:
+        chunk = 0 if prefetch or chunk_tokens is None else chunk_tokens
     block_n = block_n or (128 if block_q * block_g <= 32 else 32)
     num_stages = num_stages or (2 if block_n == 128 else 7)
     busy_programs = max(B, -(-T // block_q)) * Hkv  # slots past the real tiles exit at once

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import paged_decode
 from kernels.tree_attention import tree_attention, tree_attention_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -112,6 +113,18 @@ def test_chunked_prefix_block_ids(page, chunk_tokens, block_n, num_splits):
     seqs = [(300, BRANCHING), (517, 70), (40, CHAIN), (257, [-1])]
     check(seqs, page, 4, 2, 32, num_splits=num_splits, seed=page + block_n, chunk_tokens=chunk_tokens,
           block_n=block_n)
+
+
+def test_wide_tiles_take_the_chunked_loop(monkeypatch):
+    from kernels import tree_attention as TA
+    pages = []
+    monkeypatch.setattr(TA, "TREE_CHUNK_TOKENS", 64)
+    monkeypatch.setattr(TA, "chunk_pages", lambda *a: pages.append(paged_decode.chunk_pages(*a)) or pages[-1])
+    wide = [-1] + [(i - 1) // 2 for i in range(1, 40)]  # 40 nodes x 4 query heads: 128-row tiles
+    check([(300, wide), (517, wide)], 16, 4, 1, 32, seed=3)
+    assert pages == [8]  # a 64-token chunk grows to one whole 128-key step: 8 pages of 16
+    check([(300, BRANCHING), (517, CHAIN)], 16, 4, 1, 32, seed=4)  # small tiles keep their lookups
+    assert pages[1:] == [0]
 
 
 def test_head_dim_128_auto_splits():
