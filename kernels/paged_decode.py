@@ -39,12 +39,15 @@ DECODE_PREFETCH = False  # the hand-pipelined loop (_prefetched_tiles); see benc
 # inside the loop. With the lookup out of the loop the pipeliner double-buffers K/V (sm_90 build: two
 # 64x128 buffers each and async_wait 2, against one and async_wait 0); the buffers cost shared memory, so
 # fewer programs fit on an SM.
-# The launcher's default uses it only for batches whose (sequence, KV head) programs make about one wave
-# (WAVE_PROGRAMS, in SMs): there one program each, unsplit and with no merge launch, streams its whole
-# context through WAVE_TILE (block_n, stages); everywhere else the split loop keeps its lookups.
+# The launcher's default uses it only where one program an SM can be had from the batch's (sequence, KV
+# head) pairs in one or two splits (``wave_splits``): there each program streams its share through
+# WAVE_TILE (block_n, stages), 128 KB of shared memory, and an unsplit batch needs no merge launch.
+# Elsewhere the split loop keeps its lookups. H100, one run (bench/results/chunk_policy_h100.json, read
+# flush, bf16, 32/8 heads): B=8 / 4k 56.3 -> 54.6 us (2 splits), B=12 79.6 -> 75.3, B=16 / 2k 61.0 -> 53.1,
+# 4k 104.5 -> 96.4, 8k 193.6 -> 185.5; past one wave it loses (B=24 142.8 -> 146.4, B=48 139.6 -> 145.2).
 # SPECGATE_ATTN_CHUNK sets it (and tree_attention's TREE_CHUNK_TOKENS) for A/B runs; 0 turns it off.
-DECODE_CHUNK_TOKENS = int(os.environ.get("SPECGATE_ATTN_CHUNK", "0"))
-WAVE_PROGRAMS = (0.9, 2.0)
+DECODE_CHUNK_TOKENS = int(os.environ.get("SPECGATE_ATTN_CHUNK", "4096"))
+WAVE_FILL = 0.7  # the least share of the SMs the programs must cover
 WAVE_TILE = (128, 3)
 CHUNKED_PROGRAMS_PER_SM = 3  # block_n=64, 3 stages: 153 registers and 70 KB of shared memory (ptxas, sm_90a)
 PREFETCH_WARPS = 8
@@ -362,12 +365,14 @@ def chunk_pages(chunk_tokens: int, page: int, block_n: int) -> int:
 
 def decode_plan(programs: int, max_blocks: int, page: int, device: torch.device, num_splits: int | None = None,
                 block_n: int | None = None, num_stages: int | None = None, prefetch: bool = False,
-                chunk_tokens: int | None = None) -> tuple[int, int, int, int]:
+                chunk_tokens: int | None = None, head_dim: int = 128) -> tuple[int, int, int, int]:
     """``(splits, block_n, num_stages, chunk pages)`` of a decode launch over ``programs`` (sequence, KV head)
-    pairs and block tables ``max_blocks`` wide; the arguments the caller fixed stay as given."""
-    auto = num_splits is None and block_n is None and num_stages is None and chunk_tokens is None
-    if auto and not prefetch and DECODE_CHUNK_TOKENS > 0 and one_wave(programs, device):
-        chunk, num_splits, (block_n, num_stages) = DECODE_CHUNK_TOKENS, 1, WAVE_TILE
+    pairs and block tables ``max_blocks`` wide; the arguments the caller fixed stay as given. The one-wave
+    rule is timed at head dim 128 only, so other head dims keep the split loop."""
+    auto = num_splits is None and block_n is None and num_stages is None and chunk_tokens is None and head_dim == 128
+    wave = wave_splits(programs, device) if auto and not prefetch and DECODE_CHUNK_TOKENS > 0 else 0
+    if wave:
+        chunk, num_splits, (block_n, num_stages) = DECODE_CHUNK_TOKENS, wave, WAVE_TILE
     else:
         chunk = 0 if prefetch or chunk_tokens is None else chunk_tokens
     max_len = max_blocks * page
@@ -377,10 +382,12 @@ def decode_plan(programs: int, max_blocks: int, page: int, device: torch.device,
     return S, block_n, num_stages or 3, chunk_pages(chunk, page, block_n)
 
 
-def one_wave(num_programs: int, device: torch.device) -> bool:
-    """Whether ``num_programs`` (sequence, KV head) programs make about one wave: ``WAVE_PROGRAMS`` in SMs."""
-    lo, hi = WAVE_PROGRAMS
-    return lo * _num_sms(device) <= num_programs <= hi * _num_sms(device)
+def wave_splits(num_programs: int, device: torch.device) -> int:
+    """Splits (1 or 2) that give ``num_programs`` (sequence, KV head) pairs one program an SM over at least
+    ``WAVE_FILL`` of the SMs; 0 where none do."""
+    sms = _num_sms(device)
+    splits = max(1, sms // num_programs)
+    return splits if splits <= 2 and WAVE_FILL * sms <= num_programs * splits <= sms else 0
 
 
 def use_triton_for(t: torch.Tensor, use_triton: bool | None) -> bool:
@@ -412,7 +419,7 @@ def paged_decode_attention(
     (``_prefetched_tiles``, ``num_stages`` ignored) or Triton's pipeliner; None takes ``DECODE_PREFETCH``.
     ``chunk_tokens`` > 0 has the pipelined loop read its block ids that many tokens at a time
     (``_chunked_tiles``), 0 never; None takes ``DECODE_CHUNK_TOKENS`` where the batch makes one wave of
-    programs and the caller fixed no launch parameter (``one_wave``)."""
+    programs in one or two splits and the caller fixed no launch parameter (``wave_splits``)."""
     if not use_triton_for(q, use_triton):
         cpu = paged_decode_attention_batched if BATCHED_CPU else paged_decode_attention_ref
         return cpu(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
@@ -424,7 +431,7 @@ def paged_decode_attention(
     G = H // Hkv
     prefetch = DECODE_PREFETCH if prefetch is None else prefetch
     S, block_n, num_stages, bt_chunk = decode_plan(B * Hkv, block_tables.shape[1], P, q.device, num_splits, block_n,
-                                                   num_stages, prefetch, chunk_tokens)
+                                                   num_stages, prefetch, chunk_tokens, D)
     out = torch.empty_like(q)
     o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, B, H, D, dtype=torch.float32)  # [S, B, H, D]
     lse = q.new_empty(S, B, H, dtype=torch.float32)  # [S, B, H]

@@ -366,7 +366,7 @@ def tree_attention(
     # Measured on an H200 (bench/kernels/bench_attention.py): tiles of <= 32 rows stream 128-key steps;
     # 64- and 128-row tiles (trees of 16+ nodes, prefill) run 32-key steps 7 stages deep.
     if (chunk_tokens is None and block_n is None and num_stages is None and not prefetch and TREE_CHUNK_TOKENS > 0
-            and block_q * block_g >= TREE_CHUNK_ROWS):
+            and block_q * block_g >= TREE_CHUNK_ROWS and D == 128):  # timed at head dim 128 only
         chunk, (block_n, num_stages) = TREE_CHUNK_TOKENS, TREE_CHUNK_TILE
     else:
         chunk = 0 if prefetch or chunk_tokens is None else chunk_tokens

@@ -164,15 +164,47 @@ def tree_policy_rows(gen):
     return rows
 
 
+def plot(path: str) -> str:
+    """chunk_policy.json's decode rows as speed relative to SDPA, one bar group per batch, beside it as PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        res = json.load(f)
+    rows = [r for r in res["decode"] if r["flush"] == "read"]
+    arms = list(rows[0]["times"])
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        ax.bar([x + i * width for x in range(len(rows))], [r["sdpa_us"] / r["times"][arm] for r in rows], width,
+               label=arm)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
+    ax.set_xticklabels([f"B={r['B']}\n{r['ctx'] // 1024}k" for r in rows])
+    ax.axhline(0.95, color="k", lw=0.8, ls="--")
+    ax.set_ylim(0.5, 1.05)
+    ax.set_ylabel("speed / SDPA (contiguous KV)")
+    ax.set_title(f"Paged decode, chunked block ids vs lookups per tile ({res['device']}, {res['commit']}, read flush)")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    out = path.rsplit(".", 1)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--chunks", default="1024,4096")
     ap.add_argument("--pages", default="16,64")
+    ap.add_argument("--plot", help="only draw this chunk_policy JSON's PNG beside it")
     ap.add_argument("--policy", action="store_true",
                     help="instead: batches around one wave of programs (policy_rows) and large trees, into chunk_policy.json")
     args = ap.parse_args()
+    if args.plot:
+        print("wrote", plot(args.plot))
+        return
     if args.policy:
         gen = torch.Generator(device=BA.DEV).manual_seed(0)
         res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),

@@ -87,25 +87,27 @@ def test_chunked_block_ids(page, chunk_tokens, num_splits):
 
 def test_plan_chunks_one_wave_of_programs_only(monkeypatch):
     from kernels import paged_decode as PD
-    cpu = torch.device("cpu")  # 8 SMs on the CPU: one wave is 7.2 to 16 programs
+    cpu = torch.device("cpu")  # 8 SMs on the CPU: one program an SM over 5.6 to 8 of them
+    assert [PD.wave_splits(n, cpu) for n in (1, 2, 3, 4, 5, 6, 8, 9, 16)] == [0, 0, 2, 2, 0, 1, 1, 0, 0]
     monkeypatch.setattr(PD, "DECODE_CHUNK_TOKENS", 0)
     assert PD.decode_plan(8, 256, 16, cpu) == (4, 64, 3, 0)  # off: the split loop
     monkeypatch.setattr(PD, "DECODE_CHUNK_TOKENS", 4096)
     assert PD.decode_plan(8, 256, 16, cpu) == (1, 128, 3, 256)  # one program each, unsplit, chunked
-    assert PD.decode_plan(16, 256, 64, cpu) == (1, 128, 3, 64)
-    assert PD.decode_plan(4, 256, 16, cpu)[3] == 0  # half a wave: splits, no chunks
-    assert PD.decode_plan(32, 256, 16, cpu)[3] == 0  # four waves
+    assert PD.decode_plan(4, 256, 64, cpu) == (2, 128, 3, 64)  # two splits make the wave
+    assert PD.decode_plan(2, 256, 16, cpu)[3] == 0  # a quarter wave: the split loop
+    assert PD.decode_plan(16, 256, 16, cpu)[3] == 0  # two waves
     assert PD.decode_plan(8, 256, 16, cpu, num_splits=2) == (2, 64, 3, 0)  # a fixed argument keeps the old loop
     assert PD.decode_plan(8, 256, 16, cpu, chunk_tokens=1024)[3] == 64  # an explicit chunk holds everywhere
     assert PD.decode_plan(2, 256, 16, cpu, chunk_tokens=1024)[3] == 64
     assert PD.decode_plan(8, 256, 16, cpu, prefetch=True)[3] == 0
+    assert PD.decode_plan(8, 256, 16, cpu, head_dim=64)[3] == 0  # timed at head dim 128 only
 
 
 def test_one_wave_launch_matches_ref(monkeypatch):
     from kernels import paged_decode as PD
     monkeypatch.setattr(PD, "DECODE_CHUNK_TOKENS", 64)  # several chunks per sequence
     assert PD.decode_plan(4 * 2, 20, 16, DEVICE)[3] > 0
-    err = run_case([1, 37, 150, 300], 16, 4, 2, 32, torch.float16, None, seed=5, len_offset=1)
+    err = run_case([1, 37, 150, 300], 16, 4, 2, 128, torch.float16, None, seed=5, len_offset=1)
     assert err < 2e-3
 
 

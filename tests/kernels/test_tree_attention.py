@@ -121,10 +121,11 @@ def test_wide_tiles_take_the_chunked_loop(monkeypatch):
     monkeypatch.setattr(TA, "TREE_CHUNK_TOKENS", 64)
     monkeypatch.setattr(TA, "chunk_pages", lambda *a: pages.append(paged_decode.chunk_pages(*a)) or pages[-1])
     wide = [-1] + [(i - 1) // 2 for i in range(1, 40)]  # 40 nodes x 4 query heads: 128-row tiles
-    check([(300, wide), (517, wide)], 16, 4, 1, 32, seed=3)
+    check([(300, wide), (517, wide)], 16, 4, 1, 128, seed=3)
     assert pages == [8]  # a 64-token chunk grows to one whole 128-key step: 8 pages of 16
-    check([(300, BRANCHING), (517, CHAIN)], 16, 4, 1, 32, seed=4)  # small tiles keep their lookups
-    assert pages[1:] == [0]
+    check([(300, BRANCHING), (517, CHAIN)], 16, 4, 1, 128, seed=4)  # small tiles keep their lookups
+    check([(300, wide)], 16, 4, 1, 64, seed=5)  # the rule is timed at head dim 128 only
+    assert pages[1:] == [0, 0]
 
 
 def test_head_dim_128_auto_splits():
