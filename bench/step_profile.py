@@ -39,11 +39,13 @@ sys.path.insert(0, str(HERE))
 
 import provenance  # noqa: E402  (bench/, this script's own folder)
 import draft.model_drafter as model_drafter_mod  # noqa: E402
+import draft.tree_loop as tree_loop  # noqa: E402
 import gateway.engine as engine_mod  # noqa: E402
 from draft.model_drafter import ModelDrafter  # noqa: E402
 from draft.ngram import NgramDrafter  # noqa: E402
 from draft.params import SpeculationParams  # noqa: E402
 from draft.tree import TokenTree  # noqa: E402
+from draft.tree_loop import SAMPLED_GRAPHS  # noqa: E402
 from gateway.budget import BudgetConfig  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
@@ -367,10 +369,13 @@ def main() -> None:
             arms.append((f"draft {t} host", spec, False, 0.0))
         if args.sampled:  # the same tree drafted and verified at T=0.7 (seeded requests)
             arms.append((f"draft {t} T=0.7", spec, True, 0.7))
+            if args.device == "cuda":  # and with the sampled loop replayed as one graph of its own
+                arms.append((f"draft {t} T=0.7 graph", spec, True, 0.7))
     for d in filter(None, args.chain_trees.split("/")):
         arms.append((f"chain {d}", SpeculationParams(drafter="chain", tree=(1,) * int(d)), True, 0.0))
     for b in (int(x) for x in args.batches.split(",")):
         for name, spec, defer, temperature in arms:
+            tree_loop.SAMPLED_GRAPHS = name.endswith(" graph") or SAMPLED_GRAPHS
             row = {"batch": b, "arm": name} | profile_arm(engine, b, spec, args.tokens, prompt, bool(defer),
                                                           args.count_ops, defer == "overlap", temperature)
             res["rows"].append(row)
