@@ -186,7 +186,15 @@ def bench_decode(B, ctx, page, flex, gen, log, flex_jobs):
     q4 = q[:, :, None]  # [B, H, 1, D]
     sdpa_us = time_us(lambda: sdpa(q4, k, v))
     kv_bytes = 2 * B * ctx * HKV * D * 2
+    # the same two after a read flush: clean lines, as the weight reads before attention in a forward leave
+    # them (the write flush's dirty lines are written back during the timed kernel)
+    global FLUSH
+    flush, FLUSH = FLUSH, "read"
+    us_read = time_us(lambda: paged_decode_attention(q, k_cache, v_cache, bt, lens, scale))
+    sdpa_read_us = time_us(lambda: sdpa(q4, k, v))
+    FLUSH = flush
     row = dict(B=B, ctx=ctx, page=page, us=us, tbps=kv_bytes / us / 1e6, sdpa_us=sdpa_us, flex_us=None,
+               us_read=us_read, tbps_read=kv_bytes / us_read / 1e6, sdpa_read_us=sdpa_read_us,
                best_us=best_us, best=name, auto_splits=plan[0],
                plan=f"s{plan[0]}_n{plan[1]}_st{plan[2]}" + ("_chunked" if plan[3] else ""), tree_n1_us=tree_n1_us, err=err,
                eager_us=eager_us(lambda: paged_decode_attention(q, k_cache, v_cache, bt, lens, scale)))
@@ -323,12 +331,15 @@ def main() -> None:
 def report(res: dict) -> None:
     cb = res["copy_tbps"]
     print(f"\n{res['device']}  copy {cb:.2f} TB/s  torch {res['torch']}")
-    print("decode  B    ctx  P     us   TB/s  %copy  sdpa_us  xSDPA  flex_us  tree_n1  eager  best  err")
+    print("decode  B    ctx  P     us   TB/s  %copy  sdpa_us  xSDPA  flex_us  tree_n1  eager  best  err"
+          "  | read flush: us  TB/s  xSDPA")
     for r in res["decode"]:
         fx = f"{r['flex_us']:8.1f}" if r["flex_us"] else "       -"
+        rd = (f"  | {r['us_read']:6.1f} {r['tbps_read']:5.2f} {r['sdpa_read_us'] / r['us_read']:5.2f}x"
+              if "us_read" in r else "")
         print(f"      {r['B']:3d} {r['ctx']:6d} {r['page']:2d} {r['us']:6.1f} {r['tbps']:6.2f} {100 * r['tbps'] / cb:5.0f}%"
               f" {r['sdpa_us']:8.1f} {r['sdpa_us'] / r['us']:5.2f}x {fx} {r['tree_n1_us']:8.1f} {r['eager_us']:6.1f}"
-              f"  {r['best']} {r['err']:.1e}")
+              f"  {r['best']} {r['err']:.1e}{rd}")
     print("verify  N     us  decode  /dec  sdpa_nm  x   sdpa_m   x    flex_us  eager  best  err")
     for r in res["verify"]:
         fx = f"{r['flex_us']:8.1f}" if r["flex_us"] else "       -"

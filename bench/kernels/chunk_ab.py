@@ -134,6 +134,40 @@ def policy_rows(gen):
     return rows
 
 
+def small_rows(gen):
+    """Small batches, where one program an SM needs many splits: the chunked loop at that split count (and
+    half of it) against the split loop the launcher picks."""
+    from kernels.paged_decode import _num_sms
+    rows = []
+    for B, ctx in [(1, 32768), (1, 4096), (2, 16384), (4, 8192)]:
+        layouts, bt, k, v = caches(B, ctx, 16, gen)
+        kc, vc = layouts["token_major"]
+        q = torch.randn(B, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
+        lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
+        scale = BA.D**-0.5
+        ref = BA.sdpa(q[:, :, None], k, v)[:, :, 0]
+        w = max(1, _num_sms(BA.DEV) // (B * BA.HKV))
+        kws = {"shipped": dict(chunk_tokens=0)}
+        for s_ in sorted({w, max(1, w // 2)}):
+            for bn, st in [(128, 3), (64, 4), (64, 3)]:
+                kws[f"c_s{s_}_n{bn}_st{st}"] = dict(chunk_tokens=4096, num_splits=s_, block_n=bn, num_stages=st)
+        arms = {n: (lambda kw=kw: paged_decode_attention(q, kc, vc, bt, lens, scale, **kw)) for n, kw in kws.items()}
+        for name, fn in arms.items():
+            check(fn, ref, f"small B={B} ctx={ctx} {name}")
+        kv_bytes = 2 * B * ctx * BA.HKV * BA.D * 2
+        for flush in ("read", "write"):
+            BA.FLUSH = flush
+            sdpa_us = BA.time_us(lambda: BA.sdpa(q[:, :, None], k, v))
+            times = {name: BA.time_us(fn) for name, fn in arms.items()}
+            best = min(times, key=times.get)
+            rows.append({"B": B, "ctx": ctx, "page": 16, "flush": flush, "sdpa_us": sdpa_us, "times": times,
+                         "best": best, "best_tbps": kv_bytes / times[best] / 1e6})
+            print(f"small B={B} ctx={ctx:5d} {flush:5s}: SDPA {sdpa_us:6.1f} "
+                  + " ".join(f"{n} {t:6.1f}" for n, t in times.items())
+                  + f"  best {best} {kv_bytes / times[best] / 1e6:.2f} TB/s", flush=True)
+    return rows
+
+
 def tree_policy_rows(gen):
     """Large trees: the chunked prefix loop against the same tile unchunked."""
     rows = []
@@ -199,11 +233,21 @@ def main() -> None:
     ap.add_argument("--chunks", default="1024,4096")
     ap.add_argument("--pages", default="16,64")
     ap.add_argument("--plot", help="only draw this chunk_policy JSON's PNG beside it")
+    ap.add_argument("--small", action="store_true", help="instead: small batches (small_rows), into chunk_small.json")
     ap.add_argument("--policy", action="store_true",
                     help="instead: batches around one wave of programs (policy_rows) and large trees, into chunk_policy.json")
     args = ap.parse_args()
     if args.plot:
         print("wrote", plot(args.plot))
+        return
+    if args.small:
+        gen = torch.Generator(device=BA.DEV).manual_seed(0)
+        res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+               "commit": args.commit, "torch": torch.__version__, "copy_tbps": BA.copy_tbps(),
+               "decode": small_rows(gen)}
+        with open(os.path.join(args.out, "chunk_small.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        print("copy TB/s", round(res["copy_tbps"], 3))
         return
     if args.policy:
         gen = torch.Generator(device=BA.DEV).manual_seed(0)
