@@ -36,13 +36,35 @@ def check(fn, ref, name):
         raise SystemExit(f"{name}: error {err}")
 
 
-def decode_rows(B, ctx, page, chunks, gen):
+def decode_case(B, ctx, page, gen):
+    """One decode batch over shuffled pages: q, the caches, block table and lengths, the contiguous K/V
+    SDPA reads, and SDPA's output."""
     layouts, bt, k, v = caches(B, ctx, page, gen)
     kc, vc = layouts["token_major"]
     q = torch.randn(B, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
     lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
+    return q, kc, vc, bt, lens, k, v, BA.sdpa(q[:, :, None], k, v)[:, :, 0]
+
+
+def tree_case(B, ctx, nodes, page, gen):
+    """``tree_attention``'s arguments for a binary tree of ``nodes`` per sequence over ``ctx`` cached tokens,
+    and SDPA's output with the tree's bool mask."""
+    k_cache, v_cache, bt, k, v = BA.paged_kv(B, ctx + nodes, page, gen)
+    bits, tree = BA.tree_bits(BA.binary_tree(nodes))
+    q = torch.randn(B * nodes, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
+    ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
+    qs = torch.arange(B + 1, dtype=torch.int32, device=BA.DEV) * nodes
+    mask_bits = torch.tensor(bits * B, dtype=torch.int64, device=BA.DEV)
+    mask = torch.ones(nodes, ctx + nodes, dtype=torch.bool, device=BA.DEV)
+    mask[:, ctx:] = tree.to(BA.DEV)
+    q4 = q.view(B, nodes, BA.H, BA.D).transpose(1, 2)
+    ref = BA.sdpa(q4, k, v, mask[None, None].expand(B, 1, -1, -1)).transpose(1, 2).reshape(B * nodes, BA.H, BA.D)
+    return (q, k_cache, v_cache, bt, ctx_lens, qs, mask_bits, BA.D**-0.5), ref
+
+
+def decode_rows(B, ctx, page, chunks, gen):
+    q, kc, vc, bt, lens, k, v, ref = decode_case(B, ctx, page, gen)
     scale = BA.D**-0.5
-    ref = BA.sdpa(q[:, :, None], k, v)[:, :, 0]
     arms = {"shipped": lambda: paged_decode_attention(q, kc, vc, bt, lens, scale, chunk_tokens=0)}
     for c in chunks:
         arms[f"c{c}"] = lambda c=c: paged_decode_attention(q, kc, vc, bt, lens, scale, chunk_tokens=c)
@@ -73,17 +95,7 @@ def decode_rows(B, ctx, page, chunks, gen):
 
 
 def verify_rows(B, ctx, nodes, page, chunks, gen):
-    k_cache, v_cache, bt, k, v = BA.paged_kv(B, ctx + nodes, page, gen)
-    bits, tree = BA.tree_bits(BA.binary_tree(nodes))
-    q = torch.randn(B * nodes, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
-    ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
-    qs = torch.arange(B + 1, dtype=torch.int32, device=BA.DEV) * nodes
-    mask_bits = torch.tensor(bits * B, dtype=torch.int64, device=BA.DEV)
-    args = (q, k_cache, v_cache, bt, ctx_lens, qs, mask_bits, BA.D**-0.5)
-    mask = torch.ones(nodes, ctx + nodes, dtype=torch.bool, device=BA.DEV)
-    mask[:, ctx:] = tree.to(BA.DEV)
-    q4 = q.view(B, nodes, BA.H, BA.D).transpose(1, 2)
-    ref = BA.sdpa(q4, k, v, mask[None, None].expand(B, 1, -1, -1)).transpose(1, 2).reshape(B * nodes, BA.H, BA.D)
+    args, ref = tree_case(B, ctx, nodes, page, gen)
     arms = {"shipped": lambda: tree_attention(*args, chunk_tokens=0)}
     for c in chunks:
         arms[f"c{c}"] = lambda c=c: tree_attention(*args, chunk_tokens=c)
@@ -115,12 +127,8 @@ def policy_rows(gen):
     rows = []
     for B, ctx in [(8, 4096), (12, 4096), (16, 2048), (16, 4096), (16, 8192), (24, 4096), (32, 2048), (32, 4096),
                    (48, 2048)]:
-        layouts, bt, k, v = caches(B, ctx, 16, gen)
-        kc, vc = layouts["token_major"]
-        q = torch.randn(B, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
-        lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
+        q, kc, vc, bt, lens, k, v, ref = decode_case(B, ctx, 16, gen)
         scale = BA.D**-0.5
-        ref = BA.sdpa(q[:, :, None], k, v)[:, :, 0]
         arms = {n: (lambda kw=kw: paged_decode_attention(q, kc, vc, bt, lens, scale, **kw)) for n, kw in POLICY_DECODE.items()}
         for name, fn in arms.items():
             check(fn, ref, f"policy B={B} ctx={ctx} {name}")
@@ -140,12 +148,8 @@ def small_rows(gen):
     from kernels.paged_decode import _num_sms
     rows = []
     for B, ctx in [(1, 32768), (1, 4096), (2, 16384), (4, 8192)]:
-        layouts, bt, k, v = caches(B, ctx, 16, gen)
-        kc, vc = layouts["token_major"]
-        q = torch.randn(B, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
-        lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
+        q, kc, vc, bt, lens, k, v, ref = decode_case(B, ctx, 16, gen)
         scale = BA.D**-0.5
-        ref = BA.sdpa(q[:, :, None], k, v)[:, :, 0]
         w = max(1, _num_sms(BA.DEV) // (B * BA.HKV))
         kws = {"shipped": dict(chunk_tokens=0)}
         for s_ in sorted({w, max(1, w // 2)}):
@@ -173,17 +177,7 @@ def tree_policy_rows(gen):
     rows = []
     for B, nodes in [(16, 32), (16, 64), (4, 64), (64, 16)]:
         ctx = 4096 if B <= 16 else 2048
-        k_cache, v_cache, bt, k, v = BA.paged_kv(B, ctx + nodes, 16, gen)
-        bits, tree = BA.tree_bits(BA.binary_tree(nodes))
-        q = torch.randn(B * nodes, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
-        ctx_lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
-        qs = torch.arange(B + 1, dtype=torch.int32, device=BA.DEV) * nodes
-        mask_bits = torch.tensor(bits * B, dtype=torch.int64, device=BA.DEV)
-        args = (q, k_cache, v_cache, bt, ctx_lens, qs, mask_bits, BA.D**-0.5)
-        mask = torch.ones(nodes, ctx + nodes, dtype=torch.bool, device=BA.DEV)
-        mask[:, ctx:] = tree.to(BA.DEV)
-        q4 = q.view(B, nodes, BA.H, BA.D).transpose(1, 2)
-        ref = BA.sdpa(q4, k, v, mask[None, None].expand(B, 1, -1, -1)).transpose(1, 2).reshape(B * nodes, BA.H, BA.D)
+        args, ref = tree_case(B, ctx, nodes, 16, gen)
         arms = {"shipped": dict(chunk_tokens=0)}
         for bn, st in [(128, 3), (128, 2), (64, 3), (64, 4)]:
             arms[f"u_n{bn}_st{st}"] = dict(chunk_tokens=0, block_n=bn, num_stages=st)
@@ -240,22 +234,14 @@ def main() -> None:
     if args.plot:
         print("wrote", plot(args.plot))
         return
-    if args.small:
+    if args.small or args.policy:
         gen = torch.Generator(device=BA.DEV).manual_seed(0)
         res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
                "commit": args.commit, "torch": torch.__version__, "copy_tbps": BA.copy_tbps(),
-               "decode": small_rows(gen)}
-        with open(os.path.join(args.out, "chunk_small.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        print("copy TB/s", round(res["copy_tbps"], 3))
-        return
-    if args.policy:
-        gen = torch.Generator(device=BA.DEV).manual_seed(0)
-        res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-               "commit": args.commit, "torch": torch.__version__, "copy_tbps": BA.copy_tbps(),
-               "decode": policy_rows(gen)}
-        res["tree"] = tree_policy_rows(gen)
-        with open(os.path.join(args.out, "chunk_policy.json"), "w") as f:
+               "decode": small_rows(gen) if args.small else policy_rows(gen)}
+        if args.policy:
+            res["tree"] = tree_policy_rows(gen)
+        with open(os.path.join(args.out, "chunk_small.json" if args.small else "chunk_policy.json"), "w") as f:
             json.dump(res, f, indent=1)
         print("copy TB/s", round(res["copy_tbps"], 3))
         return
