@@ -51,6 +51,9 @@
 #   bash bench/gpu_run.sh feature    train a feature draft (EAGLE-style) for the embedded model into .cache/feature_draft
 #   bash bench/gpu_run.sh fdrafts    drafts_feature.json: the feature draft beside the shipped distilled draft
 #   bash bench/gpu_run.sh prefetch   bench/kernels/prefetch_probe.py: hand-pipelined attention loops against the pipeliner's
+#   bash bench/gpu_run.sh attention  bench/kernels/bench_attention.py: attention.json (the CUDA tests of both kernels first)
+#   bash bench/gpu_run.sh chunk      bench/kernels/chunk_ab.py --policy and --small: chunked block ids around one wave
+#                                    and for small batches (CHUNK_ARGS="--heads 9,3,64": SmolLM2's attention shape)
 #   bash bench/gpu_run.sh sampling   bench/sampling_step.py: a step's sampled draws, stochastic trees by the one-launch
 #                                    kernel and by torch passes
 #   bash bench/gpu_run.sh real       bench/engine.py's real pair (REAL_ARGS: more arguments, e.g. --arms)
@@ -111,6 +114,16 @@ for stage in "$@"; do
              tests/draft/test_feature_drafter.py tests/kernels/test_paged_decode.py tests/kernels/test_tree_attention.py tests/kernels/test_stochastic_accept.py \
              -k "cuda or gpu or graph or stochastic_accept" 2>&1 | tail -15 ;;
     prefetch) timeout 420 python bench/kernels/prefetch_probe.py --out "$OUT" 2>&1 | tail -18 ;;
+    attention)
+      timeout 90 python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_paged_decode.py \
+        tests/kernels/test_tree_attention.py -k gpu 2>&1 | tail -2
+      timeout -s INT "${ATTN_TIMEOUT:-300}" python bench/kernels/bench_attention.py --out "$OUT" \
+        --commit "${BENCH_COMMIT:-unknown}" --flex-budget-s "${FLEX_BUDGET:-60}" 2>&1 | tail -20 ;;
+    chunk)
+      timeout 300 python bench/kernels/chunk_ab.py --policy --out "$OUT" --commit "${BENCH_COMMIT:-unknown}" ${CHUNK_ARGS:-} \
+        2>&1 | grep -v "^ " | tail -16
+      timeout 150 python bench/kernels/chunk_ab.py --small --out "$OUT" --commit "${BENCH_COMMIT:-unknown}" ${CHUNK_ARGS:-} \
+        2>&1 | grep -v "^ " | tail -9 ;;
     sampling) timeout 300 python bench/sampling_step.py --device cuda --batches 1,16,64 --reps 15 \
                 --out "$OUT/sampling_step.json" 2>&1 | tail -16 ;;
     feature)

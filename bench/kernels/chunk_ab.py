@@ -21,7 +21,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import bench.kernels.bench_attention as BA  # noqa: E402
-from bench.kernels.attn_layout import caches  # noqa: E402
 from kernels.paged_decode import paged_decode_attention  # noqa: E402
 from kernels.tree_attention import tree_attention  # noqa: E402
 
@@ -39,8 +38,7 @@ def check(fn, ref, name):
 def decode_case(B, ctx, page, gen):
     """One decode batch over shuffled pages: q, the caches, block table and lengths, the contiguous K/V
     SDPA reads, and SDPA's output."""
-    layouts, bt, k, v = caches(B, ctx, page, gen)
-    kc, vc = layouts["token_major"]
+    kc, vc, bt, k, v = BA.paged_kv(B, ctx, page, gen)
     q = torch.randn(B, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
     lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
     return q, kc, vc, bt, lens, k, v, BA.sdpa(q[:, :, None], k, v)[:, :, 0]
@@ -125,8 +123,10 @@ def policy_rows(gen):
     """Where one program per (sequence, KV head) with the chunked loop beats the split loop: batches
     around one wave of programs, three context lengths, read and write flush."""
     rows = []
-    for B, ctx in [(8, 4096), (12, 4096), (16, 2048), (16, 4096), (16, 8192), (24, 4096), (32, 2048), (32, 4096),
-                   (48, 2048)]:
+    # (sequence, KV head) programs around one wave of 132 SMs; batches from the KV head count (8: B=8 ... 48)
+    for n, ctx in [(64, 4096), (96, 4096), (128, 2048), (128, 4096), (128, 8192), (192, 4096), (256, 2048),
+                   (256, 4096), (384, 2048)]:
+        B = max(1, round(n / BA.HKV))
         q, kc, vc, bt, lens, k, v, ref = decode_case(B, ctx, 16, gen)
         scale = BA.D**-0.5
         arms = {n: (lambda kw=kw: paged_decode_attention(q, kc, vc, bt, lens, scale, **kw)) for n, kw in POLICY_DECODE.items()}
@@ -212,7 +212,8 @@ def plot(path: str) -> str:
     ax.axhline(0.95, color="k", lw=0.8, ls="--")
     ax.set_ylim(0.5, 1.05)
     ax.set_ylabel("speed / SDPA (contiguous KV)")
-    ax.set_title(f"Paged decode, chunked block ids vs lookups per tile ({res['device']}, {res['commit']}, read flush)")
+    ax.set_title(f"Paged decode, chunked block ids vs lookups per tile ({res['device']}, {res['commit']}, read flush, "
+                 f"heads {res.get('heads', '32,8,128')})", fontsize=9)
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     out = path.rsplit(".", 1)[0] + ".png"
@@ -227,17 +228,20 @@ def main() -> None:
     ap.add_argument("--chunks", default="1024,4096")
     ap.add_argument("--pages", default="16,64")
     ap.add_argument("--plot", help="only draw this chunk_policy JSON's PNG beside it")
+    ap.add_argument("--heads", default="32,8,128",
+                    help="query heads, KV heads, head dim (SmolLM2-135M: 9,3,64; the launch rules hold at dim 128)")
     ap.add_argument("--small", action="store_true", help="instead: small batches (small_rows), into chunk_small.json")
     ap.add_argument("--policy", action="store_true",
                     help="instead: batches around one wave of programs (policy_rows) and large trees, into chunk_policy.json")
     args = ap.parse_args()
+    BA.H, BA.HKV, BA.D = (int(x) for x in args.heads.split(","))
     if args.plot:
         print("wrote", plot(args.plot))
         return
     if args.small or args.policy:
         gen = torch.Generator(device=BA.DEV).manual_seed(0)
         res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-               "commit": args.commit, "torch": torch.__version__, "copy_tbps": BA.copy_tbps(),
+               "commit": args.commit, "torch": torch.__version__, "copy_tbps": BA.copy_tbps(), "heads": args.heads,
                "decode": small_rows(gen) if args.small else policy_rows(gen)}
         if args.policy:
             res["tree"] = tree_policy_rows(gen)
