@@ -5,7 +5,7 @@
 #   bash bench/gpu_run.sh triton_out the Triton cache built so far, as parts under $OUT (last in a call that built a lot)
 #   bash bench/gpu_run.sh tests      the CUDA-only tests (7 minutes on a fresh machine, mostly Triton builds)
 #   bash bench/gpu_run.sh profile    bench/step_profile.py: where a step's time goes (SmolLM2 shapes, random weights;
-#                                    each tree also with host-copied trees: the deferred trees' A/B; CHAIN_TREES=1/2
+#                                    each tree also with host-copied trees: the deferred trees' A/B; CHAIN_TREES=1/2 (empty: none)
 #                                    free one-node-wide chains, the n-gram drafter's steps without its lookups; launches
 #                                    per step by phase, and plain decoding with the overlap as its own arm)
 #   bash bench/gpu_run.sh synthetic  bench/engine.py's synthetic 8B pair, with the per-kernel profile and the INT4 picks
@@ -133,7 +133,7 @@ for stage in "$@"; do
       mkdir -p "$OUT/feature_draft" && cp .cache/feature_draft/* "$OUT/feature_draft/" ;;
     fdrafts) sweep_beside_shipped .cache/feature_draft ;;
     profile) timeout 300 python bench/step_profile.py --batches "${PROFILE_BATCHES:-1,16}" --tokens 64 --trees "${TREES:-1/2,2,2,1}" \
-               --chain-trees "${CHAIN_TREES:-1}" ${PROFILE_ARGS:---host-trees} --count-ops --overlap \
+               --chain-trees "${CHAIN_TREES-1}" ${PROFILE_ARGS:---host-trees} --count-ops --overlap \
                --out "$OUT/step_profile.json" 2>&1 | grep -v '^{' | tail -10 ;;
     synthetic) timeout 300 python bench/engine.py --synthetic --profile --out "$OUT/engine_synthetic.json" 2>&1 \
                  | grep -v '^ \|^{\|^}' | tail -40 ;;
