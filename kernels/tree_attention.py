@@ -35,7 +35,8 @@ TREE_PREFETCH = False  # see tree_attention's ``prefetch``
 TREE_CHUNK_TOKENS = paged_decode.DECODE_CHUNK_TOKENS  # see tree_attention's ``chunk_tokens``
 # Query tiles of at least this many rows (tokens x query heads: 64-node trees at G = 4) stream their prefix
 # through the chunked loop in (block_n, stages) steps, where TREE_CHUNK_TOKENS is on; smaller tiles keep
-# their lookups.
+# their lookups. H100 (chunk_policy_h100.json): 64-node trees at B=16 231 -> 190 us, at B=4 95 -> 91;
+# 16-node trees at B=64 (64-row tiles) lost, 208 -> 241.
 TREE_CHUNK_ROWS, TREE_CHUNK_TILE = 128, (128, 3)
 
 
@@ -365,8 +366,9 @@ def tree_attention(
     num_slots = -(-T // block_q) + min(B, T)  # >= sum over sequences of ceil(n_b / block_q)
     # Measured on an H200 (bench/kernels/bench_attention.py): tiles of <= 32 rows stream 128-key steps;
     # 64- and 128-row tiles (trees of 16+ nodes, prefill) run 32-key steps 7 stages deep.
+    # Timed on trees (at most 64 nodes: the mask's bits) at head dim 128 only; prefill chunks keep their steps.
     if (chunk_tokens is None and block_n is None and num_stages is None and not prefetch and TREE_CHUNK_TOKENS > 0
-            and block_q * block_g >= TREE_CHUNK_ROWS and D == 128):  # timed at head dim 128 only
+            and block_q * block_g >= TREE_CHUNK_ROWS and D == 128 and -(-T // B) <= 64):
         chunk, (block_n, num_stages) = TREE_CHUNK_TOKENS, TREE_CHUNK_TILE
     else:
         chunk = 0 if prefetch or chunk_tokens is None else chunk_tokens

@@ -125,7 +125,8 @@ def test_wide_tiles_take_the_chunked_loop(monkeypatch):
     assert pages == [8]  # a 64-token chunk grows to one whole 128-key step: 8 pages of 16
     check([(300, BRANCHING), (517, CHAIN)], 16, 4, 1, 128, seed=4)  # small tiles keep their lookups
     check([(300, wide)], 16, 4, 1, 64, seed=5)  # the rule is timed at head dim 128 only
-    assert pages[1:] == [0, 0]
+    check([(300, 200)], 16, 4, 1, 128, seed=6)  # and on trees, not on prefill chunks
+    assert pages[1:] == [0, 0, 0]
 
 
 def test_head_dim_128_auto_splits():
