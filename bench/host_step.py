@@ -33,8 +33,10 @@ from pathlib import Path
 # requests cost the host in a batch where speculation does not pay.
 # "overlapped": plain steps launched ahead of the last one's resolution (EngineConfig.overlap, the default on a
 # CUDA target): the host work a GPU step hides while the host keeps up, and bounds where it does not.
+# "plain overlapped 2k": the same with 2,000-token prompts: every step packs each sequence's block-table row
+# (126 blocks of 16), which the short prompts above hide.
 CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48), ("plain+penalties", 64),
-           ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64), ("plain overlapped", 64)]
+           ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64), ("plain overlapped", 64), ("plain overlapped 2k", 64)]
 VOCAB = 512
 PENALTY_VOCAB = 49152
 
@@ -48,6 +50,7 @@ def measure(steps: int) -> dict[str, float]:
     from draft.params import SpeculationParams
     from gateway.budget import BudgetConfig
     from engine_util import tiny_engine
+    from gateway.engine import Engine
     from verify.sampling import SamplingParams
 
     torch.set_num_threads(1)
@@ -64,7 +67,14 @@ def measure(steps: int) -> dict[str, float]:
             out[torch.arange(rows), (batch.tokens[at] * 7 + batch.positions[at] * shift + 1) % V] = 5.0
             return out
 
-        engine = tiny_engine(num_blocks=8192, page_size=16, max_running=64, vocab=V, tree=(2, 2, 2, 1))
+        long = arm.endswith(" 2k")
+        arm = arm.removesuffix(" 2k")
+        engine = tiny_engine(num_blocks=16384 if long else 8192, page_size=16, max_running=64, vocab=V,
+                             tree=(2, 2, 2, 1), max_position_embeddings=4096 if long else 512)
+        if long:  # tiny_engine's scheduler holds 512 tokens
+            engine = Engine(engine.target, engine.drafters,
+                            replace(engine.config, scheduler=replace(engine.config.scheduler, max_model_len=4096,
+                                                                     max_step_tokens=4096)))
         if arm == "plain overlapped":
             engine.config = replace(engine.config, overlap=True)
         engine.target.forward = rule
@@ -81,8 +91,9 @@ def measure(steps: int) -> dict[str, float]:
             sampling = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True, repetition_penalty=1.1,
                                       frequency_penalty=0.2, presence_penalty=0.1)
         for i in range(streams):
-            engine.add(str(i), [(13 * i + j) % V for j in range(40)], sampling, spec)
-        for _ in range(30 if arm == "idle ngram" else 5):  # prefill and first drafts (idle: until the budget gives up)
+            engine.add(str(i), [(13 * i + j) % V for j in range(2000 if long else 40)], sampling, spec)
+        # prefill and first drafts (idle: until the budget gives up; long: 128,000 prompt tokens, 4,096 a step)
+        for _ in range(40 if long else 30 if arm == "idle ngram" else 5):
             engine.step()
         t0 = time.perf_counter()
         for _ in range(steps):

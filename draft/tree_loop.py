@@ -298,7 +298,7 @@ class GreedyTreeLoop:
             slots.append(table.slots(ctx + 1, ctx + N))
         cols = max(len(t.blocks) for t in tables)
         scratch_row = [self.cache.scratch_block] * cols
-        bt = torch.tensor([t.blocks + scratch_row[len(t.blocks):] for t in tables], dtype=torch.int32)
+        bt = torch.tensor([t.blocks.tolist() + scratch_row[len(t.blocks):] for t in tables], dtype=torch.int32)
         # [N, G]: row 0 the contexts, rows 1.. the slots
         host = to_device(torch.tensor([ctxs, *zip(*slots)], dtype=torch.int64), self.device)
         return host[0], host[1:].T, to_device(bt, self.device), cols

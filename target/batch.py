@@ -114,10 +114,11 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
     # batch-dependent offsets would compile new variants mid-serving.
     T, R, B = len(tokens), len(logit_rows), len(segments)
     wide, at64 = _packed([tokens, positions, slots, bits, logit_rows], torch.int64, device)
-    rows = []
+    rows = array.array("i")  # the tables' rows, copied as memory (BlockTable.blocks is an array('i'))
+    pad = array.array("i", bytes(4 * max_blocks))
     for seg in segments:
         rows += seg.table.blocks
-        rows += [0] * (max_blocks - len(seg.table.blocks))
+        rows += pad[len(seg.table.blocks):]
     narrow, at32 = _packed([[s.context_len for s in segments], query_start, rows,
                             [r + at64[0] for r in tail_rows] + [r + at64[3] for r in tail_rows]], torch.int32, device)
     if tails:  # the device nodes into their rows: one gather of the pieces, one indexed write
@@ -142,17 +143,21 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 
-def _packed(fields: list[list[int]], dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, list[int]]:
-    """One device tensor holding every field, each starting at a multiple of 16 elements; and the starts.
+def _packed(fields: list, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, list[int]]:
+    """One device tensor holding every field (lists of ints, or arrays of the dtype's typecode), each
+    starting at a multiple of 16 elements; and the starts.
 
-    The list goes through ``array.array``: ``torch.tensor`` converts a Python list at ~140-190 ns per
-    int, the array's constructor at ~60 (a 64-sequence decode packs ~1,800 ints per forward)."""
-    flat: list[int] = []
+    The fields go through ``array.array``: ``torch.tensor`` converts a Python list at ~140-190 ns per
+    int, the array at ~60 (a 64-sequence decode packs ~1,800 ints per forward), and an array field of the
+    same typecode is copied as memory."""
+    code = _TYPECODES[dtype]
+    flat = array.array(code)
+    zeros = array.array(code, bytes(16 * flat.itemsize))
     starts = []
     for f in fields:
         starts.append(len(flat))
-        flat += f
-        flat += [0] * (-len(flat) % 16)
+        flat += f if isinstance(f, array.array) else array.array(code, f)
+        flat += zeros[: -len(flat) % 16]
     if not flat:
         return torch.empty(0, dtype=dtype, device=device), starts
-    return to_device(torch.frombuffer(array.array(_TYPECODES[dtype], flat), dtype=dtype), device), starts
+    return to_device(torch.frombuffer(flat, dtype=dtype), device), starts

@@ -29,7 +29,7 @@ def test_fields_hold_the_segments_and_start_16_byte_aligned(lens: list[int]) -> 
     assert b.query_start.tolist() == [sum(lens[:i]) for i in range(len(lens) + 1)]
     assert b.logits_indices.tolist() == list(b.logits_rows)
     for i, t in enumerate(tables):
-        assert b.block_tables[i, : len(t.blocks)].tolist() == t.blocks
+        assert b.block_tables[i, : len(t.blocks)].tolist() == t.blocks.tolist()
         assert b.block_tables[i, len(t.blocks):].eq(0).all()
     assert (b.mask_bits is None) == (len(lens) == 1)  # only odd segments bring a mask
     fields = [b.tokens, b.positions, b.slot_mapping, b.logits_indices, b.context_lens, b.query_start,
@@ -55,7 +55,7 @@ def test_one_token_segments_take_the_general_paths_slots_and_copies() -> None:
         b = build_batch(segs, cache, "cpu")
         fields = [b.tokens, b.positions, b.slot_mapping, b.block_tables, b.context_lens, b.query_start,
                   b.logits_indices]
-        return [f.tolist() for f in fields], b.logits_rows, b.is_decode, [t.blocks for t in (fresh, shared, own, fork)], \
+        return [f.tolist() for f in fields], b.logits_rows, b.is_decode, [t.blocks.tolist() for t in (fresh, shared, own, fork)], \
             cache.k.clone()
 
     fast, slow = run(False), run(True)

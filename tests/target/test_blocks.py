@@ -25,7 +25,7 @@ def test_ensure_is_all_or_nothing() -> None:
     t = BlockTable(pool)
     with pytest.raises(NoFreeBlocks):
         t.ensure(100)
-    assert t.blocks == [] and pool.num_free == 2
+    assert not t.blocks and pool.num_free == 2
 
 
 def test_fork_shares_blocks_until_released() -> None:
