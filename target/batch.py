@@ -115,7 +115,7 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
     T, R, B = len(tokens), len(logit_rows), len(segments)
     wide, at64 = _packed([tokens, positions, slots, bits, logit_rows], torch.int64, device)
     rows = array.array("i")  # the tables' rows, copied as memory (BlockTable.blocks is an array('i'))
-    pad = array.array("i", bytes(4 * max_blocks))
+    pad = array.array("i", [0]) * max_blocks
     for seg in segments:
         rows += seg.table.blocks
         rows += pad[len(seg.table.blocks):]
@@ -152,7 +152,7 @@ def _packed(fields: list, dtype: torch.dtype, device: torch.device | str) -> tup
     same typecode is copied as memory."""
     code = _TYPECODES[dtype]
     flat = array.array(code)
-    zeros = array.array(code, bytes(16 * flat.itemsize))
+    zeros = array.array(code, [0]) * 16
     starts = []
     for f in fields:
         starts.append(len(flat))
