@@ -36,12 +36,31 @@ def check(fn, ref, name):
 
 
 def decode_case(B, ctx, page, gen):
-    """One decode batch over shuffled pages: q, the caches, block table and lengths, the contiguous K/V
+    """One decode batch over shuffled pages: ``paged_decode_attention``'s arguments, the contiguous K/V
     SDPA reads, and SDPA's output."""
     kc, vc, bt, k, v = BA.paged_kv(B, ctx, page, gen)
     q = torch.randn(B, BA.H, BA.D, device=BA.DEV, dtype=BA.DT, generator=gen)
     lens = torch.full((B,), ctx, dtype=torch.int32, device=BA.DEV)
-    return q, kc, vc, bt, lens, k, v, BA.sdpa(q[:, :, None], k, v)[:, :, 0]
+    return (q, kc, vc, bt, lens, BA.D**-0.5), (q, k, v), BA.sdpa(q[:, :, None], k, v)[:, :, 0]
+
+
+def checked(arms, ref, label):
+    """``arms`` ({name: callable}), each checked against ``ref`` first."""
+    for name, fn in arms.items():
+        check(fn, ref, f"{label} {name}")
+    return arms
+
+
+def time_flushed(arms, dense):
+    """``(flush, SDPA's us, {arm: us})`` after a read and after a write flush of L2; ``dense`` is SDPA's
+    (q, k, v)."""
+    q, k, v = dense
+    out = []
+    for flush in ("read", "write"):
+        BA.FLUSH = flush
+        sdpa_us = BA.time_us(lambda: BA.sdpa(q[:, :, None], k, v))
+        out.append((flush, sdpa_us, {name: BA.time_us(fn) for name, fn in arms.items()}))
+    return out
 
 
 def tree_case(B, ctx, nodes, page, gen):
@@ -61,24 +80,18 @@ def tree_case(B, ctx, nodes, page, gen):
 
 
 def decode_rows(B, ctx, page, chunks, gen):
-    q, kc, vc, bt, lens, k, v, ref = decode_case(B, ctx, page, gen)
-    scale = BA.D**-0.5
-    arms = {"shipped": lambda: paged_decode_attention(q, kc, vc, bt, lens, scale, chunk_tokens=0)}
+    args, dense, ref = decode_case(B, ctx, page, gen)
+    kws = {"shipped": dict(chunk_tokens=0)}
     for c in chunks:
-        arms[f"c{c}"] = lambda c=c: paged_decode_attention(q, kc, vc, bt, lens, scale, chunk_tokens=c)
+        kws[f"c{c}"] = dict(chunk_tokens=c)
         for s in SPLITS[1:] if B > 1 else (None,):
             for bn, st in CHUNKED:
-                arms[f"c{c}_s{s}_n{bn}_st{st}"] = (
-                    lambda c=c, s=s, bn=bn, st=st: paged_decode_attention(
-                        q, kc, vc, bt, lens, scale, chunk_tokens=c, num_splits=s, block_n=bn, num_stages=st))
-    for name, fn in arms.items():
-        check(fn, ref, f"B={B} ctx={ctx} page={page} {name}")
+                kws[f"c{c}_s{s}_n{bn}_st{st}"] = dict(chunk_tokens=c, num_splits=s, block_n=bn, num_stages=st)
+    arms = checked({n: (lambda kw=kw: paged_decode_attention(*args, **kw)) for n, kw in kws.items()}, ref,
+                   f"B={B} ctx={ctx} page={page}")
     kv_bytes = 2 * B * ctx * BA.HKV * BA.D * 2
     rows = []
-    for flush in ("read", "write"):
-        BA.FLUSH = flush
-        sdpa_us = BA.time_us(lambda: BA.sdpa(q[:, :, None], k, v))
-        times = {name: BA.time_us(fn) for name, fn in arms.items()}
+    for flush, sdpa_us, times in time_flushed(arms, dense):
         chunked = {n: t for n, t in times.items() if n != "shipped"}
         best = min(chunked, key=chunked.get)
         row = {"B": B, "ctx": ctx, "page": page, "flush": flush, "sdpa_us": sdpa_us, "shipped_us": times["shipped"],
@@ -100,8 +113,7 @@ def verify_rows(B, ctx, nodes, page, chunks, gen):
         for bn, st in [(32, 7), (32, 5), (64, 3), (128, 2), (128, 3)]:
             arms[f"c{c}_n{bn}_st{st}"] = lambda c=c, bn=bn, st=st: tree_attention(*args, chunk_tokens=c, block_n=bn,
                                                                                    num_stages=st)
-    for name, fn in arms.items():
-        check(fn, ref, f"verify B={B} nodes={nodes} {name}")
+    checked(arms, ref, f"verify B={B} nodes={nodes}")
     BA.FLUSH = "write"
     times = {name: BA.time_us(fn) for name, fn in arms.items()}
     best = min(times, key=times.get)
@@ -127,15 +139,10 @@ def policy_rows(gen):
     for n, ctx in [(64, 4096), (96, 4096), (128, 2048), (128, 4096), (128, 8192), (192, 4096), (256, 2048),
                    (256, 4096), (384, 2048)]:
         B = max(1, round(n / BA.HKV))
-        q, kc, vc, bt, lens, k, v, ref = decode_case(B, ctx, 16, gen)
-        scale = BA.D**-0.5
-        arms = {n: (lambda kw=kw: paged_decode_attention(q, kc, vc, bt, lens, scale, **kw)) for n, kw in POLICY_DECODE.items()}
-        for name, fn in arms.items():
-            check(fn, ref, f"policy B={B} ctx={ctx} {name}")
-        for flush in ("read", "write"):
-            BA.FLUSH = flush
-            sdpa_us = BA.time_us(lambda: BA.sdpa(q[:, :, None], k, v))
-            times = {name: BA.time_us(fn) for name, fn in arms.items()}
+        args, dense, ref = decode_case(B, ctx, 16, gen)
+        arms = checked({n: (lambda kw=kw: paged_decode_attention(*args, **kw)) for n, kw in POLICY_DECODE.items()},
+                       ref, f"policy B={B} ctx={ctx}")
+        for flush, sdpa_us, times in time_flushed(arms, dense):
             rows.append({"B": B, "ctx": ctx, "page": 16, "flush": flush, "sdpa_us": sdpa_us, "times": times})
             print(f"policy B={B:2d} ctx={ctx:5d} {flush:5s}: SDPA {sdpa_us:6.1f} "
                   + " ".join(f"{n} {t:6.1f}" for n, t in times.items()), flush=True)
@@ -148,21 +155,16 @@ def small_rows(gen):
     from kernels.paged_decode import _num_sms
     rows = []
     for B, ctx in [(1, 32768), (1, 4096), (2, 16384), (4, 8192)]:
-        q, kc, vc, bt, lens, k, v, ref = decode_case(B, ctx, 16, gen)
-        scale = BA.D**-0.5
+        args, dense, ref = decode_case(B, ctx, 16, gen)
         w = max(1, _num_sms(BA.DEV) // (B * BA.HKV))
         kws = {"shipped": dict(chunk_tokens=0)}
         for s_ in sorted({w, max(1, w // 2)}):
             for bn, st in [(128, 3), (64, 4), (64, 3)]:
                 kws[f"c_s{s_}_n{bn}_st{st}"] = dict(chunk_tokens=4096, num_splits=s_, block_n=bn, num_stages=st)
-        arms = {n: (lambda kw=kw: paged_decode_attention(q, kc, vc, bt, lens, scale, **kw)) for n, kw in kws.items()}
-        for name, fn in arms.items():
-            check(fn, ref, f"small B={B} ctx={ctx} {name}")
+        arms = checked({n: (lambda kw=kw: paged_decode_attention(*args, **kw)) for n, kw in kws.items()}, ref,
+                       f"small B={B} ctx={ctx}")
         kv_bytes = 2 * B * ctx * BA.HKV * BA.D * 2
-        for flush in ("read", "write"):
-            BA.FLUSH = flush
-            sdpa_us = BA.time_us(lambda: BA.sdpa(q[:, :, None], k, v))
-            times = {name: BA.time_us(fn) for name, fn in arms.items()}
+        for flush, sdpa_us, times in time_flushed(arms, dense):
             best = min(times, key=times.get)
             rows.append({"B": B, "ctx": ctx, "page": 16, "flush": flush, "sdpa_us": sdpa_us, "times": times,
                          "best": best, "best_tbps": kv_bytes / times[best] / 1e6})
@@ -182,9 +184,8 @@ def tree_policy_rows(gen):
         for bn, st in [(128, 3), (128, 2), (64, 3), (64, 4)]:
             arms[f"u_n{bn}_st{st}"] = dict(chunk_tokens=0, block_n=bn, num_stages=st)
             arms[f"c_n{bn}_st{st}"] = dict(chunk_tokens=4096, block_n=bn, num_stages=st)
-        fns = {n: (lambda kw=kw: tree_attention(*args, **kw)) for n, kw in arms.items()}
-        for name, fn in fns.items():
-            check(fn, ref, f"tree policy B={B} nodes={nodes} {name}")
+        fns = checked({n: (lambda kw=kw: tree_attention(*args, **kw)) for n, kw in arms.items()}, ref,
+                      f"tree policy B={B} nodes={nodes}")
         BA.FLUSH = "write"
         times = {name: BA.time_us(fn) for name, fn in fns.items()}
         rows.append({"B": B, "ctx": ctx, "nodes": nodes, "page": 16, "flush": "write", "times": times})
