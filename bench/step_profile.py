@@ -45,7 +45,6 @@ from draft.model_drafter import ModelDrafter  # noqa: E402
 from draft.ngram import NgramDrafter  # noqa: E402
 from draft.params import SpeculationParams  # noqa: E402
 from draft.tree import TokenTree  # noqa: E402
-from draft.tree_loop import SAMPLED_GRAPHS  # noqa: E402
 from gateway.budget import BudgetConfig  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
@@ -375,7 +374,7 @@ def main() -> None:
         arms.append((f"chain {d}", SpeculationParams(drafter="chain", tree=(1,) * int(d)), True, 0.0))
     for b in (int(x) for x in args.batches.split(",")):
         for name, spec, defer, temperature in arms:
-            tree_loop.SAMPLED_GRAPHS = name.endswith(" graph") or SAMPLED_GRAPHS
+            tree_loop.SAMPLED_GRAPHS = name.endswith(" graph")  # the plain T=0.7 arm: the eager loop
             row = {"batch": b, "arm": name} | profile_arm(engine, b, spec, args.tokens, prompt, bool(defer),
                                                           args.count_ops, defer == "overlap", temperature)
             res["rows"].append(row)
