@@ -690,7 +690,6 @@ def _int4_matmul_t_kernel(
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ZDEC: tl.constexpr, PREFETCH: tl.constexpr,
-    SCALED: tl.constexpr = False,
 ):
     """The MMA path with its operands swapped: y^T = W x^T, so the decoded weights are the MMA's A
     operand (rows = weight columns) and the tokens its N dimension (Machete's swap-AB idea).
@@ -700,13 +699,6 @@ def _int4_matmul_t_kernel(
     the weight columns, each weight is decoded once per program whatever BLOCK_M is, and BLOCK_M only
     adds MMAs (8 tokens each) on registers already decoded. Same factoring as the untransposed kernel:
         sum_k x (c - z) s = s * (sum_k x (c + MAGIC) - (MAGIC + z) * sum_k x).
-
-    ``SCALED`` (the "mmas" configs; whole zero points, G a multiple of BLOCK_K): each decoded weight is
-    scaled before its MMA, w = (c - z) * s in x's dtype (c - z is exact in 16 bits and the product rounds
-    once: the reference's own dequantized weight), so every MMA accumulates into ``acc`` itself. Without it
-    a K block's eight MMAs sum into a fresh ``t`` that must be complete before ``acc += t * s``, and the
-    sm_90 build waits for each wgmma before the next decode starts (``warp_group_dot_wait`` with no
-    pending groups after every dot; ``bench/kernels/sass.py int4 --dump``).
     """
     pid, pid_k = tl.program_id(0), tl.program_id(1)
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
@@ -736,16 +728,11 @@ def _int4_matmul_t_kernel(
             else:
                 z = 8.0
             t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            if ZDEC or SCALED:  # (code + MAGIC) - (MAGIC + z) = code - z, exact in 16 bits
+            if ZDEC:  # (code + MAGIC) - (MAGIC + z) = code - z, exact in 16 bits: t = sum_k (code - z) x
                 if HAS_ZEROS:
                     zm = (MAGIC + z).to(x.dtype)[:, None]
                 else:
                     zm = tl.full([1, 1], MAGIC + 8.0, x.dtype)
-            if SCALED:  # acc += sum_k ((code - z) * s) x
-                sx = s_next.to(x.dtype)[:, None]
-                for j in tl.static_range(8):
-                    acc = tl.dot((_codes_plus_magic(q, j, x.dtype, USE_ASM) - zm) * sx, tl.trans(xj[j]), acc)
-            elif ZDEC:  # t = sum_k (code - z) x
                 for j in tl.static_range(8):
                     t = tl.dot(_codes_plus_magic(q, j, x.dtype, USE_ASM) - zm, tl.trans(xj[j]), t)
             else:  # t = sum_k (code + MAGIC) x, u = sum_k x (broadcast along the weight columns)
@@ -759,7 +746,7 @@ def _int4_matmul_t_kernel(
                                             G, HAS_ZEROS)
             if ZDEC:
                 acc += t * s[:, None]
-            elif not SCALED:
+            else:
                 acc += t * s[:, None] - u * (s * (MAGIC + z))[:, None]
         else:
             s16, sz16 = _group_params(scales_ptr, zeros_ptr, k0, cols, n_mask, N, K, G, BLOCK_K, HAS_ZEROS)
@@ -805,8 +792,7 @@ def _int4_dequant_kernel(
 @dataclass(frozen=True, slots=True)
 class KernelConfig:
     kind: str  # "hgemv" (packed fp16, M = 1), "gemv" (fp32 CUDA cores, M <= 4), "mma" (tensor cores),
-    # "mmat" (tensor cores, operands swapped: y^T = W x^T), "mmas" (mmat with each weight scaled before its
-    # MMA; whole zero points only) or "dequant" (W + cuBLAS)
+    # "mmat" (tensor cores, operands swapped: y^T = W x^T) or "dequant" (W + cuBLAS)
     block_m: int = 16
     block_n: int = 128  # weight columns per program
     block_k: int = 128  # weight rows per loop step
@@ -829,10 +815,8 @@ SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "0") == "1"
 # codes in 16 bits, exactly, so the MMA paths skip their second dot (sum_k x against ones) and its
 # per-tile correction. SPECGATE_INT4_ZDEC=0 keeps the factored form everywhere, for A/B runs.
 ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
-# SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs); SPECGATE_INT4_MMAS=0
-# leaves out its scaled form ("mmas", see _int4_matmul_t_kernel's SCALED) alone.
+# SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs).
 MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
-MMAS = os.environ.get("SPECGATE_INT4_MMAS", "1") == "1"
 # SPECGATE_INT4_PREFETCH=0: the MMA paths do not prefetch their first weights into L2 before waiting on the
 # kernel ahead (_prefetch_split). A decode step's GEMVs load weights before that wait and a verify step's MMA
 # matmuls did not: on an H100 the prefetch took 3-4% off SmolLM2-shape verify steps, where every program's
@@ -852,12 +836,10 @@ _MMA_SHAPES = {
 }
 # The swap-AB MMA path: (block_m = tokens, block_n, num_warps, num_stages). Weight columns are the MMA's
 # M side, so Triton lowers to wgmma with the decoded weights in registers (block_n >= 64 per warpgroup).
-# 64 columns (one warpgroup's wgmma M) keep more programs on an SM: Triton waits on every wgmma whose A
-# operand is decoded in the loop, so other programs' decoding is what fills those waits.
 _MMAT_SHAPES = {
-    16: [(16, 128, 4, 3), (16, 256, 8, 3), (16, 64, 4, 3)],
-    32: [(32, 128, 4, 3), (32, 256, 8, 3), (32, 64, 4, 3)],
-    64: [(64, 256, 8, 3), (64, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3)],
+    16: [(16, 128, 4, 3), (16, 256, 8, 3)],
+    32: [(32, 128, 4, 3), (32, 256, 8, 3)],
+    64: [(64, 256, 8, 3), (64, 128, 4, 3), (64, 128, 8, 3)],
     128: [(128, 128, 8, 3), (64, 256, 8, 3)],
     256: [(128, 128, 8, 3)],
 }
@@ -880,10 +862,8 @@ def _splits(tiles: int, k_blocks: int, num_sms: int) -> list[int]:
     return sorted(set(picks))
 
 
-def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, x16: bool = True,
-                whole: bool = False) -> list[KernelConfig]:
-    """Configs worth timing for this M bucket, the untuned default first. ``x16``: 16-bit activations;
-    ``whole``: whole-number zero points (or none), which the scaled swap-AB path ("mmas") needs."""
+def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, x16: bool = True) -> list[KernelConfig]:
+    """Configs worth timing for this M bucket, the untuned default first. ``x16``: 16-bit activations."""
     n_out = N // 2 if silu else N
     out: list[KernelConfig] = []
     if M >= 128 and not silu:  # compute-bound: cuBLAS on a dequantized copy wins from here (H200)
@@ -892,8 +872,6 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
     shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[bucket]]
     if M > 1 and MMAT:  # (M = 1 belongs to the GEMVs)
         shapes += [("mmat", bm, bn, 128, w, st) for bm, bn, w, st in _MMAT_SHAPES[bucket]]
-        if MMAS and x16 and whole and G % 128 == 0:
-            shapes += [("mmas", bm, bn, 128, w, st) for bm, bn, w, st in _MMAT_SHAPES[bucket]]
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
         if x16:
             shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES] + shapes
@@ -928,11 +906,10 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
         return _int4_gemv_kernel, {"FIX_R": max(1, min(8, 4096 // cfg.block_n))}
     factored = x_16bit and G % cfg.block_k == 0
-    if cfg.kind in ("mmat", "mmas"):
-        scaled = cfg.kind == "mmas" and factored and whole_zeros
+    if cfg.kind == "mmat":
         return _int4_matmul_t_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
-                                       "USE_PDL": pdl, "ZDEC": factored and whole_zeros and ZDEC and not scaled,
-                                       "SCALED": scaled, "PREFETCH": pdl and on_gpu and PREFETCH}
+                                       "USE_PDL": pdl, "ZDEC": factored and whole_zeros and ZDEC,
+                                       "PREFETCH": pdl and on_gpu and PREFETCH}
     scale_dot = factored and SCALE_DOT and cfg.block_m == 16
     return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
                                  "USE_PDL": pdl, "SCALE_DOT": scale_dot,
@@ -952,15 +929,7 @@ def sass_configs() -> list[KernelConfig]:
             KernelConfig("mma", 32, 128, 128, 4, 4, 3),
             KernelConfig("mmat", 16, 128, 128, 8, 4, 3),
             KernelConfig("mmat", 64, 256, 128, 2, 8, 3),
-            KernelConfig("mmat", 128, 128, 128, 1, 8, 3),
-            KernelConfig("mmas", 16, 128, 128, 8, 4, 3),
-            KernelConfig("mmas", 64, 256, 128, 2, 8, 3),
-            KernelConfig("mmas", 64, 128, 128, 2, 4, 3),
-            KernelConfig("mmas", 128, 128, 128, 1, 8, 3),
-            KernelConfig("mmat", 64, 64, 128, 2, 4, 3),
-            KernelConfig("mmas", 64, 64, 128, 2, 4, 3),
-            KernelConfig("mmas", 16, 64, 128, 2, 4, 3),
-            KernelConfig("mmas", 32, 64, 128, 2, 4, 3)]
+            KernelConfig("mmat", 128, 128, 128, 1, 8, 3)]
 
 
 def _is_16bit(x: torch.Tensor) -> bool:
@@ -1015,7 +984,7 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run) -> Kerne
         return _CONFIG_CACHE[key]
     M, K = x.shape
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    cands = _candidates(M, N, K, silu, num_sms, G, _is_16bit(x), key[6])
+    cands = _candidates(M, N, K, silu, num_sms, G, _is_16bit(x))
     if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
     times = _time_configs(run, cands, x.device)

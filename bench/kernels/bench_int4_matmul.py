@@ -55,7 +55,7 @@ def rel_err(y: torch.Tensor, r: torch.Tensor) -> float:
 
 def sweep_jobs(ms: list[int]) -> list[tuple[int, int, int, T.KernelConfig]]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return [(M, K, N, cfg) for M in ms for K, N in SHAPES for cfg in T._candidates(M, N, K, False, sms, whole=True)]
+    return [(M, K, N, cfg) for M in ms for K, N in SHAPES for cfg in T._candidates(M, N, K, False, sms)]
 
 
 def _compile_worker(jobs):
@@ -156,7 +156,7 @@ def _correct_worker(specs) -> list[str]:
                 r = ref(x, w, bias)
                 errs = {"dispatch": rel_err(int4_matmul(x, w, bias), r)}
                 if mode == "configs":
-                    for cfg in T._candidates(M, N, K, False, sms, whole=True):
+                    for cfg in T._candidates(M, N, K, False, sms):
                         errs[str(cfg)] = rel_err(T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, g, bias=bias,
                                                                       config=cfg, whole_zeros=True), r)
         except Exception as e:  # noqa: BLE001
@@ -255,7 +255,7 @@ def timing(dtype: torch.dtype, results: dict, ms: list[int]) -> None:
             ws = weights[(K, N)]
             per = {}
             r = ref(x, ws[0])
-            for cfg in T._candidates(M, N, K, False, sms, whole=True):
+            for cfg in T._candidates(M, N, K, False, sms):
                 fns = [lambda w=w, c=cfg: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=c,
                                                                whole_zeros=True)  # rand_weight's zero points
                        for w in ws]

@@ -165,43 +165,6 @@ def test_swapped_mma_matches_ref(M, N, K, G, use_zero_point, block_m, split_k, s
     assert _rel_err(y, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("M,N,K,use_zero_point,block_m,split_k,silu", [
-    (33, 200, 512, True, 16, 2, False),  # three token tiles, the last one row deep; split-K; ragged N
-    (17, 128, 512, False, 32, 1, True),  # symmetric codes, SiLU epilogue
-    (40, 72, 1024, True, 64, 4, False),  # one 64-token tile, four splits
-])
-def test_scaled_swapped_mma_matches_ref(M, N, K, use_zero_point, block_m, split_k, silu):
-    """"mmas": the swap-AB path with each weight scaled before its MMA, (code - z) * s in fp16, accumulating
-    straight into the output tile. Whole zero points only: with fractional ones the same config keeps the
-    factored decode (SCALED off), so its result stays right either way; a poisoned output shows unwritten
-    elements."""
-    G, dtype = 128, torch.float16
-    w = _weight(N, K, G, use_zero_point, dtype, seed=M + N)
-    x = _x(M, K, dtype, seed=K) * (0.05 if silu else 1.0)
-    cfg = T.KernelConfig("mmas", block_m, 64, 128, split_k, 4, 2)
-    flags = T.kernel_for(cfg, True, G, False, whole_zeros=True)[1]
-    assert flags["SCALED"] and not flags["ZDEC"]
-    assert not T.kernel_for(cfg, True, G, False, whole_zeros=False)[1]["SCALED"]
-    ref = _ref(x, w)
-    if silu:
-        gate, up = ref.chunk(2, dim=-1)
-        ref = torch.nn.functional.silu(gate) * up
-    for whole in (True, False):
-        out = torch.full((M, N // 2 if silu else N), float("nan"), dtype=dtype, device=DEVICE)
-        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=silu, config=cfg, out=out,
-                                 whole_zeros=whole)
-        assert _rel_err(y, ref) < TOL[dtype], whole
-
-
-def test_scaled_path_is_a_candidate_for_whole_zero_points_only():
-    """The tuner times "mmas" beside "mmat" where its decode is exact: 16-bit activations, whole zero points
-    (or none) and groups of whole K blocks."""
-    kinds = lambda M, **kw: {c.kind for c in T._candidates(M, 4096, 4096, False, 132, **kw)}  # noqa: E731
-    assert "mmas" in kinds(16, whole=True) and "mmas" in kinds(64, G=256, whole=True)
-    assert "mmas" not in kinds(16) and "mmas" not in kinds(1, whole=True)
-    assert "mmas" not in kinds(16, whole=True, x16=False) and "mmas" not in kinds(16, G=64, whole=True)
-
-
 def test_swapped_path_is_a_candidate_from_two_rows(monkeypatch):
     """The tuner times the swap-AB path from M = 2 (M = 1 belongs to the GEMVs) and at every M bucket,
     SiLU included; SPECGATE_INT4_MMAT=0 (T.MMAT) leaves it out for A/B runs."""
