@@ -1,0 +1,185 @@
+"""Where an M = 1 INT4 GEMV's time goes beyond its bytes, on Llama-3-8B's four layer shapes, in one run.
+
+Each shape's shipped kernel (the tuner's hgemv pick) is timed beside probes that share its grid, tiles,
+split and tiles in flight but leave parts out, so the differences price each part:
+
+* ``empty``: the grid launches and stores one word a program (launch, ramp-up and drain of the grid);
+* ``stream``: loads the split's weight words and group scales and reduces them with one add a word,
+  one partial row a program, no fix-up (the memory side of the grid alone);
+* ``stream+fixup``: the same and the serial split-K fix-up (partials, counter, last arriver's sum);
+* ``stream+x``: the same as ``stream`` and hgemv's x pass (the split's max |x|, the scaled pairs and
+  tile sums into the program's scratch rows, a barrier, the pairs read back a tile ahead);
+* ``hgemv-nofix``: the shipped kernel with every split storing its own partial row (no fix-up);
+* ``hgemv``: the shipped kernel.
+
+Timing as ``bench_int4_matmul``: CUDA graphs over rotating weight copies, launches back to back (PDL
+as shipped), L2 cold for every call's weights. ``copy`` is the copy bandwidth of the same run and
+``floor_us`` each shape's bytes (words and scales) at it.
+
+    python bench/kernels/gemv_probe.py --out DIR [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import bench.kernels.bench_int4_matmul as B  # noqa: E402
+from kernels import int4_matmul_triton as T  # noqa: E402
+from kernels.pdl import pdl_ok  # noqa: E402
+
+
+@triton.jit
+def _probe_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, part_ptr, count_ptr, scr_ptr, N, K_ITERS, split_k,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPTH: tl.constexpr, EMPTY: tl.constexpr,
+                  X_PASS: tl.constexpr, FIXUP: tl.constexpr, FIX_R: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    if EMPTY:
+        tl.store(y_ptr + pid_k * tl.num_programs(0) + pid_n, pid_n.to(tl.float32))
+    else:
+        BLOCK_K8: tl.constexpr = BLOCK_K // 8
+        R8 = K_ITERS * BLOCK_K8
+        k_lo = pid_k * K_ITERS * BLOCK_K
+        cols, n_mask = T._tile_columns(pid_n, N, BLOCK_N, False)
+        offs_k8 = tl.arange(0, BLOCK_K8)
+        q_ptrs = qw_ptr + (k_lo // 8 + offs_k8)[:, None] * N + cols[None, :]
+        q_a, s_a, z_a = T._hgemv_tile(q_ptrs, scales_ptr, scales_ptr, cols, k_lo, 0, n_mask, N, K_ITERS, 128,
+                                      BLOCK_K, False)
+        if DEPTH > 1:
+            q_b, s_b, z_b = T._hgemv_tile(q_ptrs, scales_ptr, scales_ptr, cols, k_lo, 1, n_mask, N, K_ITERS, 128,
+                                          BLOCK_K, False)
+        scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)
+        if X_PASS:  # hgemv's step 1, as shipped
+            c8 = tl.arange(0, 128)
+            c4 = tl.arange(0, 4)
+            amax = tl.zeros([128, 4], tl.float32)
+            for r0 in range(0, R8, 128):
+                ok = (r0 + c8 < R8)[:, None]
+                offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
+                lo = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                hi = tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.maximum(tl.abs(lo), tl.abs(hi)))
+            e = (tl.max(tl.max(amax, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+            scale = ((263 - tl.maximum(e, 10)) << 23).to(tl.float32, bitcast=True)
+            for r0 in range(0, R8, 128):
+                ok = (r0 + c8 < R8)[:, None]
+                offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
+                lo = (tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
+                hi = (tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
+                pair = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (
+                    hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+                tl.store(scr + 4 * (r0 + c8)[:, None] + c4[None, :], pair, mask=ok)
+                rows = tl.sum(lo.to(tl.float32) + hi.to(tl.float32), axis=1)
+                tiles = tl.sum(tl.reshape(rows, [128 // BLOCK_K8, BLOCK_K8]), axis=1)
+                t_idx = r0 // BLOCK_K8 + tl.arange(0, 128 // BLOCK_K8)
+                tl.store(scr + R8 * 4 + t_idx, tiles.to(tl.int32, bitcast=True), mask=t_idx < K_ITERS)
+            tl.debug_barrier()
+        x_ptrs = scr + 4 * offs_k8[:, None]
+        sum_ptr = scr + R8 * 4
+        if X_PASS:
+            x_a = T._hgemv_pairs(x_ptrs, sum_ptr, 0, K_ITERS, BLOCK_K8)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for i in range(K_ITERS):
+            q, s = q_a, s_a
+            if DEPTH > 1:
+                q_a, s_a = q_b, s_b
+                q_b, s_b, z_b = T._hgemv_tile(q_ptrs, scales_ptr, scales_ptr, cols, k_lo, i + 2, n_mask, N, K_ITERS,
+                                              128, BLOCK_K, False)
+            else:
+                q_a, s_a, z_a = T._hgemv_tile(q_ptrs, scales_ptr, scales_ptr, cols, k_lo, i + 1, n_mask, N, K_ITERS,
+                                              128, BLOCK_K, False)
+            t = tl.sum(q, axis=0).to(tl.float32)  # one add a word: the loads stay, the decode goes
+            if X_PASS:
+                x04, x15, x26, x37, xsum = x_a
+                x_a = T._hgemv_pairs(x_ptrs, sum_ptr, i + 1, K_ITERS, BLOCK_K8)
+                t += xsum + tl.sum(x04 + x15 + x26 + x37, axis=0).to(tl.float32)
+            acc += s * t
+        offs_m = tl.arange(0, 1)
+        if FIXUP:
+            T._finish(acc[None, :], pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, 1, N, y_ptr, y_ptr, y_ptr,
+                      part_ptr, count_ptr, N, N, False, False, False, True, 1, BLOCK_N, FIX_R)
+        else:
+            tl.store(part_ptr + pid_k * N + cols, acc, mask=n_mask)
+
+
+def probe_fn(kind: str, cfg: T.KernelConfig, x, w, y, part, counts, scratch):
+    N = w.qweight.shape[1]
+    K = x.shape[1]
+    k_iters = K // cfg.block_k // cfg.split_k
+    flags = {"empty": (1, 0, 0), "stream": (0, 0, 0), "stream+fixup": (0, 0, 1), "stream+x": (0, 1, 0)}[kind]
+    grid = (triton.cdiv(N, cfg.block_n), cfg.split_k)
+    return lambda: _probe_kernel[grid](x, w.qweight, w.scales, y, part, counts, scratch, N, k_iters, cfg.split_k,
+                                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DEPTH=cfg.num_stages, EMPTY=flags[0],
+                                       X_PASS=flags[1], FIXUP=flags[2], FIX_R=max(1, min(16, 8192 // cfg.block_n)),
+                                       num_warps=cfg.num_warps, num_stages=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT", "unknown"))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": args.commit,
+           "torch": torch.__version__, "pdl": pdl_ok(dev), "copy_tbps": B.copy_tbps(), "rows": []}
+    print(f"{res['device']}  copy {res['copy_tbps']:.2f} TB/s  pdl {res['pdl']}", flush=True)
+    arms = ["empty", "stream", "stream+fixup", "stream+x", "hgemv-nofix", "hgemv"]
+    for K, N in B.SHAPES:
+        x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+        ws = [B.rand_weight(N, K, torch.bfloat16) for _ in range(max(2, math.ceil(B.ROTATE_BYTES / (K * N // 2))))]
+        y = torch.empty(1, N, device=dev, dtype=torch.bfloat16)
+        T.int4_matmul_triton(x, ws[0].qweight, ws[0].scales, ws[0].zeros, B.G, whole_zeros=True)  # tunes
+        key = (1, N, K, B.G, x.dtype, True, True, False, x.device)
+        cfg = T._CONFIG_CACHE[key]
+        if cfg.kind != "hgemv":
+            print(f"{K}x{N}: tuner picked {cfg}, not hgemv; skipped", flush=True)
+            continue
+        grid_n = triton.cdiv(N, cfg.block_n)
+        k_iters = K // cfg.block_k // cfg.split_k
+        part = torch.empty(cfg.split_k, 1, N, device=dev, dtype=torch.float32)
+        counts = torch.zeros(grid_n, device=dev, dtype=torch.int32)
+        scratch = torch.empty(grid_n * cfg.split_k * (k_iters * cfg.block_k // 2 + k_iters), device=dev,
+                              dtype=torch.int32)
+        yf = torch.empty(cfg.split_k * grid_n + N, device=dev, dtype=torch.float32)
+        nbytes = K * N // 2 + (K // B.G) * N * 2
+        row = {"K": K, "N": N, "config": str(cfg), "bytes": nbytes,
+               "floor_us": nbytes / res["copy_tbps"] / 1e6, "us": {}}
+        for arm in arms:
+            if arm == "hgemv":
+                fns = [lambda w=w: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, B.G, config=cfg, out=y,
+                                                        whole_zeros=True) for w in ws]
+            elif arm == "hgemv-nofix":
+                def nofix(w):  # the shipped launch with each split storing its own rows (USE_SPLIT off)
+                    kernel, extra = T.kernel_for(cfg, True, B.G, True, pdl=pdl_ok(dev), whole_zeros=True)
+                    return lambda: kernel[(grid_n, cfg.split_k)](
+                        x, w.qweight, w.scales, w.zeros, y, y, y, part, counts, scratch, 1, N, K, K, N, N,
+                        cfg.split_k, k_iters, G=B.G, HAS_ZEROS=True, HAS_BIAS=False, HAS_RES=False, SILU=False,
+                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=False, num_warps=cfg.num_warps,
+                        num_stages=1, **extra, **({"launch_pdl": True} if extra.get("USE_PDL") else {}))
+                fns = [nofix(w) for w in ws]
+            else:
+                fns = [probe_fn(arm, cfg, x, w, yf if arm == "empty" else y, part, counts, scratch) for w in ws]
+            row["us"][arm] = B.graph_time_us(fns)[0]
+        res["rows"].append(row)
+        print(f"{K:>5}x{N:<5} floor {row['floor_us']:5.1f}  " + "  ".join(f"{a} {row['us'][a]:5.1f}" for a in arms)
+              + f"   {cfg.block_n}x{cfg.block_k} split {cfg.split_k} depth {cfg.num_stages}", flush=True)
+    tot = {a: sum(r["us"][a] for r in res["rows"]) for a in arms}
+    res["sum_us"] = tot
+    print("sum   floor {:5.1f}  ".format(sum(r["floor_us"] for r in res["rows"]))
+          + "  ".join(f"{a} {tot[a]:5.1f}" for a in arms), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gemv_probe.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
