@@ -325,6 +325,39 @@ def _hgemv_pairs(x_ptrs, sum_ptr, i, K_ITERS, BLOCK_K8: tl.constexpr):
 
 
 @triton.jit
+def _hgemv_x_pass(x_ptr, scr, k_lo, R8, K_ITERS, BLOCK_K8: tl.constexpr, CHUNK8: tl.constexpr):
+    """hgemv's step 1 over a split's R8 packed rows of x: the largest |x|, then the scaled f16x2 pairs and each
+    tile's sum of x into the program's scratch rows ``scr``, then a barrier. Returns 1 / the scale."""
+    c8 = tl.arange(0, CHUNK8)
+    c4 = tl.arange(0, 4)
+    # 1a. the split's largest |x|
+    amax = tl.zeros([CHUNK8, 4], tl.float32)
+    for r0 in range(0, R8, CHUNK8):
+        ok = (r0 + c8 < R8)[:, None]
+        offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
+        lo = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.maximum(tl.abs(lo), tl.abs(hi)))
+    e = (tl.max(tl.max(amax, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.maximum(e, 10)
+    scale = ((263 - e) << 23).to(tl.float32, bitcast=True)  # 2^(136 - e): max |x| * scale in [2^9, 2^10)
+    # 1b. pairs and tile sums
+    for r0 in range(0, R8, CHUNK8):
+        ok = (r0 + c8 < R8)[:, None]
+        offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
+        lo = (tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
+        hi = (tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
+        pair = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+        tl.store(scr + 4 * (r0 + c8)[:, None] + c4[None, :], pair, mask=ok)
+        rows = tl.sum(lo.to(tl.float32) + hi.to(tl.float32), axis=1)  # [CHUNK8]
+        tiles = tl.sum(tl.reshape(rows, [CHUNK8 // BLOCK_K8, BLOCK_K8]), axis=1)
+        t_idx = r0 // BLOCK_K8 + tl.arange(0, CHUNK8 // BLOCK_K8)
+        tl.store(scr + R8 * 4 + t_idx, tiles.to(tl.int32, bitcast=True), mask=t_idx < K_ITERS)
+    tl.debug_barrier()  # the scratch rows are written before any thread reads them
+    return ((e - 9) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _int4_gemv_f16_kernel(
     # pointers
     x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr, scr_ptr,
@@ -366,33 +399,7 @@ def _int4_gemv_f16_kernel(
     if USE_PDL:  # everything above reads weights only; x and every buffer wait for the previous kernel
         gdc_wait()
     scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)  # pairs, then tile sums
-    c8 = tl.arange(0, CHUNK8)
-    c4 = tl.arange(0, 4)
-    # 1a. the split's largest |x|
-    amax = tl.zeros([CHUNK8, 4], tl.float32)
-    for r0 in range(0, R8, CHUNK8):
-        ok = (r0 + c8 < R8)[:, None]
-        offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
-        lo = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        hi = tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.maximum(tl.abs(lo), tl.abs(hi)))
-    e = (tl.max(tl.max(amax, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e = tl.maximum(e, 10)
-    scale = ((263 - e) << 23).to(tl.float32, bitcast=True)  # 2^(136 - e): max |x| * scale in [2^9, 2^10)
-    inv_scale = ((e - 9) << 23).to(tl.float32, bitcast=True)
-    # 1b. pairs and tile sums
-    for r0 in range(0, R8, CHUNK8):
-        ok = (r0 + c8 < R8)[:, None]
-        offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
-        lo = (tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
-        hi = (tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
-        pair = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-        tl.store(scr + 4 * (r0 + c8)[:, None] + c4[None, :], pair, mask=ok)
-        rows = tl.sum(lo.to(tl.float32) + hi.to(tl.float32), axis=1)  # [CHUNK8]
-        tiles = tl.sum(tl.reshape(rows, [CHUNK8 // BLOCK_K8, BLOCK_K8]), axis=1)
-        t_idx = r0 // BLOCK_K8 + tl.arange(0, CHUNK8 // BLOCK_K8)
-        tl.store(scr + R8 * 4 + t_idx, tiles.to(tl.int32, bitcast=True), mask=t_idx < K_ITERS)
-    tl.debug_barrier()  # the scratch rows are written before any thread reads them
+    inv_scale = _hgemv_x_pass(x_ptr, scr, k_lo, R8, K_ITERS, BLOCK_K8, CHUNK8)
     # 2. the weights
     x_ptrs = scr + 4 * offs_k8[:, None]  # [BLOCK_K8, 1]
     sum_ptr = scr + R8 * 4

@@ -59,30 +59,7 @@ def _probe_kernel(x_ptr, qw_ptr, scales_ptr, y_ptr, part_ptr, count_ptr, scr_ptr
                                           BLOCK_K, False)
         scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)
         if X_PASS:  # hgemv's step 1, as shipped
-            c8 = tl.arange(0, 128)
-            c4 = tl.arange(0, 4)
-            amax = tl.zeros([128, 4], tl.float32)
-            for r0 in range(0, R8, 128):
-                ok = (r0 + c8 < R8)[:, None]
-                offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
-                lo = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-                hi = tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.maximum(tl.abs(lo), tl.abs(hi)))
-            e = (tl.max(tl.max(amax, axis=1), axis=0).to(tl.int32, bitcast=True) >> 23) & 0xFF
-            scale = ((263 - tl.maximum(e, 10)) << 23).to(tl.float32, bitcast=True)
-            for r0 in range(0, R8, 128):
-                ok = (r0 + c8 < R8)[:, None]
-                offs = k_lo + 8 * (r0 + c8)[:, None] + c4[None, :]
-                lo = (tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
-                hi = (tl.load(x_ptr + offs + 4, mask=ok, other=0.0).to(tl.float32) * scale).to(tl.float16)
-                pair = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (
-                    hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-                tl.store(scr + 4 * (r0 + c8)[:, None] + c4[None, :], pair, mask=ok)
-                rows = tl.sum(lo.to(tl.float32) + hi.to(tl.float32), axis=1)
-                tiles = tl.sum(tl.reshape(rows, [128 // BLOCK_K8, BLOCK_K8]), axis=1)
-                t_idx = r0 // BLOCK_K8 + tl.arange(0, 128 // BLOCK_K8)
-                tl.store(scr + R8 * 4 + t_idx, tiles.to(tl.int32, bitcast=True), mask=t_idx < K_ITERS)
-            tl.debug_barrier()
+            T._hgemv_x_pass(x_ptr, scr, k_lo, R8, K_ITERS, BLOCK_K8, 128)
         x_ptrs = scr + 4 * offs_k8[:, None]
         sum_ptr = scr + R8 * 4
         if X_PASS:
