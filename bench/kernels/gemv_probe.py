@@ -10,7 +10,9 @@ split and tiles in flight but leave parts out, so the differences price each par
 * ``stream+x``: the same as ``stream`` and hgemv's x pass (the split's max |x|, the scaled pairs and
   tile sums into the program's scratch rows, a barrier, the pairs read back a tile ahead);
 * ``hgemv-nofix``: the shipped kernel with every split storing its own partial row (no fix-up);
-* ``hgemv``: the shipped kernel.
+* ``hgemv``: the shipped kernel;
+* ``stream_grid``: ``stream`` again on other grids (128-512 columns a program, 1-8 splits, two tiles in
+  flight), to see what the memory side alone costs with fewer splits.
 
 Timing as ``bench_int4_matmul``: CUDA graphs over rotating weight copies, launches back to back (PDL
 as shipped), L2 cold for every call's weights. ``copy`` is the copy bandwidth of the same run and
@@ -146,9 +148,22 @@ def main() -> None:
             else:
                 fns = [probe_fn(arm, cfg, x, w, yf if arm == "empty" else y, part, counts, scratch) for w in ws]
             row["us"][arm] = B.graph_time_us(fns)[0]
+        # the memory side alone on other grids: fewer splits (a shorter fix-up, or none) against more
+        # programs in flight
+        row["stream_grid"] = {}
+        for bn in (128, 256, 512):
+            for split in sorted({1, 2, 4, 8, cfg.split_k}):
+                if N % bn or (K // 128) % split:
+                    continue
+                c = T.KernelConfig("hgemv", 1, bn, 128, split, 4, 2)
+                fns = [probe_fn("stream", c, x, w, y, part if split <= cfg.split_k else
+                                torch.empty(split, 1, N, device=dev), counts, scratch) for w in ws]
+                row["stream_grid"][f"n{bn}_s{split}"] = B.graph_time_us(fns)[0]
+        best = min(row["stream_grid"].items(), key=lambda kv: kv[1])
         res["rows"].append(row)
         print(f"{K:>5}x{N:<5} floor {row['floor_us']:5.1f}  " + "  ".join(f"{a} {row['us'][a]:5.1f}" for a in arms)
-              + f"   {cfg.block_n}x{cfg.block_k} split {cfg.split_k} depth {cfg.num_stages}", flush=True)
+              + f"   {cfg.block_n}x{cfg.block_k} split {cfg.split_k} depth {cfg.num_stages}"
+              + f"   best stream grid {best[0]} {best[1]:5.1f}", flush=True)
     tot = {a: sum(r["us"][a] for r in res["rows"]) for a in arms}
     res["sum_us"] = tot
     print("sum   floor {:5.1f}  ".format(sum(r["floor_us"] for r in res["rows"]))
