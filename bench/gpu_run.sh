@@ -145,7 +145,7 @@ for stage in "$@"; do
       timeout 150 python bench/kernels/attn_layout.py --out "$OUT" 2>&1 | tail -16 ;;
     int4)
       timeout "${INT4_TEST_TIMEOUT:-150}" python -m pytest -x -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py \
-        -k "${INT4_TEST_K:-gpu or hgemv or slab or swapped or whole or fractional}" 2>&1 | tail -4
+        -k "${INT4_TEST_K:-gpu or hgemv or swapped or whole or fractional}" 2>&1 | tail -4
       # SIGINT, not SIGTERM: the bench writes the rows it has timed on the way out
       timeout -s INT "${INT4_TIMEOUT:-420}" python bench/kernels/bench_int4_matmul.py --out "$OUT" \
         --commit "${BENCH_COMMIT:-unknown}" ${INT4_ARGS:-} 2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;

@@ -10,8 +10,6 @@ The launcher times the candidates of each (M bucket, shape) once and keeps the f
 * ``_int4_matmul_t_kernel``: the same with the operands swapped (y^T = W x^T), so the decoded weights
   sit on wgmma's register side and are decoded once per program whatever the token count.
 * ``_int4_gemv_f16_kernel`` ("hgemv"): M = 1, two codes per instruction in packed fp16 FMAs.
-* ``_int4_gemv_slab_kernel`` ("sgemv"): hgemv's arithmetic on narrow column slabs, the weights streamed
-  by Triton's pipeliner, so one K split (no fix-up) can keep enough bytes in flight.
 * ``_int4_gemv_kernel``: CUDA-core FMAs for M <= 4 (a candidate at M = 1), split-K; ~4 instructions per
   weight, so it wins only on some shapes.
 * M >= 64 turns compute-bound: ``_int4_dequant_kernel`` writes a bf16/fp16 ``[K, N]`` scratch copy and
@@ -431,64 +429,6 @@ def _int4_gemv_f16_kernel(
             HAS_BIAS, HAS_RES, SILU, USE_SPLIT, 1, BLOCK_N, FIX_R)
 
 
-@triton.jit
-def _int4_gemv_slab_kernel(
-    # pointers
-    x_ptr, qw_ptr, scales_ptr, zeros_ptr, bias_ptr, res_ptr, y_ptr, part_ptr, count_ptr, scr_ptr,
-    # sizes
-    M, N, K,
-    # strides (qweight, scales, zeros, bias, workspace are contiguous)
-    stride_xm, stride_ym, stride_rm,
-    split_k, K_ITERS,
-    # meta-parameters
-    G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-    SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
-    FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """hgemv's arithmetic on a narrow slab of weight columns, ideally all of K in one program ("sgemv").
-
-    hgemv keeps two tiles in flight in registers, so it needs many K splits to keep enough bytes in flight,
-    and the split-K fix-up (partials, a counter, the last program's sum) then costs more than the x pass
-    and the decode together (H100, bench/results/gemv_probe_h100.json: 11.7 of 63.8 us over the four 8B
-    shapes). Here Triton's pipeliner keeps STAGES tiles in flight in shared memory (cp.async), so a few
-    dozen columns a program and one split can stream at the copy rate, with no fix-up. Each tile's
-    products accumulate elementwise ([BLOCK_K // 8, BLOCK_N] in fp32), summed over rows once at the end
-    rather than across threads every tile.
-    """
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    BLOCK_K8: tl.constexpr = BLOCK_K // 8
-    R8 = K_ITERS * BLOCK_K8
-    k_lo = pid_k * K_ITERS * BLOCK_K
-    cols, n_mask = _tile_columns(pid_n, N, BLOCK_N, SILU)
-    offs_k8 = tl.arange(0, BLOCK_K8)
-    q_ptrs = qw_ptr + (k_lo // 8 + offs_k8)[:, None] * N + cols[None, :]  # [BLOCK_K8, BLOCK_N]
-    if USE_PDL:  # the first tiles' words into L2 while the kernel ahead finishes (weights are never written)
-        for i in range(tl.minimum(K_ITERS, 2)):
-            _prefetch_l2(q_ptrs + i * BLOCK_K8 * N, n_mask[None, :] & (offs_k8 >= 0)[:, None])
-        gdc_wait()
-    scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)
-    inv_scale = _hgemv_x_pass(x_ptr, scr, k_lo, R8, K_ITERS, BLOCK_K8, CHUNK8)
-    acc2 = tl.zeros([BLOCK_K8, BLOCK_N], tl.float32)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for i in tl.range(0, K_ITERS, num_stages=STAGES):
-        q = tl.load(q_ptrs + i * BLOCK_K8 * N, mask=n_mask[None, :], other=0)
-        g = (k_lo + i * BLOCK_K) // G * N
-        s = tl.load(scales_ptr + g + cols, mask=n_mask, other=0.0).to(tl.float32)
-        xr = scr + 4 * (i * BLOCK_K8 + offs_k8)[:, None]  # [BLOCK_K8, 1] f16x2 pairs
-        d = _word_dot(q, tl.load(xr), tl.load(xr + 1), tl.load(xr + 2), tl.load(xr + 3), USE_ASM)
-        acc2 += d * s[None, :]
-        if HAS_ZEROS:
-            z = tl.load(zeros_ptr + g + cols, mask=n_mask, other=0.0).to(tl.float32)
-            acc += (8.0 - z) * s * tl.load(scr + R8 * 4 + i).to(tl.float32, bitcast=True)
-    acc = (acc + tl.sum(acc2, axis=0)) * inv_scale
-    if USE_PDL:
-        gdc_launch_dependents()
-    offs_m = tl.arange(0, 1)
-    _finish(acc[None, :], pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
-            y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
-            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, 1, BLOCK_N, FIX_R)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Medium M: tensor cores, split-K.
 # ----------------------------------------------------------------------------------------------------
@@ -858,8 +798,7 @@ def _int4_dequant_kernel(
 
 @dataclass(frozen=True, slots=True)
 class KernelConfig:
-    kind: str  # "hgemv" (packed fp16, M = 1), "sgemv" (hgemv on narrow column slabs, pipelined, few or no
-    # splits), "gemv" (fp32 CUDA cores, M <= 4), "mma" (tensor cores),
+    kind: str  # "hgemv" (packed fp16, M = 1), "gemv" (fp32 CUDA cores, M <= 4), "mma" (tensor cores),
     # "mmat" (tensor cores, operands swapped: y^T = W x^T) or "dequant" (W + cuBLAS)
     block_m: int = 16
     block_n: int = 128  # weight columns per program
@@ -885,8 +824,6 @@ SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "0") == "1"
 ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
 # SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs).
 MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
-# SPECGATE_INT4_SGEMV=0 leaves the slab GEMV (sgemv) out of the tuner's candidates (A/B runs).
-SGEMV = os.environ.get("SPECGATE_INT4_SGEMV", "1") == "1"
 # SPECGATE_INT4_PREFETCH=0: the MMA paths do not prefetch their first weights into L2 before waiting on the
 # kernel ahead (_prefetch_split). A decode step's GEMVs load weights before that wait and a verify step's MMA
 # matmuls did not: on an H100 the prefetch took 3-4% off SmolLM2-shape verify steps, where every program's
@@ -916,10 +853,6 @@ _MMAT_SHAPES = {
 _GEMV_SHAPES = [(512, 64, 4, 1)]  # (block_n, block_k, warps, stages); more rows or a larger block_k spill
 # (block_n, block_k, warps, tiles in flight); block_k <= G
 _HGEMV_SHAPES = [(512, 64, 4, 2), (512, 64, 4, 1), (256, 128, 4, 2), (512, 128, 4, 1)]
-# (block_n, block_k, warps, pipeline stages): tiles of 2-16 KB, 16-48 KB in flight a program; warps scale
-# with the slab so each thread decodes 16 words a tile (sm_90 SASS: 3.5-3.65 instructions per weight
-# against hgemv's 2.7-3.0, the elementwise accumulation and the shared-memory reads)
-_SGEMV_SHAPES = [(32, 128, 1, 8), (64, 128, 2, 6), (128, 128, 2, 4), (256, 128, 4, 3)]
 
 
 def set_autotune(enabled: bool) -> None:
@@ -948,14 +881,11 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
         shapes += [("mmat", bm, bn, 128, w, st) for bm, bn, w, st in _MMAT_SHAPES[bucket]]
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
         if x16:
-            shapes = ([("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES]
-                      + [("sgemv", 1, bn, min(bk, G), w, st) for bn, bk, w, st in _SGEMV_SHAPES if SGEMV]
-                      + shapes)
+            shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES] + shapes
         shapes += [("gemv", 1, bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
     for kind, bm, bn, bk, warps, stages in shapes:
         tiles = triton.cdiv(n_out, bn // 2 if silu else bn) * (1 if "gemv" in kind else triton.cdiv(M, bm))
-        splits = _splits(tiles, triton.cdiv(K, bk), num_sms)
-        for split in sorted({1, *splits}) if kind == "sgemv" else splits:  # a slab's point: no fix-up
+        for split in _splits(tiles, triton.cdiv(K, bk), num_sms):
             out.append(KernelConfig(kind, bm, bn, bk, split, warps, stages))
     if M >= 64 and not silu and out[0].kind != "dequant":
         out.append(KernelConfig("dequant"))
@@ -978,9 +908,6 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
         # partials read per fix-up step: the fix-up's L2 round trips are the tail of a short kernel
         return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(16, 8192 // cfg.block_n)), "USE_ASM": on_gpu,
                                        "CHUNK8": 128, "DEPTH": cfg.num_stages, "USE_PDL": pdl}
-    if cfg.kind == "sgemv":
-        return _int4_gemv_slab_kernel, {"FIX_R": max(1, min(16, 8192 // cfg.block_n)), "USE_ASM": on_gpu,
-                                        "CHUNK8": 128, "STAGES": cfg.num_stages, "USE_PDL": pdl}
     if cfg.kind == "gemv":
         # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
@@ -999,12 +926,7 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
 
 def sass_configs() -> list[KernelConfig]:
     """The configs ``bench/kernels/sass.py`` compiles for sm_90: each path at its usual M."""
-    return [KernelConfig("sgemv", 1, 32, 128, 1, 1, 8),
-            KernelConfig("sgemv", 1, 64, 128, 1, 2, 6),
-            KernelConfig("sgemv", 1, 128, 128, 1, 2, 4),
-            KernelConfig("sgemv", 1, 256, 128, 1, 4, 3),
-            KernelConfig("sgemv", 1, 128, 128, 1, 4, 4),
-            KernelConfig("hgemv", 1, 512, 64, 16, 4, 2),
+    return [KernelConfig("hgemv", 1, 512, 64, 16, 4, 2),
             KernelConfig("hgemv", 1, 512, 128, 16, 4, 1),
             KernelConfig("gemv", 1, 512, 64, 16, 4, 1),
             KernelConfig("mma", 16, 128, 128, 8, 4, 3),
@@ -1049,15 +971,14 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
     meta = dict(G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU=silu,
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps,
                 **extra, **({"launch_pdl": True} if extra.get("USE_PDL") else {}))
-    if cfg.kind in ("hgemv", "sgemv"):
+    if cfg.kind == "hgemv":
         if M != 1 or G % cfg.block_k or K % cfg.block_k or not _is_16bit(x):
-            raise ValueError(f"{cfg.kind} needs one 16-bit row and block_k dividing G and K: {tuple(x.shape)} "
-                             f"{x.dtype}, G {G}, {cfg}")
+            raise ValueError(f"hgemv needs one 16-bit row and block_k dividing G and K: {tuple(x.shape)} {x.dtype}, "
+                             f"G {G}, {cfg}")
         # per program: the split's f16x2 pairs (4 words per packed row) and one sum of x per tile
         scratch = torch.empty(grid_n * cfg.split_k * (k_iters * cfg.block_k // 2 + k_iters), dtype=torch.int32,
                               device=x.device)
-        # hgemv's DEPTH is its own (tiles in flight in registers): Triton's pipeliner has nothing to do there;
-        # sgemv asks it for STAGES through tl.range
+        # num_stages: hgemv's DEPTH is its own (tiles in flight); Triton's pipeliner has nothing to do
         kernel[(grid_n, cfg.split_k)](*args, scratch, *sizes, num_stages=1, **meta)
     else:
         kernel[(grid_m * grid_n, cfg.split_k)](*args, *sizes, ONE_BITS, BLOCK_M=cfg.block_m,

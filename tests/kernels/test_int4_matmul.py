@@ -236,37 +236,6 @@ def test_fractional_zero_points_take_the_factored_path():
 
 
 @pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("N,K,G,use_zero_point,split_k,block_n,warps", [
-    (1000, 576, 64, True, 1, 32, 1),  # ragged N, one split: no fix-up
-    (300, 1024, 32, False, 1, 64, 2),  # symmetric codes, small groups
-    (200, 1536, 128, True, 3, 128, 2),  # three splits through the fix-up
-    (96, 512, 128, False, 2, 256, 4),  # a slab wider than N
-])
-def test_slab_gemv_matches_ref(N, K, G, use_zero_point, split_k, block_n, warps, silu):
-    """"sgemv", hgemv's arithmetic on narrow column slabs with Triton's pipeline: ragged N, every group size,
-    one split or several, a poisoned output."""
-    w = _weight(N, K, G, use_zero_point, torch.float16, seed=N + K)
-    x = _x(1, K, torch.float16, seed=K) * (0.05 if silu else 1.0)
-    cfg = T.KernelConfig("sgemv", 1, block_n, G, split_k, warps, 3)
-    out = torch.full((1, N // 2 if silu else N), float("nan"), dtype=torch.float16, device=DEVICE)
-    y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=silu, config=cfg, out=out)
-    ref = _ref(x, w)
-    if silu:
-        gate, up = ref.chunk(2, dim=-1)
-        ref = torch.nn.functional.silu(gate) * up
-    assert _rel_err(y, ref) < TOL[torch.float16]
-
-
-def test_slab_gemv_is_a_candidate_with_one_split():
-    """The tuner times sgemv at M = 1 with 16-bit activations, one split among its splits (no fix-up)."""
-    cands = [c for c in T._candidates(1, 4096, 4096, False, 132) if c.kind == "sgemv"]
-    assert {c.block_n for c in cands} == {bn for bn, *_ in T._SGEMV_SHAPES}
-    assert all(any(c.split_k == 1 for c in cands if c.block_n == bn) for bn, *_ in T._SGEMV_SHAPES)
-    assert not any(c.kind == "sgemv" for c in T._candidates(2, 4096, 4096, False, 132))
-    assert not any(c.kind == "sgemv" for c in T._candidates(1, 4096, 4096, False, 132, x16=False))
-
-
-@pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("N,K,G,use_zero_point,split_k", [(1000, 576, 64, True, 3), (300, 1024, 32, False, 1),
                                                           (2048, 4096, 128, True, 8), (96, 512, 128, False, 2),
                                                           (200, 1536, 128, True, 8)])  # splits start mid-group
