@@ -202,8 +202,10 @@ def profile_arm(engine: Engine, batch: int, spec: SpeculationParams, tokens: int
     ``count_ops``: a third pass counting launches by phase (``OpCounter``). ``overlap``: plain steps launched
     before the last one's tokens are read (EngineConfig.overlap; the synced pass serialises it again)."""
     engine.config = replace(engine.config, defer_trees=defer, overlap=overlap)
-    # warm-up as long as the timed runs: a shorter one left the first arm's first timed run to meet the longer
-    # contexts' launch plans and graphs (H100, 4f4efbb: plain decoding 2.005 ms a step, 1.213 in its synced run)
+    # warm-up as long as the timed runs, so their longer contexts' launch plans and graphs are built first.
+    # Not the cause of plain greedy decoding's unsynced run reading slower than its synced one (H100: 2.005
+    # against 1.213 ms a step at 4f4efbb with a 16-token warm-up, 1.835 against 1.2 at 19d8eb2 with this one;
+    # the T=0.7 plain arm reads 1.06 against 1.36): not yet explained.
     run_steps(engine, batch, spec, tokens, prompt, temperature)
     ahead, wait = engine.num_ahead, engine.wait_s
     steps, emitted, secs = run_steps(engine, batch, spec, tokens, prompt, temperature)
