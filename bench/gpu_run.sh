@@ -15,6 +15,8 @@
 #   bash bench/gpu_run.sh graph_rows bench/graph_rows.py: ragged graph replays against per-segment padding, batch 16,
 #                                    SmolLM2 and Llama-3-8B shapes (the first run builds kernels: over 120 s)
 #   bash bench/gpu_run.sh probe      bench/kernels/decode_probe.py (L2 flush modes, short-context splits) and attn_layout.py
+#   bash bench/gpu_run.sh gemv_probe bench/kernels/gemv_probe.py: the M = 1 GEMV's time by part (grid, weight stream,
+#                                    split-K fix-up, x pass) on the four 8B shapes (~30 s on a fresh H100)
 #   bash bench/gpu_run.sh int4       the INT4 matmul: CUDA tests, then bench/results/int4_matmul.json
 #                                    (INT4_ARGS="--ms 16,64" for a subset; AB_A=SPECGATE_INT4_MMAT=0
 #                                    AB_B=SPECGATE_INT4_MMAT=1 ... ab: the swap-AB path inside the 8B verify step)
@@ -140,6 +142,8 @@ for stage in "$@"; do
     graph_rows) timeout "${GRAPH_ROWS_TIMEOUT:-300}" python bench/graph_rows.py --out "$OUT/graph_rows.json" 2>&1 | tail -8 ;;
     verify) timeout "${VERIFY_TIMEOUT:-240}" python bench/verify_profile.py --batches 1,16 --nodes "${VERIFY_NODES:-1,2,4}" \
         ${VERIFY_DUMP:+--dump .cache/graphs} --out "$OUT/verify_profile.json" 2>&1 | grep -v Warn | tail -40 ;;
+    gemv_probe) timeout 240 python bench/kernels/gemv_probe.py --out "$OUT" --commit "${BENCH_COMMIT:-unknown}" 2>&1 \
+                  | grep -v Warn | tail -8 ;;
     probe)
       timeout 150 python bench/kernels/decode_probe.py --out "$OUT" 2>&1 | tail -24
       timeout 150 python bench/kernels/attn_layout.py --out "$OUT" 2>&1 | tail -16 ;;
