@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 
 import torch
@@ -194,7 +195,8 @@ def tree_policy_rows(gen):
 
 
 def plot(path: str) -> str:
-    """chunk_policy.json's decode rows as speed relative to SDPA, one bar group per batch, beside it as PNG."""
+    """chunk_policy.json's (or chunk_small.json's) decode rows as speed relative to SDPA, one bar group per batch,
+    beside it as PNG."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -202,12 +204,27 @@ def plot(path: str) -> str:
     with open(path) as f:
         res = json.load(f)
     rows = [r for r in res["decode"] if r["flush"] == "read"]
-    arms = list(rows[0]["times"])
+
+    def generic(row: dict) -> dict[str, float]:
+        """A row's arms with its split counts named by order (sA, sB): chunk_small's splits follow the batch."""
+        names: dict[str, str] = {}
+        out = {}
+        for arm, us in row["times"].items():
+            split = re.search(r"_s(\d+)_", arm)
+            if split:
+                names.setdefault(split.group(1), "s" + "ABCD"[len(names) % 4])
+                arm = arm.replace(f"_s{split.group(1)}_", f"_{names[split.group(1)]}_")
+            out[arm] = us
+        return out
+
+    same = all(r["times"].keys() == rows[0]["times"].keys() for r in rows)
+    times = [r["times"] if same else generic(r) for r in rows]
+    arms = list(times[0])
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(arms)
     for i, arm in enumerate(arms):
-        ax.bar([x + i * width for x in range(len(rows))], [r["sdpa_us"] / r["times"][arm] for r in rows], width,
-               label=arm)
+        ax.bar([x + i * width for x in range(len(rows))], [r["sdpa_us"] / t[arm] for r, t in zip(rows, times)],
+               width, label=arm)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
     ax.set_xticklabels([f"B={r['B']}\n{r['ctx'] // 1024}k" for r in rows])
     ax.axhline(0.95, color="k", lw=0.8, ls="--")
@@ -228,7 +245,7 @@ def main() -> None:
     ap.add_argument("--commit", default=os.environ.get("COMMIT", "unknown"))
     ap.add_argument("--chunks", default="1024,4096")
     ap.add_argument("--pages", default="16,64")
-    ap.add_argument("--plot", help="only draw this chunk_policy JSON's PNG beside it")
+    ap.add_argument("--plot", help="only draw this chunk_policy / chunk_small JSON's PNG beside it")
     ap.add_argument("--heads", default="32,8,128",
                     help="query heads, KV heads, head dim (SmolLM2-135M: 9,3,64; the launch rules hold at dim 128)")
     ap.add_argument("--small", action="store_true", help="instead: small batches (small_rows), into chunk_small.json")

@@ -19,6 +19,7 @@ as shipped), L2 cold for every call's weights. ``copy`` is the copy bandwidth of
 ``floor_us`` each shape's bytes (words and scales) at it.
 
     python bench/kernels/gemv_probe.py --out DIR [--commit SHA]
+    python bench/kernels/gemv_probe.py --plot bench/results/gemv_probe_h100.json
 """
 
 from __future__ import annotations
@@ -102,11 +103,44 @@ def probe_fn(kind: str, cfg: T.KernelConfig, x, w, y, part, counts, scratch):
                                        num_warps=cfg.num_warps, num_stages=1)
 
 
+def plot(path: str) -> str:
+    """gemv_probe.json's arms per shape as grouped bars, each shape's copy-rate floor as a line, PNG beside it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        res = json.load(f)
+    rows = res["rows"]
+    arms = list(rows[0]["us"])
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
+        ax.bar([x + i * width for x in range(len(rows))], [r["us"][arm] for r in rows], width, label=arm)
+    for x, r in enumerate(rows):
+        ax.hlines(r["floor_us"], x - width / 2, x + 0.8 - width / 2, color="k", lw=1.2,
+                  label="bytes at the copy rate" if x == 0 else None)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))])
+    ax.set_xticklabels([f"{r['K']}x{r['N']}" for r in rows])
+    ax.set_ylabel("us per call (CUDA graph, back to back)")
+    ax.set_title(f"M = 1 INT4 GEMV by part ({res['device']}, {res['commit']}, copy {res['copy_tbps']:.2f} TB/s)",
+                 fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    out = path.rsplit(".", 1)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--commit", default=os.environ.get("BENCH_COMMIT", "unknown"))
+    ap.add_argument("--plot", help="only draw this gemv_probe JSON's PNG beside it")
     args = ap.parse_args()
+    if args.plot:
+        print("wrote", plot(args.plot))
+        return
     dev = torch.device("cuda")
     res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": args.commit,
            "torch": torch.__version__, "pdl": pdl_ok(dev), "copy_tbps": B.copy_tbps(), "rows": []}
