@@ -45,10 +45,17 @@ DECODE_PREFETCH = False  # the hand-pipelined loop (_prefetched_tiles); see benc
 # Elsewhere the split loop keeps its lookups. H100, one run (bench/results/chunk_policy_h100.json, read
 # flush, bf16, 32/8 heads): B=8 / 4k 56.3 -> 54.6 us (2 splits), B=12 79.6 -> 75.3, B=16 / 2k 61.0 -> 53.1,
 # 4k 104.5 -> 96.4, 8k 193.6 -> 185.5; past one wave it loses (B=24 142.8 -> 146.4, B=48 139.6 -> 145.2).
+# At head dim 64 (SmolLM2: 9 / 3 heads) a program's buffers take half the shared memory, and the chunked loop,
+# unsplit, also wins past one wave: batches of at least one (sequence, KV head) pair an SM, 2k-8k tokens,
+# H100, one run (bench/results/chunk_policy_smollm2_h100.json, read / write flush): B=43 / 2k 33.2 -> 31.6 /
+# 41.5 -> 39.7 us, 4k 57.0 -> 55.4 / 67.1 -> 65.4, 8k even; B=64 / 4k 83.2 -> 80.0 / 92.1 -> 91.2; B=85 / 2k
+# 56.6 -> 55.1 / 66.2 -> 64.9, 4k 103.8 -> 102.2 / 114.0 -> 112.1; B=128 / 2k 81.8 -> 79.5 / 90.8 -> 89.6. Under
+# one wave it does not (B=21 / 4k 32.6 -> 41.3 unsplit), so smaller batches keep the split loop.
 # SPECGATE_ATTN_CHUNK sets it (and tree_attention's TREE_CHUNK_TOKENS) for A/B runs; 0 turns it off.
 DECODE_CHUNK_TOKENS = int(os.environ.get("SPECGATE_ATTN_CHUNK", "4096"))
 WAVE_FILL = 0.7  # the least share of the SMs the programs must cover
 WAVE_TILE = (128, 3)
+WIDE_MIN_TOKENS = 2048  # head dim 64: the shortest block table (tokens) the unsplit chunked loop was timed at
 CHUNKED_PROGRAMS_PER_SM = 3  # block_n=64, 3 stages: 153 registers and 70 KB of shared memory (ptxas, sm_90a)
 PREFETCH_WARPS = 8
 # The merge stays a launch of its own. Two forms of it inside the decode kernel, by the last split of each
@@ -367,10 +374,16 @@ def decode_plan(programs: int, max_blocks: int, page: int, device: torch.device,
                 block_n: int | None = None, num_stages: int | None = None, prefetch: bool = False,
                 chunk_tokens: int | None = None, head_dim: int = 128) -> tuple[int, int, int, int]:
     """``(splits, block_n, num_stages, chunk pages)`` of a decode launch over ``programs`` (sequence, KV head)
-    pairs and block tables ``max_blocks`` wide; the arguments the caller fixed stay as given. The one-wave
-    rule is timed at head dim 128 only, so other head dims keep the split loop."""
-    auto = num_splits is None and block_n is None and num_stages is None and chunk_tokens is None and head_dim == 128
-    wave = wave_splits(programs, device) if auto and not prefetch and DECODE_CHUNK_TOKENS > 0 else 0
+    pairs and block tables ``max_blocks`` wide; the arguments the caller fixed stay as given. The chunked
+    loop's rules are the timed ones: at head dim 128 one wave in one or two splits (``wave_splits``), at
+    head dim 64 unsplit from a pair an SM and 2k tokens; other head dims keep the split loop."""
+    auto = num_splits is None and block_n is None and num_stages is None and chunk_tokens is None
+    wave = 0
+    if auto and not prefetch and DECODE_CHUNK_TOKENS > 0:
+        if head_dim == 128:
+            wave = wave_splits(programs, device)
+        elif head_dim == 64 and programs >= _num_sms(device) and max_blocks * page >= WIDE_MIN_TOKENS:
+            wave = 1
     if wave:
         chunk, num_splits, (block_n, num_stages) = DECODE_CHUNK_TOKENS, wave, WAVE_TILE
     else:

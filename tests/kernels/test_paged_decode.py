@@ -100,7 +100,13 @@ def test_plan_chunks_one_wave_of_programs_only(monkeypatch):
     assert PD.decode_plan(8, 256, 16, cpu, chunk_tokens=1024)[3] == 64  # an explicit chunk holds everywhere
     assert PD.decode_plan(2, 256, 16, cpu, chunk_tokens=1024)[3] == 64
     assert PD.decode_plan(8, 256, 16, cpu, prefetch=True)[3] == 0
-    assert PD.decode_plan(8, 256, 16, cpu, head_dim=64)[3] == 0  # timed at head dim 128 only
+    # head dim 64: unsplit and chunked from a pair an SM (past one wave too) and 2k tokens; elsewhere the split loop
+    assert PD.decode_plan(8, 256, 16, cpu, head_dim=64) == (1, 128, 3, 256)
+    assert PD.decode_plan(24, 128, 16, cpu, head_dim=64) == (1, 128, 3, 256)  # three waves
+    assert PD.decode_plan(6, 256, 16, cpu, head_dim=64)[3] == 0  # under one wave
+    assert PD.decode_plan(8, 64, 16, cpu, head_dim=64)[3] == 0  # 1k-token tables: not timed
+    assert PD.decode_plan(8, 256, 16, cpu, head_dim=64, num_splits=2)[3] == 0
+    assert PD.decode_plan(8, 256, 16, cpu, head_dim=96)[3] == 0  # other head dims: the split loop
 
 
 def test_one_wave_launch_matches_ref(monkeypatch):
@@ -108,6 +114,17 @@ def test_one_wave_launch_matches_ref(monkeypatch):
     monkeypatch.setattr(PD, "DECODE_CHUNK_TOKENS", 64)  # several chunks per sequence
     assert PD.decode_plan(4 * 2, 20, 16, DEVICE)[3] > 0
     err = run_case([1, 37, 150, 300], 16, 4, 2, 128, torch.float16, None, seed=5, len_offset=1)
+    assert err < 2e-3
+
+
+def test_head_dim_64_unsplit_chunked_launch_matches_ref(monkeypatch):
+    """SmolLM2's head shape (3 query heads a KV head, head dim 64) past one wave of pairs: the launcher's own
+    plan is the unsplit chunked loop, several chunks a sequence; ragged lengths up to past 2k tokens."""
+    from kernels import paged_decode as PD
+    monkeypatch.setattr(PD, "DECODE_CHUNK_TOKENS", 512)
+    lens = [2100, 1, 37, 600, 1500]
+    assert PD.decode_plan(len(lens) * 2, -(-max(lens) // 64), 64, torch.device(DEVICE), head_dim=64)[:2] == (1, 128)
+    err = run_case(lens, 64, 6, 2, 64, torch.float16, None, seed=11, len_offset=1)
     assert err < 2e-3
 
 
