@@ -822,6 +822,13 @@ SCALE_DOT = os.environ.get("SPECGATE_INT4_SCALE_DOT", "0") == "1"
 # codes in 16 bits, exactly, so the MMA paths skip their second dot (sum_k x against ones) and its
 # per-tile correction. SPECGATE_INT4_ZDEC=0 keeps the factored form everywhere, for A/B runs.
 ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
+# Partial rows hgemv's fix-up reads per round at 512 columns (more at narrower tiles): 16 takes two rounds of
+# L2 reads at 32 splits. The fix-up costs 11.7 of 63.8 us a layer on the 8B shapes (H100,
+# bench/results/gemv_probe_h100.json); SPECGATE_INT4_FIX_ROWS=32 (one round; the sm_90 build keeps its
+# registers and no stack) is for an A/B not yet run.
+FIX_ROWS = int(os.environ.get("SPECGATE_INT4_FIX_ROWS", "16"))
+if FIX_ROWS < 1 or FIX_ROWS & (FIX_ROWS - 1):
+    raise ValueError(f"SPECGATE_INT4_FIX_ROWS must be a power of two, got {FIX_ROWS}")
 # SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs).
 MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 # SPECGATE_INT4_PREFETCH=0: the MMA paths do not prefetch their first weights into L2 before waiting on the
@@ -906,8 +913,8 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
     ``whole_zeros``: the zero points are whole numbers (or absent), so a 16-bit decode can subtract them."""
     if cfg.kind == "hgemv":
         # partials read per fix-up step: the fix-up's L2 round trips are the tail of a short kernel
-        return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(16, 8192 // cfg.block_n)), "USE_ASM": on_gpu,
-                                       "CHUNK8": 128, "DEPTH": cfg.num_stages, "USE_PDL": pdl}
+        return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(FIX_ROWS, FIX_ROWS * 512 // cfg.block_n)),
+                                       "USE_ASM": on_gpu, "CHUNK8": 128, "DEPTH": cfg.num_stages, "USE_PDL": pdl}
     if cfg.kind == "gemv":
         # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).

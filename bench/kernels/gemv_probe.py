@@ -97,10 +97,11 @@ def probe_fn(kind: str, cfg: T.KernelConfig, x, w, y, part, counts, scratch):
     k_iters = K // cfg.block_k // cfg.split_k
     flags = {"empty": (1, 0, 0), "stream": (0, 0, 0), "stream+fixup": (0, 0, 1), "stream+x": (0, 1, 0)}[kind]
     grid = (triton.cdiv(N, cfg.block_n), cfg.split_k)
+    fix_r = T.kernel_for(cfg, True, 128, True)[1]["FIX_R"]  # the shipped hgemv's rows per fix-up round
     return lambda: _probe_kernel[grid](x, w.qweight, w.scales, y, part, counts, scratch, N, k_iters, cfg.split_k,
                                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DEPTH=cfg.num_stages, EMPTY=flags[0],
-                                       X_PASS=flags[1], FIXUP=flags[2], FIX_R=max(1, min(16, 8192 // cfg.block_n)),
-                                       num_warps=cfg.num_warps, num_stages=1)
+                                       X_PASS=flags[1], FIXUP=flags[2], FIX_R=fix_r, num_warps=cfg.num_warps,
+                                       num_stages=1)
 
 
 def plot(path: str) -> str:

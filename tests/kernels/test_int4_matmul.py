@@ -235,6 +235,21 @@ def test_fractional_zero_points_take_the_factored_path():
     assert _rel_err(wrong, _ref(x, w)) > 10 * TOL[torch.float16]
 
 
+@pytest.mark.parametrize("fix_rows,split_k", [(4, 6), (32, 24)])
+def test_hgemv_fix_up_rounds(monkeypatch, fix_rows, split_k):
+    """SPECGATE_INT4_FIX_ROWS (T.FIX_ROWS): the last program reads the partials that many rows a round, the last
+    round ragged (6 splits in rounds of 4) or all in one (24 of 32); the sum stays the reference's."""
+    monkeypatch.setattr(T, "FIX_ROWS", fix_rows)
+    N, K, G = 1024, 3072, 128
+    w = _weight(N, K, G, True, torch.float16, seed=split_k)
+    x = _x(1, K, torch.float16, seed=3)
+    cfg = T.KernelConfig("hgemv", 1, 512, 128, split_k, 4, 1)
+    assert T.kernel_for(cfg, True, G, False)[1]["FIX_R"] == fix_rows
+    out = torch.full((1, N), float("nan"), dtype=torch.float16, device=DEVICE)
+    y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=cfg, out=out)
+    assert _rel_err(y, _ref(x, w)) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("N,K,G,use_zero_point,split_k", [(1000, 576, 64, True, 3), (300, 1024, 32, False, 1),
                                                           (2048, 4096, 128, True, 8), (96, 512, 128, False, 2),
