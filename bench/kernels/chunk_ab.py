@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import bench.kernels.bench_attention as BA  # noqa: E402
+from bench.kernels.plotting import save_beside  # noqa: E402
 from kernels.paged_decode import paged_decode_attention  # noqa: E402
 from kernels.tree_attention import tree_attention  # noqa: E402
 
@@ -232,11 +233,7 @@ def plot(path: str) -> str:
     ax.set_ylabel("speed / SDPA (contiguous KV)")
     ax.set_title(f"Paged decode, chunked block ids vs lookups per tile ({res['device']}, {res['commit']}, read flush, "
                  f"heads {res.get('heads', '32,8,128')})", fontsize=9)
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    out = path.rsplit(".", 1)[0] + ".png"
-    fig.savefig(out, dpi=110)
-    return out
+    return save_beside(fig, ax, path, 3)
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import bench.kernels.bench_int4_matmul as B  # noqa: E402
 from kernels import int4_matmul_triton as T  # noqa: E402
 from kernels.pdl import pdl_ok  # noqa: E402
+from bench.kernels.plotting import save_beside  # noqa: E402
 
 
 @triton.jit
@@ -126,11 +127,7 @@ def plot(path: str) -> str:
     ax.set_ylabel("us per call (CUDA graph, back to back)")
     ax.set_title(f"M = 1 INT4 GEMV by part ({res['device']}, {res['commit']}, copy {res['copy_tbps']:.2f} TB/s)",
                  fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    out = path.rsplit(".", 1)[0] + ".png"
-    fig.savefig(out, dpi=110)
-    return out
+    return save_beside(fig, ax, path, 2)
 
 
 def main() -> None:
