@@ -378,14 +378,14 @@ def decode_plan(programs: int, max_blocks: int, page: int, device: torch.device,
     loop's rules are the timed ones: at head dim 128 one wave in one or two splits (``wave_splits``), at
     head dim 64 unsplit from a pair an SM and 2k tokens; other head dims keep the split loop."""
     auto = num_splits is None and block_n is None and num_stages is None and chunk_tokens is None
-    wave = 0
+    chunked_splits = 0  # the chunked loop's splits where a rule picks it
     if auto and not prefetch and DECODE_CHUNK_TOKENS > 0:
         if head_dim == 128:
-            wave = wave_splits(programs, device)
+            chunked_splits = wave_splits(programs, device)
         elif head_dim == 64 and programs >= _num_sms(device) and max_blocks * page >= WIDE_MIN_TOKENS:
-            wave = 1
-    if wave:
-        chunk, num_splits, (block_n, num_stages) = DECODE_CHUNK_TOKENS, wave, WAVE_TILE
+            chunked_splits = 1
+    if chunked_splits:
+        chunk, num_splits, (block_n, num_stages) = DECODE_CHUNK_TOKENS, chunked_splits, WAVE_TILE
     else:
         chunk = 0 if prefetch or chunk_tokens is None else chunk_tokens
     max_len = max_blocks * page
@@ -431,8 +431,8 @@ def paged_decode_attention(
     saves a launch per layer for the addition. ``prefetch`` picks the hand-pipelined loop
     (``_prefetched_tiles``, ``num_stages`` ignored) or Triton's pipeliner; None takes ``DECODE_PREFETCH``.
     ``chunk_tokens`` > 0 has the pipelined loop read its block ids that many tokens at a time
-    (``_chunked_tiles``), 0 never; None takes ``DECODE_CHUNK_TOKENS`` where the batch makes one wave of
-    programs in one or two splits and the caller fixed no launch parameter (``wave_splits``)."""
+    (``_chunked_tiles``), 0 never; None takes ``DECODE_CHUNK_TOKENS`` where ``decode_plan``'s rules pick the
+    chunked loop and the caller fixed no launch parameter."""
     if not use_triton_for(q, use_triton):
         cpu = paged_decode_attention_batched if BATCHED_CPU else paged_decode_attention_ref
         return cpu(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
