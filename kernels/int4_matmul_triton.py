@@ -126,12 +126,28 @@ def _epilogue(acc, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_
 def _finish(acc, tile, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
             HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr, USE_SPLIT: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FIX_R: tl.constexpr):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FIX_R: tl.constexpr, ATOMIC: tl.constexpr = False):
     """Store directly, or as one of split_k partials; the last partial to land reduces and stores.
-    ``tile`` indexes this output tile's counter."""
+    ``tile`` indexes this output tile's counter.
+
+    ``ATOMIC``: each program adds its partial into one fp32 ``[M, N]`` sum instead (``part_ptr``: zeroed, and
+    left zeroed by the last program), so the last one reads one row, not split_k; the sum's order follows the
+    arrival order, so results may differ in the last bits between launches."""
     if not USE_SPLIT:
         _epilogue(acc, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
                   HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N)
+    elif ATOMIC:
+        mask = (offs_m < M)[:, None] & n_mask[None, :]
+        sum_ptrs = part_ptr + offs_m[:, None] * N + cols[None, :]  # part: [M, N] fp32
+        tl.atomic_add(sum_ptrs, acc, mask=mask, sem="relaxed")  # reductions in L2; no value comes back
+        tl.debug_barrier()  # every thread's adds are issued before thread 0 releases the counter
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == split_k - 1:
+            total = tl.load(sum_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(sum_ptrs, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), mask=mask)  # zeroed for the next launch
+            _epilogue(total, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
+                      HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N)
+            tl.atomic_xchg(count_ptr + tile, 0)
     else:
         mask = (offs_m < M)[:, None] & n_mask[None, :]
         part_ptrs = part_ptr + offs_m[:, None] * N + cols[None, :]  # part: [split_k, M, N] fp32
@@ -370,6 +386,7 @@ def _int4_gemv_f16_kernel(
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
     FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr, DEPTH: tl.constexpr, USE_PDL: tl.constexpr,
+    ATOMIC: tl.constexpr,
 ):
     """One program: row 0 of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows (BLOCK_K
     divides G, so every tile sits in one group).
@@ -426,7 +443,7 @@ def _int4_gemv_f16_kernel(
     offs_m = tl.arange(0, 1)
     _finish(acc[None, :], pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
-            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, 1, BLOCK_N, FIX_R)
+            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, 1, BLOCK_N, FIX_R, ATOMIC)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -829,6 +846,11 @@ ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
 FIX_ROWS = int(os.environ.get("SPECGATE_INT4_FIX_ROWS", "16"))
 if FIX_ROWS < 1 or FIX_ROWS & (FIX_ROWS - 1):
     raise ValueError(f"SPECGATE_INT4_FIX_ROWS must be a power of two, got {FIX_ROWS}")
+# SPECGATE_INT4_FIX_ATOMIC=1: hgemv's programs add their partials into one fp32 row in L2 (reductions, no
+# value back), so the last program reads one row instead of split_k (the split-K "atomic" mode of cuBLAS and
+# CUTLASS beside the serial one above). The sum's order is the arrival order: M = 1 results may then differ in
+# their last bits from launch to launch. Off by default until timed against FIX_ROWS.
+FIX_ATOMIC = os.environ.get("SPECGATE_INT4_FIX_ATOMIC", "0") == "1"
 # SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs).
 MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 # SPECGATE_INT4_PREFETCH=0: the MMA paths do not prefetch their first weights into L2 before waiting on the
@@ -838,6 +860,7 @@ MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_SUMS: dict[torch.device, torch.Tensor] = {}
 _autotune = True
 # (block_m, block_n, num_warps, num_stages) per M bucket, the H200 favourite first. block_m <= 32 keeps
 # the MMA on mma.sync with B in registers (wgmma would read dequantized weights from shared memory).
@@ -907,6 +930,16 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
+def _sums(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed fp32 split-K sums for FIX_ATOMIC, shared like the counters (each launch leaves its row zeroed).
+    Grown outside any capture: the first launch of each shape runs eagerly (tuning, warm-up) before a graph
+    records it."""
+    buf = _SUMS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _SUMS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.float32, device=device)
+    return buf
+
+
 def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: bool = True,
                pdl: bool = False, whole_zeros: bool = False) -> tuple:
     """The kernel of ``cfg``'s path and the compile-time arguments that depend on the call.
@@ -914,7 +947,8 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
     if cfg.kind == "hgemv":
         # partials read per fix-up step: the fix-up's L2 round trips are the tail of a short kernel
         return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(FIX_ROWS, FIX_ROWS * 512 // cfg.block_n)),
-                                       "USE_ASM": on_gpu, "CHUNK8": 128, "DEPTH": cfg.num_stages, "USE_PDL": pdl}
+                                       "USE_ASM": on_gpu, "CHUNK8": 128, "DEPTH": cfg.num_stages, "USE_PDL": pdl,
+                                       "ATOMIC": FIX_ATOMIC}
     if cfg.kind == "gemv":
         # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
@@ -966,10 +1000,15 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
         return
     grid_n = triton.cdiv(N // 2, cfg.block_n // 2) if silu else triton.cdiv(N, cfg.block_n)
     grid_m = 1 if "gemv" in cfg.kind else triton.cdiv(M, cfg.block_m)
-    part = y if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
-    counts = y if cfg.split_k == 1 else _counters(x.device, grid_m * grid_n)
     kernel, extra = kernel_for(cfg, _is_16bit(x), G, x.is_cuda, K % cfg.block_k == 0, pdl_ok(x.device),
                                whole_zeros)
+    if cfg.split_k == 1:
+        part = y
+    elif extra.get("ATOMIC"):
+        part = _sums(x.device, M * N)
+    else:
+        part = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=x.device)
+    counts = y if cfg.split_k == 1 else _counters(x.device, grid_m * grid_n)
     k_iters = triton.cdiv(K, cfg.block_k) // cfg.split_k
     args = [x, qweight, scales, scales if zeros is None else zeros, y if bias is None else bias,
             y if residual is None else residual, y, part, counts]

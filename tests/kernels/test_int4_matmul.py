@@ -251,6 +251,32 @@ def test_hgemv_fix_up_rounds(monkeypatch, fix_rows, split_k):
 
 
 @pytest.mark.parametrize("silu", [False, True])
+def test_hgemv_atomic_fix_up(monkeypatch, silu):
+    """SPECGATE_INT4_FIX_ATOMIC (T.FIX_ATOMIC): partials summed by atomic adds into the shared fp32 row. Two
+    launches of different shapes in a row: each must leave the row zeroed for the next (a stale sum would
+    add into the second's outputs), with a ragged N, a bias and the gated (SiLU) epilogue."""
+    monkeypatch.setattr(T, "FIX_ATOMIC", True)
+    G = 64
+    for N, K, split_k, seed in [(1000, 1536, 8, 1), (600, 768, 3, 2)]:
+        w = _weight(N, K, G, True, torch.float16, seed=seed)
+        x, bias = _x(1, K, torch.float16, seed=seed + 10), _x(1, N, torch.float16, seed=seed + 20)[0]
+        cfg = T.KernelConfig("hgemv", 1, 512, 64, split_k, 4, 2)
+        assert T.kernel_for(cfg, True, G, False)[1]["ATOMIC"]
+        out = torch.full((1, N // 2 if silu else N), float("nan"), dtype=torch.float16, device=DEVICE)
+        if silu:
+            x = x * 0.05
+            y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=True, config=cfg, out=out)
+            gate, up = _ref(x, w).chunk(2, dim=-1)
+            ref = torch.nn.functional.silu(gate) * up
+        else:
+            y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, bias=bias, config=cfg, out=out)
+            ref = _ref(x, w, bias)
+        assert _rel_err(y, ref) < TOL[torch.float16]
+        assert not T._SUMS[x.device][:N].any()  # left zeroed for the next launch
+        assert not T._counters(x.device, 1)[:8].any()
+
+
+@pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("N,K,G,use_zero_point,split_k", [(1000, 576, 64, True, 3), (300, 1024, 32, False, 1),
                                                           (2048, 4096, 128, True, 8), (96, 512, 128, False, 2),
                                                           (200, 1536, 128, True, 8)])  # splits start mid-group
