@@ -11,6 +11,9 @@ split and tiles in flight but leave parts out, so the differences price each par
   tile sums into the program's scratch rows, a barrier, the pairs read back a tile ahead);
 * ``hgemv-nofix``: the shipped kernel with every split storing its own partial row (no fix-up);
 * ``hgemv``: the shipped kernel;
+* ``hgemv-fix32`` / ``hgemv-atomic``: the shipped kernel with its fix-up changed: one 32-row round of
+  partials (``SPECGATE_INT4_FIX_ROWS=32``), or partials summed by L2 reductions into one row
+  (``SPECGATE_INT4_FIX_ATOMIC=1``); the three hgemv arms are timed twice, alternated, and keep their best;
 * ``stream_grid``: ``stream`` again on other grids (128-512 columns a program, 1-8 splits, two tiles in
   flight), to see what the memory side alone costs with fewer splits.
 
@@ -143,7 +146,8 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": args.commit,
            "torch": torch.__version__, "pdl": pdl_ok(dev), "copy_tbps": B.copy_tbps(), "rows": []}
     print(f"{res['device']}  copy {res['copy_tbps']:.2f} TB/s  pdl {res['pdl']}", flush=True)
-    arms = ["empty", "stream", "stream+fixup", "stream+x", "hgemv-nofix", "hgemv"]
+    arms = ["empty", "stream", "stream+fixup", "stream+x", "hgemv-nofix"]
+    fix_arms = {"hgemv": {}, "hgemv-fix32": {"FIX_ROWS": 32}, "hgemv-atomic": {"FIX_ATOMIC": True}}
     for K, N in B.SHAPES:
         x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
         ws = [B.rand_weight(N, K, torch.bfloat16) for _ in range(max(2, math.ceil(B.ROTATE_BYTES / (K * N // 2))))]
@@ -165,10 +169,7 @@ def main() -> None:
         row = {"K": K, "N": N, "config": str(cfg), "bytes": nbytes,
                "floor_us": nbytes / res["copy_tbps"] / 1e6, "us": {}}
         for arm in arms:
-            if arm == "hgemv":
-                fns = [lambda w=w: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, B.G, config=cfg, out=y,
-                                                        whole_zeros=True) for w in ws]
-            elif arm == "hgemv-nofix":
+            if arm == "hgemv-nofix":
                 def nofix(w):  # the shipped launch with each split storing its own rows (USE_SPLIT off)
                     kernel, extra = T.kernel_for(cfg, True, B.G, True, pdl=pdl_ok(dev), whole_zeros=True)
                     return lambda: kernel[(grid_n, cfg.split_k)](
@@ -180,6 +181,27 @@ def main() -> None:
             else:
                 fns = [probe_fn(arm, cfg, x, w, yf if arm == "empty" else y, part, counts, scratch) for w in ws]
             row["us"][arm] = B.graph_time_us(fns)[0]
+        row["reps"] = {arm: [] for arm in fix_arms}
+        outs = {}
+        for _ in range(2):
+            for arm, knobs in fix_arms.items():
+                saved = {k: getattr(T, k) for k in knobs}
+                for k, v in knobs.items():
+                    setattr(T, k, v)
+                try:  # the knobs are read when a launch is recorded into the graph
+                    fns = [lambda w=w: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, B.G, config=cfg, out=y,
+                                                            whole_zeros=True) for w in ws]
+                    t, outs[arm] = B.graph_time_us(fns)
+                    row["reps"][arm].append(t)
+                finally:
+                    for k, v in saved.items():
+                        setattr(T, k, v)
+        for arm in fix_arms:
+            row["us"][arm] = min(row["reps"][arm])
+        # each arm's output after its graph's replays against the shipped arm's: a counter or sum row left
+        # dirty by one launch would show in the next (fp32 sums in another order differ in the last bits)
+        ref = outs["hgemv"].float()
+        row["max_rel_diff"] = {arm: float((o.float() - ref).abs().max() / ref.abs().max()) for arm, o in outs.items()}
         # the memory side alone on other grids: fewer splits (a shorter fix-up, or none) against more
         # programs in flight
         row["stream_grid"] = {}
@@ -193,9 +215,11 @@ def main() -> None:
                 row["stream_grid"][f"n{bn}_s{split}"] = B.graph_time_us(fns)[0]
         best = min(row["stream_grid"].items(), key=lambda kv: kv[1])
         res["rows"].append(row)
-        print(f"{K:>5}x{N:<5} floor {row['floor_us']:5.1f}  " + "  ".join(f"{a} {row['us'][a]:5.1f}" for a in arms)
+        print(f"{K:>5}x{N:<5} floor {row['floor_us']:5.1f}  "
+              + "  ".join(f"{a} {row['us'][a]:5.1f}" for a in arms + list(fix_arms))
               + f"   {cfg.block_n}x{cfg.block_k} split {cfg.split_k} depth {cfg.num_stages}"
               + f"   best stream grid {best[0]} {best[1]:5.1f}", flush=True)
+    arms += list(fix_arms)
     tot = {a: sum(r["us"][a] for r in res["rows"]) for a in arms}
     res["sum_us"] = tot
     print("sum   floor {:5.1f}  ".format(sum(r["floor_us"] for r in res["rows"]))
