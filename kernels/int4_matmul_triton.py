@@ -607,7 +607,7 @@ def _int4_matmul_kernel(
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, SCALE_DOT: tl.constexpr, ZDEC: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, ATOMIC: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split (see ``_mma_tile``).
 
@@ -697,7 +697,7 @@ def _int4_matmul_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     _finish(acc, pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, part_ptr,
-            count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R)
+            count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R, ATOMIC)
 
 
 @triton.jit
@@ -714,6 +714,7 @@ def _int4_matmul_t_kernel(
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ZDEC: tl.constexpr, PREFETCH: tl.constexpr,
+    ATOMIC: tl.constexpr,
 ):
     """The MMA path with its operands swapped: y^T = W x^T, so the decoded weights are the MMA's A
     operand (rows = weight columns) and the tokens its N dimension (Machete's swap-AB idea).
@@ -781,7 +782,8 @@ def _int4_matmul_t_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     _finish(tl.trans(acc), pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr,
-            part_ptr, count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R)
+            part_ptr, count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R,
+            ATOMIC)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -846,10 +848,11 @@ ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
 FIX_ROWS = int(os.environ.get("SPECGATE_INT4_FIX_ROWS", "16"))
 if FIX_ROWS < 1 or FIX_ROWS & (FIX_ROWS - 1):
     raise ValueError(f"SPECGATE_INT4_FIX_ROWS must be a power of two, got {FIX_ROWS}")
-# SPECGATE_INT4_FIX_ATOMIC=1: hgemv's programs add their partials into one fp32 row in L2 (reductions, no
-# value back), so the last program reads one row instead of split_k (the split-K "atomic" mode of cuBLAS and
-# CUTLASS beside the serial one above). The sum's order is the arrival order: M = 1 results may then differ in
-# their last bits from launch to launch. Off by default until timed against FIX_ROWS.
+# SPECGATE_INT4_FIX_ATOMIC=1: the split-K programs of hgemv and of both MMA paths add their partials into one
+# fp32 [M, N] sum in L2 (reductions, no value back), so the last program of a tile reads one tile instead of
+# split_k (the MMA paths read theirs one a round: a serial L2 round trip per split). The split-K "atomic" mode
+# of cuBLAS and CUTLASS beside the serial one above. The sum's order is the arrival order: results may then
+# differ in their last bits from launch to launch. Off by default until timed.
 FIX_ATOMIC = os.environ.get("SPECGATE_INT4_FIX_ATOMIC", "0") == "1"
 # SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs).
 MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
@@ -936,6 +939,9 @@ def _sums(device: torch.device, n: int) -> torch.Tensor:
     records it."""
     buf = _SUMS.get(device)
     if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"SPECGATE_INT4_FIX_ATOMIC: a split-K launch of {n} outputs met its first use inside "
+                               "a CUDA graph capture; run the shape once eagerly before capturing it")
         buf = _SUMS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.float32, device=device)
     return buf
 
@@ -957,12 +963,12 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
     if cfg.kind == "mmat":
         return _int4_matmul_t_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
                                        "USE_PDL": pdl, "ZDEC": factored and whole_zeros and ZDEC,
-                                       "PREFETCH": pdl and on_gpu and PREFETCH}
+                                       "PREFETCH": pdl and on_gpu and PREFETCH, "ATOMIC": FIX_ATOMIC}
     scale_dot = factored and SCALE_DOT and cfg.block_m == 16
     return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
                                  "USE_PDL": pdl, "SCALE_DOT": scale_dot,
                                  "ZDEC": factored and whole_zeros and ZDEC and not scale_dot,
-                                 "PREFETCH": pdl and on_gpu and PREFETCH}
+                                 "PREFETCH": pdl and on_gpu and PREFETCH, "ATOMIC": FIX_ATOMIC}
 
 
 def sass_configs() -> list[KernelConfig]:
@@ -1114,6 +1120,9 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     run = lambda c: _launch(c, x, qweight, scales, zeros, group_size, bias, residual, silu, y,  # noqa: E731
                             whole_zeros)
     key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, whole_zeros, silu, x.device)
+    if config is not None and config.kind != "dequant" and triton.cdiv(K, config.block_k) % config.split_k:
+        # k_iters = blocks // split_k: a split count that does not divide them would drop the last blocks
+        raise ValueError(f"{config}: split_k must divide the {triton.cdiv(K, config.block_k)} K blocks of K={K}")
     run(config or _pick(x, N, group_size, key, silu, run))
     return y
 

@@ -276,6 +276,24 @@ def test_hgemv_atomic_fix_up(monkeypatch, silu):
         assert not T._counters(x.device, 1)[:8].any()
 
 
+@pytest.mark.parametrize("kind,M,block_m,split_k", [("mma", 3, 16, 4), ("mma", 17, 16, 2), ("mmat", 16, 16, 4),
+                                                     ("mmat", 5, 16, 2)])
+def test_mma_atomic_fix_up(monkeypatch, kind, M, block_m, split_k):
+    """T.FIX_ATOMIC on the tensor-core paths: ragged rows (masked out of the sums), several row tiles sharing
+    the sum buffer, a residual epilogue; then a second launch over the same outputs finds the sums zeroed."""
+    monkeypatch.setattr(T, "FIX_ATOMIC", True)
+    N, K, G = 200, 1024, 64
+    w = _weight(N, K, G, True, torch.float16, seed=M)
+    cfg = T.KernelConfig(kind, block_m, 64, 128, split_k, 4, 2)
+    assert T.kernel_for(cfg, True, G, False)[1]["ATOMIC"]
+    for seed in (1, 2):
+        x, res = _x(M, K, torch.float16, seed=seed), _x(M, N, torch.float16, seed=seed + 5)
+        out = torch.full((M, N), float("nan"), dtype=torch.float16, device=DEVICE)
+        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, residual=res, config=cfg, out=out)
+        assert _rel_err(y, _ref(x, w, residual=res)) < TOL[torch.float16]
+        assert not T._SUMS[x.device][: M * N].any()
+
+
 @pytest.mark.parametrize("silu", [False, True])
 @pytest.mark.parametrize("N,K,G,use_zero_point,split_k", [(1000, 576, 64, True, 3), (300, 1024, 32, False, 1),
                                                           (2048, 4096, 128, True, 8), (96, 512, 128, False, 2),
@@ -318,6 +336,16 @@ def test_hgemv_scales_x_into_fp16_range(magnitude):
         x2[0, :512] = 0
         y2 = T.int4_matmul_triton(x2, w.qweight, w.scales, w.zeros, 128, config=cfg)
         assert _rel_err(y2, _ref(x2, w)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("kind", ["mma", "hgemv", "gemv"])
+def test_split_must_divide_k_blocks(kind):
+    """An explicit config whose split count leaves K blocks over would drop them from the sum: an error."""
+    w = _weight(64, 1024, 128, True, torch.float16)  # 8 K blocks of 128
+    M = 16 if kind == "mma" else 1
+    with pytest.raises(ValueError, match="split_k must divide the 8 K blocks"):
+        T.int4_matmul_triton(_x(M, 1024, torch.float16), w.qweight, w.scales, w.zeros, 128,
+                             config=T.KernelConfig(kind, 16 if kind == "mma" else 1, 64, 128, 3, 4, 1))
 
 
 def test_hgemv_rejects_what_it_cannot_run():
