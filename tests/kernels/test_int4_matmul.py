@@ -445,3 +445,33 @@ def test_gpu_capture_of_an_unlooked_at_weight():
     assert _rel_err(y, _ref(x, w)) < TOL[torch.bfloat16]
     int4_matmul(x, w)
     assert w.whole_zeros is True
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("M", [1, 2, 16, 64])
+def test_gpu_atomic_fix_up_every_candidate(monkeypatch, M):
+    """T.FIX_ATOMIC on the GPU: every split-K candidate the tuner would time for an 8B shape, eagerly twice and
+    as three launches in one graph (the sums row must come back zeroed each time, PDL overlapping them)."""
+    monkeypatch.setattr(T, "FIX_ATOMIC", True)
+    N, K, dtype = 4096, 4096, torch.bfloat16
+    w = _weight(N, K, 128, True, dtype, seed=M)
+    xs = [_x(M, K, dtype, seed=s) for s in range(3)]
+    refs = [_ref(x, w) for x in xs]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bad = []
+    for cfg in T._candidates(M, N, K, False, sms):
+        if cfg.split_k == 1:
+            continue
+        run = lambda x: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 128, config=cfg,  # noqa: E731
+                                             whole_zeros=True)
+        eager = [_rel_err(run(x), r) for x, r in zip(xs[:2], refs)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ys = [run(x) for x in xs]
+        for _ in range(3):
+            graph.replay()
+        errs = eager + [_rel_err(y, r) for y, r in zip(ys, refs)]
+        if not max(errs) < TOL[dtype]:
+            bad.append((str(cfg), [round(e, 4) for e in errs]))
+    assert not bad, bad
