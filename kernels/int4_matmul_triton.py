@@ -144,9 +144,13 @@ def _finish(acc, tile, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
         if arrived == split_k - 1:
             total = tl.load(sum_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(sum_ptrs, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), mask=mask)  # zeroed for the next launch
             _epilogue(total, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
                       HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N)
+            # Zeroed for the next launch, but only once every thread holds its sums: the zeros' layout need not
+            # be the load's (an MMA tile's is not), so without the barrier one thread could zero a sum another
+            # has yet to read (seen on an H100: MMA configs wrong after graph replays, hgemv right).
+            tl.debug_barrier()
+            tl.store(sum_ptrs, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), mask=mask)
             tl.atomic_xchg(count_ptr + tile, 0)
     else:
         mask = (offs_m < M)[:, None] & n_mask[None, :]
