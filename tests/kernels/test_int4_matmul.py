@@ -250,6 +250,20 @@ def test_hgemv_fix_up_rounds(monkeypatch, fix_rows, split_k):
     assert _rel_err(y, _ref(x, w)) < TOL[torch.float16]
 
 
+def _hgemv_run(x, w, G, bias, cfg, silu):
+    """One row through ``cfg`` into a poisoned output, with a bias, or gated (SiLU) without one: (y, the fp32
+    reference, the output buffer)."""
+    N = w.qweight.shape[1]
+    out = torch.full((1, N // 2 if silu else N), float("nan"), dtype=torch.float16, device=DEVICE)
+    if silu:
+        x = x * 0.05  # keeps the gate's sigmoid in range (the interpreter turns exp's overflow into an error)
+        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=True, config=cfg, out=out)
+        gate, up = _ref(x, w).chunk(2, dim=-1)
+        return y, torch.nn.functional.silu(gate) * up, out
+    y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, bias=bias, config=cfg, out=out)
+    return y, _ref(x, w, bias), out
+
+
 @pytest.mark.parametrize("silu", [False, True])
 def test_hgemv_atomic_fix_up(monkeypatch, silu):
     """SPECGATE_INT4_FIX_ATOMIC (T.FIX_ATOMIC): partials summed by atomic adds into the shared fp32 row. Two
@@ -262,15 +276,7 @@ def test_hgemv_atomic_fix_up(monkeypatch, silu):
         x, bias = _x(1, K, torch.float16, seed=seed + 10), _x(1, N, torch.float16, seed=seed + 20)[0]
         cfg = T.KernelConfig("hgemv", 1, 512, 64, split_k, 4, 2)
         assert T.kernel_for(cfg, True, G, False)[1]["ATOMIC"]
-        out = torch.full((1, N // 2 if silu else N), float("nan"), dtype=torch.float16, device=DEVICE)
-        if silu:
-            x = x * 0.05
-            y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=True, config=cfg, out=out)
-            gate, up = _ref(x, w).chunk(2, dim=-1)
-            ref = torch.nn.functional.silu(gate) * up
-        else:
-            y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, bias=bias, config=cfg, out=out)
-            ref = _ref(x, w, bias)
+        y, ref, _ = _hgemv_run(x, w, G, bias, cfg, silu)
         assert _rel_err(y, ref) < TOL[torch.float16]
         assert not T._SUMS[x.device][:N].any()  # left zeroed for the next launch
         assert not T._counters(x.device, 1)[:8].any()
@@ -303,15 +309,7 @@ def test_hgemv_matches_ref(N, K, G, use_zero_point, split_k, silu):
     w = _weight(N, K, G, use_zero_point, torch.float16, seed=N + K)
     x, bias = _x(1, K, torch.float16, seed=K), _x(1, N, torch.float16, seed=2)[0]
     cfg = T.KernelConfig("hgemv", 1, 512, min(64, G), split_k, 4, 2 if split_k > 2 else 1)  # 1 or 2 tiles in flight
-    out = torch.full((1, N // 2 if silu else N), float("nan"), dtype=torch.float16, device=DEVICE)
-    if silu:
-        x = x * 0.05  # keeps the gate's sigmoid in range (the interpreter turns exp's overflow into an error)
-        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=True, config=cfg, out=out)
-        gate, up = _ref(x, w).chunk(2, dim=-1)
-        ref = torch.nn.functional.silu(gate) * up
-    else:
-        y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, bias=bias, config=cfg, out=out)
-        ref = _ref(x, w, bias)
+    y, ref, out = _hgemv_run(x, w, G, bias, cfg, silu)
     assert y.data_ptr() == out.data_ptr()
     assert _rel_err(y, ref) < TOL[torch.float16]
 
