@@ -930,12 +930,17 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
     return out
 
 
+def _shared_zeros(store: dict, device: torch.device, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``store``'s zeroed buffer for ``device``, grown to at least ``n`` elements."""
+    buf = store.get(device)
+    if buf is None or buf.numel() < n:
+        buf = store[device] = torch.zeros(max(n, 1 << 16), dtype=dtype, device=device)
+    return buf
+
+
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 split-K counters, shared by every launch on this device (each resets its own)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return buf
+    return _shared_zeros(_COUNTERS, device, n, torch.int32)
 
 
 def _sums(device: torch.device, n: int) -> torch.Tensor:
@@ -943,12 +948,10 @@ def _sums(device: torch.device, n: int) -> torch.Tensor:
     Grown outside any capture: the first launch of each shape runs eagerly (tuning, warm-up) before a graph
     records it."""
     buf = _SUMS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"SPECGATE_INT4_FIX_ATOMIC: a split-K launch of {n} outputs met its first use inside "
-                               "a CUDA graph capture; run the shape once eagerly before capturing it")
-        buf = _SUMS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.float32, device=device)
-    return buf
+    if (buf is None or buf.numel() < n) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"SPECGATE_INT4_FIX_ATOMIC: a split-K launch of {n} outputs met its first use inside "
+                           "a CUDA graph capture; run the shape once eagerly before capturing it")
+    return _shared_zeros(_SUMS, device, n, torch.float32)
 
 
 def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: bool = True,
