@@ -71,7 +71,7 @@
 # What a call carries: the tracked tree (~32 MB) plus the named ignored paths, 64 MiB in all, so ~35 MB more a
 # call: .whl/ (the GPU image's missing wheels, llguidance's among them: 3.4 MB), .cache/mt_bench.jsonl, one or
 # two Triton cache parts (.cache/triton_tgz/, 15 MB each), or one GGUF part (.cache/gguf/part.NN, the embedded
-# model split into 31 MB pieces; `bash bench/gpu_prep.sh WHEELS_DIR MT_BENCH_JSONL` rebuilds all but the
+# model split into 28 MiB pieces; `bash bench/gpu_prep.sh WHEELS_DIR MT_BENCH_JSONL` rebuilds all but the
 # Triton parts in a new checkout). A warm machine keeps what earlier calls carried. Failed starts cost 90-210 s of
 # device time each (2026-12-05: three in a row; 2026-12-06: every start failed, 1546 s of the 1800 spent).
 # Results go to $OUT (the device tool brings them back). Put the commit in the command text, as the host's
