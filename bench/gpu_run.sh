@@ -20,6 +20,8 @@
 #   bash bench/gpu_run.sh int4       the INT4 matmul: CUDA tests, then bench/results/int4_matmul.json
 #                                    (INT4_ARGS="--ms 16,64" for a subset; AB_A=SPECGATE_INT4_MMAT=0
 #                                    AB_B=SPECGATE_INT4_MMAT=1 ... ab: the swap-AB path inside the 8B verify step)
+#   bash bench/gpu_run.sh int4_atomic  SPECGATE_INT4_FIX_ATOMIC's CUDA tests, then bench_int4_matmul.py with it on and
+#                                    off, alternated twice (INT4_ARGS: the rows; INT4_TIMEOUT: seconds a run, default 90)
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
 #                                    bench/engine_ab.py: the 8B verify steps under two environments, alternated, 3 runs each
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
@@ -153,6 +155,15 @@ for stage in "$@"; do
       # SIGINT, not SIGTERM: the bench writes the rows it has timed on the way out
       timeout -s INT "${INT4_TIMEOUT:-420}" python bench/kernels/bench_int4_matmul.py --out "$OUT" \
         --commit "${BENCH_COMMIT:-unknown}" ${INT4_ARGS:-} 2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
+    int4_atomic)  # the atomic split-K fix-up: its CUDA tests, then the bench under both fix-ups, alternated twice
+      timeout "${INT4_TEST_TIMEOUT:-170}" python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py \
+        -k "atomic or fix_up or graph" 2>&1 | tail -4
+      for r in 1 2; do for a in 1 0; do
+        echo "--- SPECGATE_INT4_FIX_ATOMIC=$a run $r $(date +%T)"
+        SPECGATE_INT4_FIX_ATOMIC=$a timeout -s INT "${INT4_TIMEOUT:-90}" python bench/kernels/bench_int4_matmul.py \
+          --out "$OUT/atomic${a}_run$r" --commit "${BENCH_COMMIT:-unknown}" --skip-correctness ${INT4_ARGS:---ms 1,2,4,8,16,32,64,128} \
+          2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -12
+      done; done ;;
     pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_PDL=int4 --arm SPECGATE_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
     ab) timeout "${AB_TIMEOUT:-540}" python bench/engine_ab.py --arm "$AB_A" --arm "$AB_B" --runs "${AB_RUNS:-3}" \
