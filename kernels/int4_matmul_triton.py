@@ -869,6 +869,7 @@ PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _SUMS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # grown-out shared buffers that captured graphs may still use
 _autotune = True
 # (block_m, block_n, num_warps, num_stages) per M bucket, the H200 favourite first. block_m <= 32 keeps
 # the MMA on mma.sync with B in registers (wgmma would read dequantized weights from shared memory).
@@ -931,10 +932,18 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
 
 
 def _shared_zeros(store: dict, device: torch.device, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """``store``'s zeroed buffer for ``device``, grown to at least ``n`` elements."""
+    """``store``'s zeroed buffer for ``device``, grown to at least ``n`` elements.
+
+    A grown buffer replaces the old one for new launches, but the old one is kept: a CUDA graph captured
+    before the growth still reads and writes it on every replay (its launches leave it zeroed, as they found
+    it). Freed, its memory would go back to the allocator, and a later tensor there would take the replays'
+    counter bumps and partial sums. Growth at least doubles, so what is kept stays under the live size."""
     buf = store.get(device)
     if buf is None or buf.numel() < n:
-        buf = store[device] = torch.zeros(max(n, 1 << 16), dtype=dtype, device=device)
+        if buf is not None:
+            _RETIRED.append(buf)
+        size = max(n, 1 << 16, 0 if buf is None else 2 * buf.numel())
+        buf = store[device] = torch.zeros(size, dtype=dtype, device=device)
     return buf
 
 

@@ -5,6 +5,9 @@ only: the interpreter's bf16 dot is wrong); with one they run compiled, and the 
 the asm decode, large M and graph capture.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -280,6 +283,22 @@ def test_hgemv_atomic_fix_up(monkeypatch, silu):
         assert _rel_err(y, ref) < TOL[torch.float16]
         assert not T._SUMS[x.device][:N].any()  # left zeroed for the next launch
         assert not T._counters(x.device, 1)[:8].any()
+
+
+def test_grown_shared_buffer_keeps_the_old_one(monkeypatch):
+    """A CUDA graph captured before the split-K counters or sums grew still replays into the old buffer: growth
+    must keep it alive (freed, a later tensor would take the replays' counter bumps and partial sums)."""
+    monkeypatch.setattr(T, "_RETIRED", [])
+    store: dict = {}
+    first = T._shared_zeros(store, torch.device("cpu"), 10, torch.float32)
+    assert T._shared_zeros(store, torch.device("cpu"), 1 << 16, torch.float32) is first  # fits: no growth
+    ptr, old = first.data_ptr(), weakref.ref(first)
+    del first
+    grown = T._shared_zeros(store, torch.device("cpu"), (1 << 16) + 1, torch.float32)
+    gc.collect()
+    assert old() is not None and old().data_ptr() == ptr
+    assert grown.numel() == 1 << 17 and not grown.any()  # at least doubled, zeroed
+    assert T._shared_zeros(store, torch.device("cpu"), 5, torch.float32) is grown
 
 
 @pytest.mark.parametrize("kind,M,block_m,split_k", [("mma", 3, 16, 4), ("mma", 17, 16, 2), ("mmat", 16, 16, 4),
