@@ -166,8 +166,10 @@ for stage in "$@"; do
       done; done ;;
     pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_PDL=int4 --arm SPECGATE_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
+    # AB_RUN_TIMEOUT: seconds a run; the first run on a machine builds the 8B shapes' kernels and outlasted
+    # engine_ab.py's default 150 s on a lent H100 (2026-12-06; the second try, its builds cached, took ~90 s a run)
     ab) timeout "${AB_TIMEOUT:-540}" python bench/engine_ab.py --arm "$AB_A" --arm "$AB_B" --runs "${AB_RUNS:-3}" \
-          --out "$OUT/engine_ab.json" 2>&1 | tail -12 ;;
+          --timeout "${AB_RUN_TIMEOUT:-300}" --out "$OUT/engine_ab.json" 2>&1 | tail -12 ;;
     quant)  # the log is written as it goes (.cache/quant/quant.log), so a poll can read the run's progress
       mkdir -p .cache/quant
       timeout "${QUANT_TIMEOUT:-540}" python bench/quant.py --arms \
