@@ -35,20 +35,24 @@ from pathlib import Path
 # CUDA target): the host work a GPU step hides while the host keeps up, and bounds where it does not.
 # "plain overlapped 2k": the same with 2,000-token prompts: every step packs each sequence's block-table row
 # (126 blocks of 16), which the short prompts above hide.
+# "gated ngram overlapped": n-gram requests in a batch where the speculation gate (gateway/budget.py SpecGate)
+# holds its plain arm -- the server's state whenever speculation does not pay (every batch size of the
+# H100's real pair, bench/results/engine_real_h100_d32cf22.json) -- against "plain overlapped".
 CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48), ("plain+penalties", 64),
-           ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64), ("plain overlapped", 64), ("plain overlapped 2k", 64)]
+           ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64), ("plain overlapped", 64), ("plain overlapped 2k", 64),
+           ("gated ngram overlapped", 64)]
 VOCAB = 512
 PENALTY_VOCAB = 49152
 
 
-def measure(steps: int) -> dict[str, float]:
+def measure(steps: int, only: set[str] | None = None) -> dict[str, float]:
     """Seconds per step for every config, in this process (the ref's code is first on sys.path)."""
     from dataclasses import replace
 
     import torch
 
     from draft.params import SpeculationParams
-    from gateway.budget import BudgetConfig
+    from gateway.budget import BudgetConfig, SpecGate
     from engine_util import tiny_engine
     from gateway.engine import Engine
     from verify.sampling import SamplingParams
@@ -57,10 +61,12 @@ def measure(steps: int) -> dict[str, float]:
 
     result = {}
     for config, streams in CONFIGS:
+        if only is not None and config not in only:
+            continue
         arm, _, penalties = config.partition("+")
         V = PENALTY_VOCAB if penalties else VOCAB
 
-        def rule(batch, cache, V=V, shift=3 if arm == "idle ngram" else 0):
+        def rule(batch, cache, V=V, shift=3 if "ngram" in arm else 0):
             rows = batch.logits_indices.shape[0]
             out = torch.zeros(rows, V)
             at = batch.logits_indices
@@ -75,13 +81,19 @@ def measure(steps: int) -> dict[str, float]:
             engine = Engine(engine.target, engine.drafters,
                             replace(engine.config, scheduler=replace(engine.config.scheduler, max_model_len=4096,
                                                                      max_step_tokens=4096)))
-        if arm == "plain overlapped":
+        if arm.endswith(" overlapped"):
             engine.config = replace(engine.config, overlap=True)
+        gated = arm.startswith("gated")
+        if gated:  # a gate (it needs the cost-aware budget), held on its plain arm for this config
+            engine.scheduler.config = replace(engine.scheduler.config, budget=BudgetConfig(cost_aware=True))
+            engine.scheduler.gate = SpecGate()
+            allows, SpecGate.allows = SpecGate.allows, lambda self, batch: False
         engine.target.forward = rule
         engine.drafters["draft"].model.forward = rule
         named = {"plain": SpeculationParams(enabled=False), "plain overlapped": SpeculationParams(enabled=False),
                  "adaptive": SpeculationParams(),
-                 "idle ngram": SpeculationParams(drafter="ngram")}
+                 "idle ngram": SpeculationParams(drafter="ngram"),
+                 "gated ngram overlapped": SpeculationParams(drafter="ngram")}
         spec = named.get(arm, SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)))
         if arm == "adaptive":
             sched = engine.scheduler
@@ -93,12 +105,14 @@ def measure(steps: int) -> dict[str, float]:
         for i in range(streams):
             engine.add(str(i), [(13 * i + j) % V for j in range(2000 if long else 40)], sampling, spec)
         # prefill and first drafts (idle: until the budget gives up; long: 128,000 prompt tokens, 4,096 a step)
-        for _ in range(40 if long else 30 if arm == "idle ngram" else 5):
+        for _ in range(40 if long else 30 if "ngram" in arm else 5):
             engine.step()
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         result[f"{config}, {streams} streams"] = (time.perf_counter() - t0) / steps
+        if gated:
+            SpecGate.allows = allows
     return result
 
 
@@ -108,10 +122,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", default=None, help="only these configs, comma-separated (default: all)")
     ap.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # one process, one ref
     args = ap.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.steps)))
+        print(json.dumps(measure(args.steps, None if args.configs is None else set(args.configs.split(",")))))
         return
     from worktrees import short, worktrees  # bench/, this script's own directory
 
@@ -121,8 +136,9 @@ def main() -> None:
         for _ in range(args.reps):
             for ref in refs:
                 env_path = f"{trees[ref]}:{trees[ref] / 'tests'}"
+                only = [] if args.configs is None else ["--configs", args.configs]
                 out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--measure", "--steps",
-                                      str(args.steps)], check=True, capture_output=True, text=True,
+                                      str(args.steps), *only], check=True, capture_output=True, text=True,
                                      cwd=trees[ref], env={**os.environ, "PYTHONPATH": env_path})
                 for name, sec in json.loads(out.stdout.strip().splitlines()[-1]).items():
                     best[ref][name] = min(best[ref].get(name, sec), sec)

@@ -75,12 +75,6 @@ def eligible(seq: Sequence, engine: Engine) -> bool:
     return seq.matcher is None and seq.drafter not in engine._feature_drafters
 
 
-def plain_next(seq: Sequence, engine: Engine, batch: int, pending: bool) -> bool:
-    """``eligible``, and left plain by the next plan (``Scheduler.plans_plain``) for a speculating request."""
-    return eligible(seq, engine) and (not seq.drafter or engine.scheduler.plans_plain(
-        seq, engine._template_of, batch, pending))
-
-
 @dataclass(slots=True)
 class Ahead:
     """The step after a pending one, planned before it is resolved."""
@@ -104,8 +98,11 @@ def plan_ahead(engine: Engine, prev: InFlight) -> Ahead | None:
         elif len(s.output_ids) + 1 < s.sampling.max_tokens and s.num_tokens + 1 < engine.max_model_len:
             ahead.append(s)  # (else its pending token is its last, by length)
     batch = len(ahead) + len(host)
-    if not batch or not all(plain_next(s, engine, batch, id(s) in pending) for s in ahead + host):
+    if not batch or not all(eligible(s, engine) for s in ahead + host):
         return None
+    speculating = [(s, id(s) in pending) for s in ahead + host if s.drafter]
+    if speculating and not sched.plans_plain(speculating, engine._template_of, batch):
+        return None  # the next plan may draft for one of them
     free = engine.cache.pool.num_free - sum(s.table.blocks_needed(s.num_cached + 2) for s in ahead) - sum(
         s.table.blocks_needed(s.num_cached + 1) for s in host)
     if free < 0:

@@ -13,6 +13,7 @@ priority class, so nothing starves.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -248,24 +249,34 @@ class Scheduler:
         away, whatever the budget or the gate's arm (so the gate does not count it: both arms run it plain)."""
         return batch >= self.config.budget.max_verify_tokens
 
-    def plans_plain(self, seq: Sequence, template_of: TemplateOf, batch: int, pending: bool) -> bool:
-        """Whether the next plan leaves ``seq`` plain, asked before the step ahead of it is committed
-        (``pending``: a plain step of it is in flight and will count toward its probe) and changing nothing:
-        an overlapped step's test for a speculating request (gateway/overlap.py). False where unsure: its
-        tree template fixed by the request, or one the budget may still keep. The depth and verify caps only
-        cut trees, so a sequence its own budget leaves plain stays plain in the plan."""
+    def plans_plain(self, seqs: Iterable[tuple[Sequence, bool]], template_of: TemplateOf, batch: int) -> bool:
+        """Whether the next plan leaves every one of ``seqs`` plain, asked before the step ahead of them is
+        committed (each with ``pending``: a plain step of it is in flight and will count toward its probe) and
+        changing nothing: an overlapped step's test for speculating requests (gateway/overlap.py). False where
+        unsure: a tree template fixed by the request, or one the budget may still keep. The depth and verify
+        caps only cut trees, so a sequence its own budget leaves plain stays plain in the plan. What holds for
+        the whole batch -- the roots filling the verify cap, the gate's plain arm -- is asked once, not per
+        sequence: at 64 speculating streams the per-sequence asking was most of what they added to an
+        overlapped step's host work."""
         if self.roots_fill_cap(batch):
             return True
-        template, adapt = template_of(seq)
-        if not template:
-            return True
-        if not adapt:
-            return False
-        if self.gate is not None and not self.gate.allows(batch):
-            return True
-        due = lambda: probe_due(seq.steps_without_draft + pending, self.num_schedules + 1,  # noqa: E731
-                                self._interval(seq.drafter, batch))
-        return not adaptive_widths(template, seq.acceptance.alpha, self.config.budget, due)
+        gated = self.gate is not None and not self.gate.allows(batch)
+        intervals: dict[str | None, int] = {}
+        for seq, pending in seqs:
+            template, adapt = template_of(seq)
+            if not template:
+                continue
+            if not adapt:
+                return False
+            if gated:
+                continue
+            if seq.drafter not in intervals:
+                intervals[seq.drafter] = self._interval(seq.drafter, batch)
+            due = lambda: probe_due(seq.steps_without_draft + pending, self.num_schedules + 1,  # noqa: E731
+                                    intervals[seq.drafter])
+            if adaptive_widths(template, seq.acceptance.alpha, self.config.budget, due):
+                return False
+        return True
 
     @staticmethod
     def _fit_budget(widths: tuple[int, ...], budget: int) -> tuple[int, ...]:

@@ -383,7 +383,8 @@ def test_the_gates_plain_arm_leaves_adaptive_requests_plain_without_probes() -> 
         plan = sched.schedule(fixed)
         assert dict((s.request_id, w) for s, w in plan.decodes) == {"0": (), "1": (2, 2, 1)}
         seqs[0].steps_without_draft += 1
-    assert sched.plans_plain(seqs[0], fixed, 2, pending=False)
-    assert not sched.plans_plain(seqs[1], fixed, 2, pending=False)
+    assert sched.plans_plain([(seqs[0], False)], fixed, 2)
+    assert not sched.plans_plain([(seqs[1], False)], fixed, 2)
+    assert not sched.plans_plain([(seqs[0], False), (seqs[1], False)], fixed, 2)  # one that drafts: not all plain
     off = Scheduler(SchedulerConfig(budget=BudgetConfig(gate=False)), BlockPool(64, 4), Clock())
     assert off.gate is None
