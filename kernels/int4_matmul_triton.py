@@ -931,15 +931,20 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
     return out
 
 
-def _shared_zeros(store: dict, device: torch.device, n: int, dtype: torch.dtype) -> torch.Tensor:
+def _shared_zeros(store: dict, device: torch.device, n: int, dtype: torch.dtype, what: str) -> torch.Tensor:
     """``store``'s zeroed buffer for ``device``, grown to at least ``n`` elements.
 
     A grown buffer replaces the old one for new launches, but the old one is kept: a CUDA graph captured
     before the growth still reads and writes it on every replay (its launches leave it zeroed, as they found
     it). Freed, its memory would go back to the allocator, and a later tensor there would take the replays'
-    counter bumps and partial sums. Growth at least doubles, so what is kept stays under the live size."""
+    counter bumps and partial sums. Growth at least doubles, so what is kept stays under the live size. It
+    never happens inside a capture, whose allocations belong to the graph's pool: the first launch of each
+    shape runs eagerly (tuning, warm-up) before a graph records it."""
     buf = store.get(device)
     if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"INT4 split-K {what}: a launch needing {n} met its first use inside a CUDA graph "
+                               "capture; run the shape once eagerly before capturing it")
         if buf is not None:
             _RETIRED.append(buf)
         size = max(n, 1 << 16, 0 if buf is None else 2 * buf.numel())
@@ -949,18 +954,12 @@ def _shared_zeros(store: dict, device: torch.device, n: int, dtype: torch.dtype)
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 split-K counters, shared by every launch on this device (each resets its own)."""
-    return _shared_zeros(_COUNTERS, device, n, torch.int32)
+    return _shared_zeros(_COUNTERS, device, n, torch.int32, "counters")
 
 
 def _sums(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed fp32 split-K sums for FIX_ATOMIC, shared like the counters (each launch leaves its row zeroed).
-    Grown outside any capture: the first launch of each shape runs eagerly (tuning, warm-up) before a graph
-    records it."""
-    buf = _SUMS.get(device)
-    if (buf is None or buf.numel() < n) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"SPECGATE_INT4_FIX_ATOMIC: a split-K launch of {n} outputs met its first use inside "
-                           "a CUDA graph capture; run the shape once eagerly before capturing it")
-    return _shared_zeros(_SUMS, device, n, torch.float32)
+    """Zeroed fp32 split-K sums for FIX_ATOMIC, shared like the counters (each launch leaves its rows zeroed)."""
+    return _shared_zeros(_SUMS, device, n, torch.float32, "sums (SPECGATE_INT4_FIX_ATOMIC)")
 
 
 def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: bool = True,

@@ -290,15 +290,15 @@ def test_grown_shared_buffer_keeps_the_old_one(monkeypatch):
     must keep it alive (freed, a later tensor would take the replays' counter bumps and partial sums)."""
     monkeypatch.setattr(T, "_RETIRED", [])
     store: dict = {}
-    first = T._shared_zeros(store, torch.device("cpu"), 10, torch.float32)
-    assert T._shared_zeros(store, torch.device("cpu"), 1 << 16, torch.float32) is first  # fits: no growth
+    first = T._shared_zeros(store, torch.device("cpu"), 10, torch.float32, "sums")
+    assert T._shared_zeros(store, torch.device("cpu"), 1 << 16, torch.float32, "sums") is first  # fits: no growth
     ptr, old = first.data_ptr(), weakref.ref(first)
     del first
-    grown = T._shared_zeros(store, torch.device("cpu"), (1 << 16) + 1, torch.float32)
+    grown = T._shared_zeros(store, torch.device("cpu"), (1 << 16) + 1, torch.float32, "sums")
     gc.collect()
     assert old() is not None and old().data_ptr() == ptr
     assert grown.numel() == 1 << 17 and not grown.any()  # at least doubled, zeroed
-    assert T._shared_zeros(store, torch.device("cpu"), 5, torch.float32) is grown
+    assert T._shared_zeros(store, torch.device("cpu"), 5, torch.float32, "sums") is grown
 
 
 @pytest.mark.parametrize("kind,M,block_m,split_k", [("mma", 3, 16, 4), ("mma", 17, 16, 2), ("mmat", 16, 16, 4),
