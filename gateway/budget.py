@@ -306,7 +306,8 @@ class SpecGate:
     block's tokens per second, and runs the arm with the better EMA, the other one block in ``explore`` so
     that a change in either is seen. That share doubles, up to one block in ``max_explore``, until the losing
     arm's measured shortfall spread over it is at most ``overhead`` of the better arm's time (as probes are
-    priced, ``probe_interval``): a loser by 15% is run one block in 16, by 50% one in 64. Requests
+    priced, ``probe_interval``): a loser by 15% is run one block in 16, by 50% one in 64. A bucket not yet
+    measured inherits speculation's loss at a smaller one (``_inherited_loss``). Requests
     that fixed their own tree keep it in both arms: an A/B experiment's shape is not the gate's to change.
 
     The engine reports each step's decoding batch, emitted tokens and seconds (from the previous step's
@@ -378,16 +379,39 @@ class SpecGate:
 
     def _better(self, b: int) -> bool:
         on, off = self._rates.get((b, True)), self._rates.get((b, False))
+        if on is None and self._inherited_loss(b) is not None:
+            return False  # speculation lost at a smaller batch: plain first, speculation explored (``_arm``)
         if on is None or off is None:
             return on is None  # an arm never measured is measured next: speculation first
         return on >= off
 
+    def _inherited_loss(self, b: int) -> float | None:
+        """Speculation's shortfall against plain decoding (a share of plain's rate) at the largest smaller
+        bucket that measured both arms, where speculation lost there; None otherwise. A larger batch leaves
+        speculation less to gain (its verify rows cost more as the step turns compute-bound), so a bucket
+        not yet measured starts from that verdict: plain decoding first, speculation explored one block in
+        as many as the inherited loss allows, rather than a block of losing speculation first and then one
+        in ``explore`` until its own rates say otherwise. Each new bucket of a server whose speculation
+        loses thus stops paying that learning cost (on the lent H100 at d32cf22 the gate ran plain at every
+        bucket, ``engine_real_h100_d32cf22.json``). Its own measurements replace the verdict."""
+        below = [c for c in range(b.bit_length() - 2, -1, -1) if ((1 << c), True) in self._rates
+                 and ((1 << c), False) in self._rates]
+        if not below:
+            return None
+        c = 1 << below[0]
+        on, off = self._rates[(c, True)], self._rates[(c, False)]
+        return 1.0 - on / off if on < off else None
+
     def interval(self, batch: int) -> int:
-        """One block in this many runs the losing arm at ``batch``'s bucket (see the class's docstring)."""
+        """One block in this many runs the losing arm at ``batch``'s bucket (see the class's docstring); a bucket
+        that has not measured speculation yet but inherits a loss (``_inherited_loss``) explores it as often as
+        that loss allows."""
         b = batch_bucket(batch)
         on, off = self._rates.get((b, True)), self._rates.get((b, False))
         if not (on and off):
-            return self.explore
+            loss = self._inherited_loss(b) if on is None else None
+            return self.explore if loss is None else doubled_interval(self.explore, self.max_explore, loss,
+                                                                      self.overhead)
         return doubled_interval(self.explore, self.max_explore, 1.0 - min(on, off) / max(on, off), self.overhead)
 
     def _arm(self, b: int) -> bool:
@@ -395,4 +419,5 @@ class SpecGate:
         better = self._better(b)
         k = self.interval(b)
         explore = self._blocks.get(b, 0) % k == k - 1
-        return not better if explore and (b, not better) in self._rates else better
+        measurable = (b, not better) in self._rates or (not better and self._inherited_loss(b) is not None)
+        return not better if explore and measurable else better

@@ -267,6 +267,26 @@ def test_a_batch_wavering_across_a_bucket_edge_still_fills_both_buckets_blocks()
     assert gate.summary()["16"]["speculate"] is False and gate.summary()["32"]["speculate"] is False
 
 
+def test_a_new_bucket_inherits_a_loss_from_a_smaller_one() -> None:
+    """Speculation lost at batch 1: bucket 4 starts with plain decoding and explores speculation one block in
+    as many as that loss allows (not first, nor one in ``explore``); its own measurement then rules, here a
+    win. A win at a smaller bucket is not inherited: bucket 16 still measures speculation first."""
+    gate = SpecGate(block=4, explore=8)
+    run_gate(gate, 0.5, 1.0, 4 * 16)  # batch 1: speculation at half of plain's rate
+    assert gate.summary()["1"]["speculate"] is False
+    k = gate.interval(4)
+    assert k == gate.max_explore  # a 50% shortfall: the longest interval
+    arms = []
+    for _ in range(k):
+        arms.append(gate.allows(4))
+        run_gate(gate, 1.5, 1.0, 4, batch=4)  # at batch 4 speculation would win
+    assert arms[:-1] == [False] * (k - 1) and arms[-1] is True  # plain first; speculation once, in the last block
+    assert gate.summary()["4"]["speculate"] is True and gate.allows(4)
+    fresh = SpecGate(block=4, explore=8)
+    run_gate(fresh, 2.0, 1.0, 4 * 16)  # batch 1: speculation wins
+    assert fresh.allows(16) and fresh.interval(16) == fresh.explore
+
+
 def test_gate_keeps_buckets_apart_and_skips_prefill_steps() -> None:
     gate = SpecGate(block=8, explore=4)
     run_gate(gate, 0.5, 1.0, 8 * 12, batch=16)  # at batch 16 speculation loses
