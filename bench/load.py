@@ -149,6 +149,7 @@ async def run_level_procs(pool: ProcessPoolExecutor, procs: int, url: str, heade
 
 
 SERVER_FIELDS = ("steps", "drafted_tokens", "accepted_tokens", "verified_nodes", "mean_accepted_length")
+GATE_KEY = "speculation_gate"  # beside the arm labels in a level's "server" (labels hold slashes, this does not)
 
 
 async def server_stats(url: str, headers: dict, reset: bool = False) -> dict | None:
@@ -163,11 +164,15 @@ async def server_stats(url: str, headers: dict, reset: bool = False) -> dict | N
         r = await c.get("/v1/stats")
         if r.status_code != 200:
             return None
+    stats = r.json()
     out = {}
-    for label, arm in r.json().get("arms", {}).items():
+    for label, arm in stats.get("arms", {}).items():
         row = {k: arm.get(k) for k in SERVER_FIELDS}
         row["drafted_per_step"] = round(arm["drafted_tokens"] / arm["steps"], 4) if arm.get("steps") else None
         out[label] = row
+    # the speculation gate's verdict and both arms' rates per batch bucket (not reset with the counters: what
+    # it had learned by the end of this level)
+    out[GATE_KEY] = stats.get("speculation_gate")
     return out
 
 

@@ -30,7 +30,7 @@ import argparse
 import json
 from pathlib import Path
 
-from load import ab_rows, plot
+from load import GATE_KEY, ab_rows, plot
 
 
 def _levels(parts: list[dict] | None) -> dict | None:
@@ -47,6 +47,13 @@ def _drafted_per_step(level: dict) -> float | None:
     arms = [a for label, a in (level.get("server") or {}).items() if label.startswith("on/")]
     steps = sum(a["steps"] or 0 for a in arms)
     return round(sum(a["drafted_tokens"] or 0 for a in arms) / steps, 4) if steps else None
+
+
+def _gate(level: dict) -> dict | None:
+    """The speculation gate's state for this level's batch bucket by the level's end (``load.server_stats``):
+    whether it let speculation run there and both arms' tokens/s; None without it."""
+    gate = (level.get("server") or {}).get(GATE_KEY) or {}
+    return gate.get(str(1 << max(level["concurrency"] - 1, 0).bit_length()))
 
 
 def merge(mixed: list[dict], off_only: list[dict] | None, stats: dict | None, notes: list[str],
@@ -69,6 +76,7 @@ def merge(mixed: list[dict], off_only: list[dict] | None, stats: dict | None, no
         row["p99_itl_ms_off"] = (round(level["arms"]["off"]["itl_s"]["p99"] * 1e3, 2)
                                  if level["arms"]["off"]["itl_s"]["p99"] is not None else None)
         row["drafted_per_step_on"] = _drafted_per_step(level)
+        row["gate_at_level"] = _gate(level)
     off_server, on_server = _levels(off_only), _levels(on_only)
     if off_server is not None:
         report["off_only_server"] = off_server

@@ -83,6 +83,21 @@ def test_rows_carry_the_budget_the_server_chose_at_each_level() -> None:
     one, many = merge([mixed], None, None, [], on_only=[on_only])["rows"]
     assert one["drafted_per_step_on"] == 2.0 and many["drafted_per_step_on"] is None
     assert many["on_only_drafted_per_step"] == 0.05
+    assert one["gate_at_level"] is None  # no gate state in that level's counters
+
+
+def test_rows_carry_the_gate_state_at_each_levels_bucket() -> None:
+    """The speculation gate's verdict for the batch bucket of each level's concurrency, as the server had it
+    when the level ended (``load.server_stats``)."""
+    mixed = _report("abc", [(1, {"on": _arm(600.0, 0.0015, 2.0), "off": _arm(400.0, 0.002, 1.0)}),
+                            (12, {"on": _arm(30.0, 0.02, 1.1), "off": _arm(60.0, 0.021, 1.0)})])
+    gate = {"1": {"speculate": True, "spec_tok_s": 900, "plain_tok_s": 700},
+            "16": {"speculate": False, "spec_tok_s": 5000, "plain_tok_s": 9000}}
+    for level in mixed["levels"]:
+        level["server"] = {"on/ngram/adaptive": {"steps": 10, "drafted_tokens": 1}, "speculation_gate": gate}
+    one, twelve = merge([mixed], None, None, [])["rows"]
+    assert one["gate_at_level"] == gate["1"] and twelve["gate_at_level"] == gate["16"]  # 12 streams: bucket 16
+    assert one["drafted_per_step_on"] == 0.1  # the gate's key is not an arm
 
 
 def test_merge_refuses_parts_of_different_commits() -> None:

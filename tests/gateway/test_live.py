@@ -169,6 +169,7 @@ def test_load_bench_reports_every_arm(tokenizer, tmp_path) -> None:
         assert sum(a["steps"] for a in off) == level["arms"]["off"]["tokens"]
         assert 0 < sum(a["steps"] for a in on) <= level["arms"]["on"]["tokens"]
         assert all(a["drafted_per_step"] == round(a["drafted_tokens"] / a["steps"], 4) for a in on)
+        assert "speculation_gate" in server  # the gate's state by the level's end, beside the arms' counters
     for row, level in zip(report["rows"], report["levels"]):  # the on/off table of the load issue's schema
         on, off = level["arms"]["on"], level["arms"]["off"]
         assert row["concurrency"] == level["concurrency"]
