@@ -366,7 +366,8 @@ class Gateway:
                       req: GenerateRequest, prefix_of: str | None = None) -> Submission:
         retry = {"Retry-After": str(self.config.retry_after_s)}
         try:
-            return await self.runner.submit(request_id, prompt_ids, sampling, req.speculation, prefix_of=prefix_of)
+            return await self.runner.submit(request_id, prompt_ids, sampling, req.speculation, prefix_of=prefix_of,
+                                            priority=req.priority)
         except QueueFull as exc:
             raise ApiError(429, f"the server is at capacity ({exc}); retry later", code="queue_full",
                            type="rate_limit_error", headers=retry) from None

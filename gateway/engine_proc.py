@@ -212,13 +212,13 @@ class ProcessRunner:
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      speculation: SpeculationParams, record: bool = True,
-                     prefix_of: str | None = None) -> Submission:
+                     prefix_of: str | None = None, priority: int = 0) -> Submission:
         """As ``EngineRunner.submit``: raises what ``Engine.add`` raises, or ShuttingDown."""
         if self._stopping or not self.process.is_alive():
             raise ShuttingDown("the server is shutting down" if self._stopping else "the engine process is gone")
         future: asyncio.Future[Submission] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = (future, record)
-        self._post(("add", (request_id, prompt_ids, sampling, speculation, record, prefix_of)))
+        self._post(("add", (request_id, prompt_ids, sampling, speculation, record, prefix_of, priority)))
         return await added(future, request_id, self.abort)
 
     def abort(self, request_id: str) -> None:

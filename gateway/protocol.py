@@ -24,6 +24,7 @@ from verify.sampling import MAX_LOGPROBS, SamplingParams
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16  # n: each choice is a sequence of its own (its own KV), so one request can fill a batch
 MAX_SEQUENCES = 128  # prompts x n of one completions request (a batch of prompts, as lm-eval sends)
+MAX_PRIORITY = 1_000_000  # |priority|: far above any class a deployment uses, far below the audit's replays
 MAX_STOP_CHARS = 256  # per stop string: the matcher holds back up to this much text
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 256
@@ -93,6 +94,9 @@ class GenerateRequest:
     # vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens (its start, a chat template's system
     # turn included, is cut); -1 keeps as many as fit beside max_tokens. None: the prompt as given.
     truncate_prompt_tokens: int | None = None
+    # vLLM's priority: the scheduler's class, lower first (0 by default); aging lifts a waiting request one
+    # class per ``SchedulerConfig.aging_s``, so no class starves, and preemption takes the least urgent first.
+    priority: int = 0
 
     @property
     def num_sequences(self) -> int:
@@ -143,7 +147,7 @@ def parse_request(raw: bytes, is_chat: bool, spec_header: str | None = None) -> 
         max_tokens=max_tokens, sampling=sampling, speculation=_speculation(body, spec_header),
         stop=_stop(body), include_stop=_get(body, "include_stop_str_in_output", bool, False),
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True), stream=stream, n=n, echo=echo,
-        tools=tools, tool_choice=tool_choice, truncate_prompt_tokens=_truncation(body),
+        tools=tools, tool_choice=tool_choice, truncate_prompt_tokens=_truncation(body), priority=_priority(body),
         include_usage=stream and _get(options, "include_usage", bool, False, "stream_options.include_usage"),
         continuous_usage=stream and _get(options, "continuous_usage_stats", bool, False,
                                          "stream_options.continuous_usage_stats"))
@@ -173,6 +177,16 @@ def _truncation(body: dict) -> int | None:
         raise ApiError(400, f"truncate_prompt_tokens must be >= 1 (the prompt tokens kept, from its end) or -1 "
                             f"(as many as fit beside max_tokens), got {k}", param="truncate_prompt_tokens")
     return k
+
+
+def _priority(body: dict) -> int:
+    """``priority`` (vLLM's): the request's scheduling class, lower runs first; bounded so that no request
+    can rank below the server's own idle-time audit replays."""
+    p = _get(body, "priority", int, 0)
+    if not -MAX_PRIORITY <= p <= MAX_PRIORITY:
+        raise ApiError(400, f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY} (lower runs first), "
+                            f"got {p}", param="priority")
+    return p
 
 
 def _choices(body: dict) -> int:

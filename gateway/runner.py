@@ -113,12 +113,13 @@ class EngineRunner:
 
     async def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                      speculation: SpeculationParams, record: bool = True,
-                     prefix_of: str | None = None) -> Submission:
+                     prefix_of: str | None = None, priority: int = 0) -> Submission:
         """Queue a request. Raises what ``Engine.add`` raises (ValueError, QueueFull) or ShuttingDown.
         ``record=False``: the server's own request (warm-up), kept out of metrics, stats and the audit.
-        ``prefix_of``: as ``Engine.add``'s (a sibling choice reuses that request's prompt KV)."""
+        ``prefix_of`` and ``priority``: as ``Engine.add``'s (a sibling choice reuses that request's prompt KV;
+        the scheduling class, lower first)."""
         future: asyncio.Future[Submission] = asyncio.get_running_loop().create_future()
-        self._post("add", (future, request_id, prompt_ids, sampling, speculation, record, prefix_of))
+        self._post("add", (future, request_id, prompt_ids, sampling, speculation, record, prefix_of, priority))
         return await added(future, request_id, self.abort)
 
     def abort(self, request_id: str) -> None:
@@ -183,9 +184,9 @@ class EngineRunner:
             return commands
 
     def _add(self, future: asyncio.Future, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-             speculation: SpeculationParams, record: bool, prefix_of: str | None) -> None:
+             speculation: SpeculationParams, record: bool, prefix_of: str | None, priority: int = 0) -> None:
         try:
-            seq = self.engine.add(request_id, prompt_ids, sampling, speculation, prefix_of=prefix_of)
+            seq = self.engine.add(request_id, prompt_ids, sampling, speculation, priority, prefix_of=prefix_of)
         except Exception as exc:  # noqa: BLE001 -- ValueError / QueueFull go back to the caller as they are
             self._settled(future, request_id, None, exc)
             return

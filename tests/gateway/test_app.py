@@ -8,7 +8,8 @@ import asyncio
 import orjson
 import pytest
 
-from gateway_util import MODEL, make_app, pool_is_full, run_app as run, wait_until
+from engine_util import tiny_engine
+from gateway_util import MODEL, make_app, pool_is_full, run_app as run, wait_ready, wait_until
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "temperature": 0, "max_tokens": 24,
         "ignore_eos": True}
@@ -253,6 +254,36 @@ def test_n_choices_take_one_admission_slot_each(tokenizer) -> None:
     assert too_many.status_code == 429 and too_many.json()["error"]["code"] == "queue_full"
     assert fits.status_code == 200 and len(fits.json()["choices"]) == 2
     assert in_flight == 0
+
+
+def test_a_requests_priority_reaches_the_scheduler(tokenizer) -> None:
+    """The body's ``priority`` (vLLM's field: lower runs first) is the class the engine queues the request in,
+    for chat and completions, and every choice of an n > 1 request; absent, it is 0."""
+    engine = tiny_engine(vocab=len(tokenizer), num_blocks=128)
+    seen: dict[str, int] = {}
+    add = engine.add
+
+    def recording(request_id, *args, **kw):
+        seq = add(request_id, *args, **kw)
+        seen[request_id] = seq.priority
+        return seq
+
+    engine.add = recording
+
+    async def go(client, app):
+        await wait_ready(client)
+        seen.clear()  # the warm-up's own requests
+        chat = await client.post("/v1/chat/completions", json=CHAT | {"priority": -3, "max_tokens": 2})
+        done = dict(seen)
+        completions = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                                   "n": 2, "priority": 7})
+        plain = await client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        return chat, completions, plain, done
+
+    chat, completions, plain, after_chat = run(tokenizer, go, engine=engine)
+    assert chat.status_code == completions.status_code == plain.status_code == 200
+    assert list(after_chat.values()) == [-3]
+    assert sorted(seen.values()) == [-3, 0, 7, 7]
 
 
 def test_completions_accept_token_ids_and_report_usage(tokenizer) -> None:

@@ -59,6 +59,7 @@ def test_malformed_json(tokenizer) -> None:
     ("messages", "Hi", "messages"),
     ("stop", [1, 2], "stop"),
     ("speculation", {"enabled": "no"}, "speculation.enabled"),
+    ("priority", 1.5, "priority"),
 ])
 def test_wrong_types_name_the_field(tokenizer, field, value, param) -> None:
     check(post(tokenizer, CHAT | {field: value}), 400, param, param.split(".")[-1])
@@ -81,6 +82,7 @@ def test_wrong_types_name_the_field(tokenizer, field, value, param) -> None:
     ("max_tokens", 10**6, "max_tokens"),
     ("min_tokens", 5, "min_tokens"),  # above max_tokens (4)
     ("min_tokens", -1, "min_tokens"),
+    ("priority", -10**7, "priority"),
 ])
 def test_out_of_range_values_name_the_field(tokenizer, field, value, param) -> None:
     check(post(tokenizer, CHAT | {field: value}), 400, param)
