@@ -40,7 +40,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields we know and refuse rather than silently ignore: their absence would change what the user gets.
 UNSUPPORTED = {"echo": "echo", "suffix": "suffix", "functions": "the legacy functions field (use tools)",
                "function_call": "the legacy function_call field (use tool_choice)",
-               "prompt_logprobs": "prompt_logprobs"}
+               "prompt_logprobs": "prompt_logprobs",
+               "use_beam_search": "beam search (vLLM's use_beam_search)"}
 MAX_TOOLS = 64
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

@@ -102,7 +102,8 @@ def test_prompt_too_long_is_400(tokenizer) -> None:
     assert check(r, 400, "prompt", "context")["code"] == "context_length_exceeded"
 
 
-@pytest.mark.parametrize("field, value", [("functions", [{}]), ("echo", True), ("prompt_logprobs", 1)])
+@pytest.mark.parametrize("field, value", [("functions", [{}]), ("echo", True), ("prompt_logprobs", 1),
+                                          ("use_beam_search", True)])
 def test_unsupported_features_are_refused(tokenizer, field, value) -> None:
     check(post(tokenizer, CHAT | {field: value}), 400, field, "not supported")
 
