@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from load import GATE_KEY, ab_rows, plot
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gateway.budget import batch_bucket  # noqa: E402 -- the gate's own buckets (pure Python, no torch)
+from load import GATE_KEY, ab_rows, plot  # noqa: E402
 
 
 def _levels(parts: list[dict] | None) -> dict | None:
@@ -53,7 +57,7 @@ def _gate(level: dict) -> dict | None:
     """The speculation gate's state for this level's batch bucket by the level's end (``load.server_stats``):
     whether it let speculation run there and both arms' tokens/s; None without it."""
     gate = (level.get("server") or {}).get(GATE_KEY) or {}
-    return gate.get(str(1 << max(level["concurrency"] - 1, 0).bit_length()))
+    return gate.get(str(batch_bucket(level["concurrency"])))
 
 
 def merge(mixed: list[dict], off_only: list[dict] | None, stats: dict | None, notes: list[str],

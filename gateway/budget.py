@@ -394,11 +394,11 @@ class SpecGate:
         in ``explore`` until its own rates say otherwise. Each new bucket of a server whose speculation
         loses thus stops paying that learning cost (on the lent H100 at d32cf22 the gate ran plain at every
         bucket, ``engine_real_h100_d32cf22.json``). Its own measurements replace the verdict."""
-        below = [c for c in range(b.bit_length() - 2, -1, -1) if ((1 << c), True) in self._rates
-                 and ((1 << c), False) in self._rates]
-        if not below:
+        c = b >> 1
+        while c and not ((c, True) in self._rates and (c, False) in self._rates):
+            c >>= 1
+        if not c:
             return None
-        c = 1 << below[0]
         on, off = self._rates[(c, True)], self._rates[(c, False)]
         return 1.0 - on / off if on < off else None
 
