@@ -57,6 +57,10 @@ STEPPED_ARMS = {"off-stepped": SpeculationParams(enabled=False), "on-stepped": S
 # against an overlapped plain one, and what it accepts -- where the default arm runs whatever the gate picked.
 FIXED_ARMS = {"ngram-chain4": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)),
               "draft-2221": SpeculationParams(drafter="draft", tree=(2, 2, 2, 1))}
+# EngineConfig.chain_ahead on (gateway/chain_ahead.py): the n-gram chain's drafted steps overlapped, at steady
+# state, and the default speculation under the gate with them
+AHEAD_ARMS = {"ngram-chain4-ahead": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)),
+              "on-ahead": SpeculationParams()}
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                  intermediate_size=14336, tie_word_embeddings=False)
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -460,7 +464,8 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}, "first_use": first_use,
                "runs_tok_s": {k: [round(t, 1) for t, _ in v] for k, v in runs.items()}, "later_runs": later}
         table = llm.engine.drafters["ngram"].table
-        for name in [a for a in arms if (a in llm.engine.drafters or a in (NGRAM_ALONE, PER_TOKEN, *STEPPED_ARMS, *FIXED_ARMS))
+        for name in [a for a in arms if (a in llm.engine.drafters or a in (NGRAM_ALONE, PER_TOKEN, *STEPPED_ARMS, *FIXED_ARMS,
+                                                                                     *AHEAD_ARMS))
                      and a != llm.engine.config.default_drafter]:
             default_config = llm.engine.config
             if name in STEPPED_ARMS:
@@ -470,13 +475,16 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                 spec = FIXED_ARMS[name]
                 if spec.drafter not in llm.engine.drafters:
                     continue
+            elif name in AHEAD_ARMS:
+                spec = AHEAD_ARMS[name]
+                llm.engine.config = replace(llm.engine.config, chain_ahead=True)
             else:
                 spec = SpeculationParams() if name == PER_TOKEN else SpeculationParams(drafter=select_arm(llm, name, table))
             llm.generate(warm, warm_sampling, spec)
             arm_runs = [generate_tok_s(llm, groups, greedy, spec, record(name, rep), batch_completion=name != PER_TOKEN)
                         for rep in range(repeats)]
             llm.engine.config = default_config
-            if name not in STEPPED_ARMS and name not in FIXED_ARMS:
+            if name not in STEPPED_ARMS and name not in FIXED_ARMS and name not in AHEAD_ARMS:
                 select_arm(llm, "ngram", table)
             tok_s, arm_mal = max(arm_runs)
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),

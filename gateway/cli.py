@@ -81,6 +81,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="launch each plain decoding step before the last one's tokens reach the host (outputs one "
                         "step later; steps where every request decodes plainly, without a grammar). Default: on "
                         "for a one-process CUDA target")
+    p.add_argument("--chain-ahead", action="store_true",
+                   help="greedy n-gram chains drafted and verified with each step launched before the last one's "
+                        "tokens reach the host (drafts looked up on the device; outputs one step later)")
 
 
 def load(args: argparse.Namespace) -> LLM:
@@ -104,7 +107,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                                                       cost_aware=args.adapt == "cost",
                                                                       plain_penalty=penalty)),
                         cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start,
-                        overlap=args.overlap, **({"default_tree": args.tree} if args.tree else {}))
+                        overlap=args.overlap, chain_ahead=args.chain_ahead,
+                        **({"default_tree": args.tree} if args.tree else {}))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

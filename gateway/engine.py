@@ -24,7 +24,7 @@ import torch
 from draft.base import DraftRequest, Drafter
 from draft.params import SpeculationParams
 from draft.tree import MAX_TREE_NODES, TokenTree, cut_widths, graft_chains
-from gateway import overlap
+from gateway import chain_ahead, overlap
 from gateway.budget import drafter_set
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import Sequence, SpecStats, Status
@@ -82,6 +82,9 @@ class EngineConfig:
     # a one-process CUDA target (on the CPU a launch runs the whole forward before it returns, so there is
     # nothing to overlap; a tensor-parallel target's steps have not been run overlapped on GPUs).
     overlap: bool | None = None
+    # Greedy n-gram chains drafted and verified with each step launched before the last one's tokens reach the
+    # host (gateway/chain_ahead.py). Off until timed on a GPU.
+    chain_ahead: bool = False
 
 
 class Engine:
@@ -120,7 +123,8 @@ class Engine:
         # drafter's), and whether the step was forced
         self._own: dict[str, tuple[TokenTree, list[int], bool]] = {}
         self._forced_step = False
-        self._inflight: overlap.InFlight | None = None  # a launched plain step not yet resolved (overlap)
+        # a launched step not yet resolved: plain (gateway/overlap.py) or a chain (gateway/chain_ahead.py)
+        self._inflight: overlap.InFlight | chain_ahead.ChainInFlight | None = None
         self.num_ahead = 0  # steps launched before the step ahead of them was resolved
         # seconds the host waited on an overlapped step's picks: near zero while the host, not the GPU, bounds the step
         self.wait_s = 0.0
@@ -276,9 +280,11 @@ class Engine:
             return ended
         seqs = [s for s, _ in plan.prefills] + [s for s, _ in plan.decodes]
         ahead = overlap.from_plan(self, plan) if self.overlaps else None
-        if ahead is not None:
+        chain = chain_ahead.from_plan(self, plan) if ahead is None else None
+        if ahead is not None or chain is not None:
             try:
-                self._inflight = overlap.launch(self, ahead, None)
+                self._inflight = (overlap.launch(self, ahead, None) if chain is None else
+                                  chain_ahead.launch(self, chain, None))
             except Exception as exc:  # noqa: BLE001 -- as below
                 return ended + [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
             return ended
@@ -300,6 +306,8 @@ class Engine:
         """Launch the step after the pending plain one where it can be planned now, then resolve the pending
         one; else resolve it and plan normally."""
         prev, self._inflight = self._inflight, None
+        if isinstance(prev, chain_ahead.ChainInFlight):
+            return self._chain_ahead(prev)
         ahead = overlap.plan_ahead(self, prev)
         seqs = [] if ahead is None else ahead.ahead + ahead.host + [s for s, _ in ahead.prefills]
         failed: Exception | None = None
@@ -321,6 +329,28 @@ class Engine:
                         for s in seqs if s.status is Status.RUNNING]
         if self._inflight is None and self.scheduler.has_work():
             outputs += self._step()  # prev is committed: plan as usual
+        return outputs
+
+    def _chain_ahead(self, prev: chain_ahead.ChainInFlight) -> list[RequestOutput]:
+        """``_step_ahead`` for a pending chain step: the run's next step launched where it goes on, then the
+        pending one resolved; else resolved, and the next step planned as usual."""
+        run, failed = prev.run, None
+        if chain_ahead.continues(self, prev):
+            try:
+                self._inflight = chain_ahead.launch(self, run, prev)
+                self.num_ahead += 1
+            except Exception as exc:  # noqa: BLE001 -- fails the run's sequences, once prev's tokens are theirs
+                failed = exc
+        outputs = chain_ahead.resolve(self, prev, successor=self._inflight is not None)
+        now = time.perf_counter()  # in an unbroken run, a step's time is the span between two resolutions
+        if self._ahead_t is not None:
+            self.scheduler.costs.observe(len(run.seqs), run.K, now - self._ahead_t, chain_ahead.kinds(run))
+        self._ahead_t = now if self._inflight is not None else None
+        if failed is not None:
+            outputs += [self._finish(s, "error", error=f"{type(failed).__name__}: {failed}")
+                        for s in run.seqs if s.status is Status.RUNNING]
+        if self._inflight is None and self.scheduler.has_work():
+            outputs += self._step()
         return outputs
 
     def _run(self, plan) -> list[RequestOutput]:
@@ -384,11 +414,12 @@ class Engine:
             seq.table.register_prefix(seq.token_ids, seq.num_cached)
 
     def _settle(self, decoding: list[Sequence], trees: list[TokenTree], results: list[AcceptResult],
-                offered: list[int], logprobs: dict[int, list[TokenLogprob]]) -> list[RequestOutput]:
+                offered: list[int], logprobs: dict[int, list[TokenLogprob]], keep: int = 1) -> list[RequestOutput]:
         """The end of a step for its decoding sequences: each accepted path committed (``offered``: the draft
         levels each was given), the drafters flushed, the tokens emitted (``logprobs`` by index), the K/V
-        compacted and the tables trimmed past each next root's slot. ``_run``'s, and an overlapped step's at
-        its resolution (gateway/overlap.py)."""
+        compacted and the tables trimmed past each next root's slot (``keep`` slots from it: a chain step
+        launched ahead writes its whole chain there). ``_run``'s, and an overlapped step's at its resolution
+        (gateway/overlap.py, gateway/chain_ahead.py)."""
         moves: list[tuple[int, int]] = []
         for seq, tree, result, n in zip(decoding, trees, results, offered):
             moves += self._commit(seq, tree, result, n)
@@ -400,7 +431,7 @@ class Engine:
             self.cache.compact_slots(list(src), list(dst))
         for seq in decoding:
             if seq.table is not None:  # blocks past the next root's slot go back only after compaction read them
-                seq.table.truncate(seq.num_cached + 1)
+                seq.table.truncate(seq.num_cached + keep)
         return outputs
 
     def _feed_features(self, plan, query_lens: tuple[int, ...], results: list[AcceptResult],

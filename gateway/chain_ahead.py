@@ -1,0 +1,263 @@
+"""Overlapped n-gram chains: a drafted step launched before the last one's tokens reach the host.
+
+A drafted step run one by one leaves the GPU idle while the host commits its tokens, drafts and builds the
+next batch; plain steps hide that time (gateway/overlap.py), so since they overlap, speculation that paid
+1.23x on the embedded pair no longer pays (ARCHITECTURE.md, "Why speculation does not pay"). A prompt-lookup
+chain needs nothing from the host to draft the next step, so this module keeps every input of the next step
+on the device:
+
+- each sequence's tokens in a device row (``ChainRun.hist``), extended by every step's picks there;
+- the lookup itself (``lookup``: the newest earlier occurrence of the last n tokens, longest n first, as
+  ``draft.ngram.NgramDrafter.continuations`` finds it on the host, whose shipped table is not consulted);
+- the next step's positions, context lengths and slots, offset on the device by this step's advance (its
+  accepted drafts plus the root); the host reserves blocks for the longest outcome;
+- greedy acceptance of a chain: the leading agreements of the target's picks and the drafts. The emitted
+  tokens are the picks up to the first disagreement, and a chain's accepted nodes already sit in their
+  final slots, so no K/V moves.
+
+Step n + 1 is launched before step n is resolved; step n's tokens are committed and emitted through
+``Engine._settle`` while n + 1 runs, with each table kept to ``num_cached + depth + 1`` slots, the ones n + 1
+writes. Outputs reach the caller one step later. (SGLang's overlap scheduler for speculative decoding keeps a
+drafted step's inputs on the device the same way.)
+
+A run starts from a plan whose every decoding sequence drafts with an n-gram drafter, greedily, with no logit
+processing, logprobs, grammar or held stop token, and nothing waiting to be admitted; each keeps the depth the
+plan gave it for the run's life. It ends -- the pending step resolved, the next planned as usual -- when
+anything changes: a sequence ends or is aborted, a request arrives, the gate leaves adaptive requests plain,
+a sequence nears its token or context limit, the pool cannot hold the next step's blocks, or after
+``MAX_RUN_STEPS`` steps, so that the budget re-plans depths. ``EngineConfig.chain_ahead`` turns it on; off by
+default until it is timed on a GPU. One-process targets only: a tensor-parallel target's ranks take the
+batch from the host.
+
+A sequence that a step ends (a stop token, its length) was already fed into the next step: that step's
+tokens for it are dropped at resolution, and its blocks go back to the pool while the step may still write
+them -- safe as in gateway/overlap.py: every later use of a block runs on the same stream after it, and the
+slots lie past the prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from draft.ngram import NgramDrafter
+from draft.tree import TokenTree
+from gateway.budget import drafter_set
+from gateway.sequence import Sequence, Status
+from target.batch import Segment, build_batch
+from target.model import Transformer
+from target.transfer import to_device
+from verify.accept import AcceptResult
+
+if TYPE_CHECKING:
+    from gateway.engine import Engine, RequestOutput
+    from gateway.scheduler import StepPlan
+
+MAX_RUN_STEPS = 32  # then the pending step resolves and the scheduler plans (and the budget sets depths) anew
+
+
+@dataclass(slots=True)
+class ChainRun:
+    """One run's sequences and device state, kept across its steps."""
+
+    seqs: list[Sequence]
+    depths: list[int]  # draft tokens in each sequence's chain, fixed for the run
+    drafter: NgramDrafter  # whose n-gram sizes and window the lookup uses
+    hist: torch.Tensor  # [B, cap] int64: each sequence's tokens, the next root last (past lens: stale)
+    lens: torch.Tensor  # [B] int64: tokens in each row of hist
+    row_seq: torch.Tensor  # [T] int64: the sequence of each row of a step's batch
+    row_at: torch.Tensor  # [T] int64: each row's node in its chain (0: the root)
+    offered: torch.Tensor  # [B, K] bool: the chain places each sequence drafts
+    steps: int = 0
+
+    @property
+    def K(self) -> int:
+        return max(self.depths)
+
+
+@dataclass(slots=True)
+class ChainInFlight:
+    """A launched chain step whose tokens are not on the host yet."""
+
+    run: ChainRun
+    advance: torch.Tensor  # [B] int64 on the device: tokens the step commits (accepted drafts + the root)
+    host: torch.Tensor  # [B, 2K + 2]: picks, accepted count, drafts; complete once ``event`` has passed
+    event: torch.cuda.Event | None
+
+
+def eligible(seq: Sequence, engine: Engine) -> bool:
+    """Whether ``seq`` can draft and verify with nothing read on the host between steps (see the docstring)."""
+    s = seq.sampling
+    return (seq.drafter is not None and type(engine.drafters.get(seq.drafter)) is NgramDrafter and s.is_greedy
+            and not s.custom_logits and s.logprobs is None and seq.matcher is None
+            and s.min_tokens <= len(seq.output_ids))
+
+
+def from_plan(engine: Engine, plan: StepPlan) -> ChainRun | None:
+    """A run's first step from a scheduler's plan, where it qualifies; None otherwise."""
+    if (not engine.config.chain_ahead or not isinstance(engine.target, Transformer) or plan.prefills
+            or not plan.decodes or _admits(engine)):
+        return None
+    seqs = [s for s, _ in plan.decodes]
+    if any(not w for _, w in plan.decodes) or not all(eligible(s, engine) for s in seqs):
+        return None
+    if len({s.drafter for s in seqs}) != 1:
+        return None
+    depths = [len(w) for _, w in plan.decodes]
+    if not _fits(engine, seqs, depths, ahead=False):
+        return None
+    return _start(engine, seqs, depths)
+
+
+def _admits(engine: Engine) -> bool:
+    """Whether a waiting request may be admitted: the run gives way to its prefill (a full batch keeps it)."""
+    sched = engine.scheduler
+    return bool(sched.waiting) and len(sched.running) < sched.config.max_running
+
+
+def _fits(engine: Engine, seqs: list[Sequence], depths: list[int], ahead: bool) -> bool:
+    """Whether a step of these chains can be launched now: each stays inside the context, still needs tokens
+    after the pending step's most, and the pool holds every slot the step may write. ``ahead``: a step of the
+    run is pending, which may advance each sequence by its depth + 1 first."""
+    need = 0
+    for s, k in zip(seqs, depths):
+        extra = k + 1 if ahead else 0
+        end = s.num_cached + extra + k + 1
+        if end > engine.max_model_len or (ahead and len(s.output_ids) + extra >= s.sampling.max_tokens):
+            return False
+        need += s.table.blocks_needed(end)
+    return need <= engine.cache.pool.num_free
+
+
+def _start(engine: Engine, seqs: list[Sequence], depths: list[int]) -> ChainRun:
+    device = engine.target.device
+    B, K = len(seqs), max(depths)
+    cap = engine.max_model_len + 2 * (K + 1) + 1  # every write stays inside: positions end at max_model_len
+    L = max(s.num_tokens for s in seqs)
+    rows = torch.zeros(B, L, dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        rows[b, : s.num_tokens] = torch.tensor(s.token_ids)
+    hist = torch.zeros(B, cap, dtype=torch.int64, device=device)
+    hist[:, :L] = to_device(rows, device)
+    lens = to_device(torch.tensor([s.num_tokens for s in seqs]), device)
+    row_seq = to_device(torch.cat([torch.full((k + 1,), b) for b, k in enumerate(depths)]), device)
+    row_at = to_device(torch.cat([torch.arange(k + 1) for k in depths]), device)
+    offered = to_device(torch.arange(K)[None, :] < torch.tensor(depths)[:, None], device)
+    return ChainRun(seqs, depths, engine.drafters[seqs[0].drafter], hist, lens, row_seq, row_at, offered)
+
+
+def lookup(hist: torch.Tensor, lens: torch.Tensor, span: int, K: int, max_n: int, min_n: int,
+           window: int) -> torch.Tensor:
+    """[B, K] drafts: the tokens after the newest earlier occurrence of each row's last n tokens (n from
+    ``max_n`` down to ``min_n``, the first n that matches), inside the row's last ``window`` tokens; a match
+    ends before the last token. Rows with no match, and places past a row's end, hold token 0 (any token is
+    safe to verify: greedy acceptance keeps only what the target picks). ``span`` bounds every row's length.
+    The host's ``NgramDrafter.continuations``, first continuation, on the device."""
+    B = hist.shape[0]
+    view = hist[:, :span]
+    lo = (lens - window).clamp(min=0)
+    start = torch.full((B,), -1, dtype=torch.int64, device=hist.device)  # where the continuation begins
+    for n in range(max_n, min_n - 1, -1):
+        if span < n:
+            continue
+        key = hist.gather(1, ((lens - n).clamp(min=0))[:, None] + torch.arange(n, device=hist.device))  # [B, n]
+        hit = (view.unfold(1, n, 1) == key[:, None, :]).all(-1)  # [B, span - n + 1]: a match starting at s
+        s = torch.arange(hit.shape[1], device=hist.device)
+        hit &= (s[None, :] + n <= (lens - 1)[:, None]) & (s[None, :] >= lo[:, None])
+        found = torch.where(hit, s[None, :], -1).amax(1)
+        take = (start < 0) & (found >= 0) & (lens - lo - 1 >= n)
+        start = torch.where(take, found + n, start)
+    at = start[:, None] + torch.arange(K, device=hist.device)  # [B, K]
+    ok = (start >= 0)[:, None] & (at < lens[:, None])
+    drafts = hist.gather(1, at.clamp(min=0, max=hist.shape[1] - 1))
+    return torch.where(ok, drafts, torch.zeros_like(drafts))
+
+
+def launch(engine: Engine, run: ChainRun, prev: ChainInFlight | None) -> ChainInFlight:
+    """One chain step of ``run``: each sequence's root and drafts at the positions after its last committed
+    token, offset on the device by ``prev``'s advance where a step is pending."""
+    seqs, depths, K = run.seqs, run.depths, run.K
+    device = run.hist.device
+    ahead = prev is not None
+    for s, k in zip(seqs, depths):  # the slots the step may write, past what build_batch reserves
+        end = s.num_cached + (k + 1 if ahead else 0) + k + 1
+        s.table.ensure(end)
+        engine.cache.make_writable(s.table, s.num_cached, end)
+    batch = build_batch([Segment(s.table, s.num_cached, [0] * (k + 1), logits="all") for s, k in zip(seqs, depths)],
+                        engine.cache, device)
+    if ahead:  # the pending step's advance, added on the device
+        adv = prev.advance
+        batch.positions += adv[run.row_seq]
+        batch.context_lens += adv.to(batch.context_lens.dtype)
+        P = engine.cache.page_size
+        blocks = batch.block_tables[run.row_seq, batch.positions // P].to(torch.int64)
+        batch.slot_mapping.copy_(blocks * P + batch.positions % P)
+    d = run.drafter
+    span = min(run.hist.shape[1], max(s.num_tokens for s in seqs) + (K + 1 if ahead else 0))
+    drafts = lookup(run.hist, run.lens, span, K, d.max_ngram, d.min_ngram, d.window)  # [B, K]
+    root = run.hist.gather(1, (run.lens - 1)[:, None])  # [B, 1]
+    chain = torch.cat([root, drafts], 1)  # [B, K + 1]
+    batch.tokens.copy_(chain[run.row_seq, run.row_at])
+    runner = engine.graphs if engine.graphs is not None else engine.target
+    logits = runner.forward(batch, engine.cache)  # [T, V]: every row
+    picks = torch.full((len(seqs), K + 1), -1, dtype=torch.int64, device=device)
+    picks[run.row_seq, run.row_at] = logits.argmax(dim=-1)  # as greedy acceptance picks (verify/accept.py)
+    agree = (picks[:, :K] == drafts) & run.offered
+    accepted = agree.to(torch.int64).cumprod(1).sum(1)  # [B]: leading agreements
+    run.hist.scatter_(1, run.lens[:, None] + torch.arange(K + 1, device=device), picks)  # past the advance: stale
+    advance = accepted + 1
+    run.lens += advance
+    run.steps += 1
+    out = torch.cat([picks, accepted[:, None], drafts], 1)  # [B, 2K + 2]
+    host, event = out, None
+    if out.is_cuda:
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    engine.num_steps += 1
+    return ChainInFlight(run, advance, host, event)
+
+
+def continues(engine: Engine, prev: ChainInFlight) -> bool:
+    """Whether the run goes on with a step launched ahead of ``prev`` (see the docstring for what ends it)."""
+    run, sched = prev.run, engine.scheduler
+    if run.steps >= MAX_RUN_STEPS or _admits(engine) or len(sched.running) != len(run.seqs):
+        return False
+    if any(s.status is not Status.RUNNING or not eligible(s, engine) for s in run.seqs):
+        return False
+    if sched.gate is not None and not sched.gate.allows(len(run.seqs)) and any(
+            engine._template_of(s)[1] for s in run.seqs):
+        return False  # the gate's plain arm: adaptive requests decode plainly
+    return _fits(engine, run.seqs, run.depths, ahead=True)
+
+
+def resolve(engine: Engine, prev: ChainInFlight, successor: bool) -> list[RequestOutput]:
+    """``prev``'s tokens committed and emitted for its sequences still running; ``successor``: a step of the
+    run was launched after it, whose slots the tables keep."""
+    if prev.event is not None:
+        t0 = time.perf_counter()
+        prev.event.synchronize()
+        engine.wait_s += time.perf_counter() - t0
+    run, K = prev.run, prev.run.K
+    rows = prev.host.tolist()
+    seqs, trees, results, offered = [], [], [], []
+    for s, k, row in zip(run.seqs, run.depths, rows):
+        if s.status is not Status.RUNNING:
+            continue  # ended or aborted since the step was launched
+        picks, accepted, drafts = row[: K + 1], row[K + 1], row[K + 2 : K + 2 + k]
+        tokens = [s.last_token, *drafts]
+        nodes = list(range(accepted + 1))
+        seqs.append(s)
+        trees.append(TokenTree.from_lists(tokens, [-1, *range(k)]))
+        results.append(AcceptResult(nodes, picks[accepted], [tokens[i] for i in nodes]))
+        offered.append(k)
+    return engine._settle(seqs, trees, results, offered, {}, keep=1 + K if successor else 1)
+
+
+def kinds(run: ChainRun) -> frozenset:
+    """The drafters of the run's steps, as the step-cost model keys them."""
+    return drafter_set(s.drafter for s in run.seqs)

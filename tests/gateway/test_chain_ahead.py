@@ -1,0 +1,217 @@
+"""Overlapped n-gram chains (gateway/chain_ahead.py): the target's greedy tokens, as plain decoding gives them,
+through stop tokens, length and context limits, aborts, arrivals, the gate and a tight KV pool; drafts found
+on the device as the host's lookup finds them; no block left behind."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from draft.ngram import NgramDrafter
+from draft.params import SpeculationParams
+from engine_util import run_all, tiny_engine
+from gateway.budget import SpecGate
+from gateway.chain_ahead import MAX_RUN_STEPS, lookup
+from verify.sampling import SamplingParams
+
+PLAIN = SpeculationParams(enabled=False)
+
+
+def engine(chain: bool, **kw):
+    eng = tiny_engine(**kw)
+    eng.config = replace(eng.config, chain_ahead=chain)
+    return eng
+
+
+def chain_spec(depth: int = 3) -> SpeculationParams:
+    return SpeculationParams(drafter="ngram", tree=(1,) * depth)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase, so that lookups find continuations from the first step."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (4 + i % 3,), generator=g).tolist() * 3 for i in range(n)]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **({"ignore_eos": True} | kw))
+
+
+def run(eng, requests) -> tuple[dict[str, list[int]], dict[str, object]]:
+    """Each request's tokens and its last output's speculation stats."""
+    out, stats = {}, {}
+    for rid, prompt, sampling, spec in requests:
+        eng.add(rid, prompt, sampling, spec)
+        out[rid] = []
+    while eng.has_work():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+            stats[o.request_id] = o.stats
+            assert o.error is None, o.error
+    return out, stats
+
+
+@pytest.mark.parametrize("batch,depth", [(1, 1), (1, 4), (4, 3), (8, 2)])
+def test_greedy_tokens_match_plain_decoding(batch: int, depth: int) -> None:
+    ps = prompts(batch)
+    want = run_all(engine(False), [(str(i), p, greedy(30 + i), PLAIN) for i, p in enumerate(ps)])
+    eng = engine(True)
+    got, stats = run(eng, [(str(i), p, greedy(30 + i), chain_spec(depth)) for i, p in enumerate(ps)])
+    assert got == want
+    assert eng.num_ahead > 0  # steps went ahead of their predecessors' resolution
+    assert sum(s.accepted_tokens for s in stats.values()) > 0  # lookups found what the target then picked
+    assert all(s.steps < len(got[r]) for r, s in stats.items() if s.accepted_tokens)
+    assert eng.cache.pool.num_free == eng.config.num_blocks and not eng.has_work()
+
+
+def test_stop_tokens_length_and_context_limits_end_outputs_where_plain_decoding_does() -> None:
+    ps = prompts(4, seed=2)
+    free = run_all(engine(False), [(str(i), p, greedy(30), PLAIN) for i, p in enumerate(ps)])
+    # each stops at the token it emits 7th (sooner where it emitted that token before); one ends by length
+    # mid-chain; one ends at the 512-token context
+    stops = [(str(i), p, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=(free[str(i)][6],)))
+             for i, p in enumerate(ps)]
+    reqs = stops + [("len", ps[0], greedy(11)), ("ctx", list(range(60)) * 8 + [1, 2, 3, 1, 2], greedy(40))]
+    want = run_all(engine(False, num_blocks=200), [(r, p, s, PLAIN) for r, p, s in reqs])
+    eng = engine(True, num_blocks=200)
+    got, _ = run(eng, [(r, p, s, chain_spec(4)) for r, p, s in reqs])
+    assert got == want
+    assert len(got["len"]) == 11 and len(got["ctx"]) == 512 - 485 and all(len(got[str(i)]) <= 7 for i in range(4))
+    assert eng.num_ahead > 0 and eng.cache.pool.num_free == eng.config.num_blocks
+
+
+def test_an_abort_while_a_chain_step_is_in_flight_leaks_nothing() -> None:
+    ps = prompts(3, seed=3)
+    want = run_all(engine(False), [(str(i), p, greedy(40), PLAIN) for i, p in enumerate(ps)])
+    eng = engine(True)
+    for i, p in enumerate(ps):
+        eng.add(str(i), p, greedy(40), chain_spec(3))
+    got = {str(i): [] for i in range(3)}
+    steps = 0
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+        steps += 1
+        if steps == 5:
+            assert type(eng._inflight).__name__ == "ChainInFlight"  # the abort meets a launched chain step
+            out = eng.abort("1")
+            assert out is not None and out.finished and out.finish_reason == "abort"
+    assert got["0"] == want["0"] and got["2"] == want["2"]
+    assert got["1"] == want["1"][: len(got["1"])] and len(got["1"]) < 40
+    assert eng.cache.pool.num_free == eng.config.num_blocks
+
+
+def test_arrivals_plain_neighbours_and_sampled_requests_end_the_run() -> None:
+    ps = prompts(6, seed=4)
+    outs = []
+    for chain in (False, True):
+        eng = engine(chain)
+        got: dict[str, list[int]] = {}
+        for i in range(3):
+            eng.add(str(i), ps[i], greedy(24), chain_spec(3))
+        for step in range(60):
+            if step == 6:  # an arrival mid-run, plain; then a sampled request that speculates
+                eng.add("plain", ps[3], greedy(24), PLAIN)
+            if step == 12:
+                eng.add("sampled", ps[4], SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
+                        chain_spec(3))
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        while eng.has_work():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs.append(got)
+        assert eng.cache.pool.num_free == eng.config.num_blocks
+        if chain:
+            assert eng.num_ahead > 0
+    assert outs[0] == outs[1] and all(len(v) == 24 for v in outs[1].values())
+
+
+def test_a_tight_pool_ends_runs_and_every_request_finishes() -> None:
+    """14 blocks of 4 slots for three 18-token prompts growing 30 tokens: chains need their worst case reserved,
+    so runs give way, the scheduler preempts, and the tokens are still the target's."""
+    reqs = [(str(i), [(7 * i + j) % 64 for j in range(6)] * 3, greedy(30)) for i in range(3)]
+    want = run_all(engine(False, num_blocks=28, page_size=4), [(r, p, s, PLAIN) for r, p, s in reqs])
+    eng = engine(True, num_blocks=28, page_size=4)
+    got, _ = run(eng, [(r, p, s, chain_spec(3)) for r, p, s in reqs])
+    assert got == want and all(len(v) == 30 for v in got.values())
+    assert eng.num_preemptions > 0 and eng.cache.pool.num_free == eng.config.num_blocks
+
+
+def test_runs_end_after_max_run_steps_and_when_the_gate_turns_plain(monkeypatch) -> None:
+    eng = engine(True)
+    launched: list[int] = []
+    import gateway.chain_ahead as ca
+
+    real = ca.launch
+    monkeypatch.setattr(ca, "launch", lambda e, run, prev: launched.append(run.steps) or real(e, run, prev))
+    p = prompts(1)[0]
+    spec = SpeculationParams(drafter="ngram")  # adaptive: its depth is the budget's, the gate may hold it plain
+    out, _ = run(eng, [("a", p, greedy(4 * MAX_RUN_STEPS), spec)])
+    assert max(launched) == MAX_RUN_STEPS - 1 and launched.count(0) >= 2  # runs restarted from a plan
+    # under a gate held on its plain arm, no adaptive request drafts, so no run starts
+    eng = engine(True)
+    eng.scheduler.gate = SpecGate()
+    monkeypatch.setattr(SpecGate, "allows", lambda self, batch: False)
+    launched.clear()
+    got, _ = run(eng, [("a", p, greedy(40), spec)])
+    assert got["a"] == out["a"][:40] and not launched
+
+
+def test_off_by_default() -> None:
+    eng = tiny_engine()
+    assert not eng.config.chain_ahead
+    run(eng, [("a", prompts(1)[0], greedy(20), chain_spec(3))])
+    assert eng.num_ahead == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_device_lookup_finds_the_host_lookup_s_continuation(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    drafter = NgramDrafter(max_ngram=3, min_ngram=1, window=40 if seed % 2 else 4096)
+    B, K, cap = 5, 4, 80
+    rows = [torch.randint(0, 6 + seed, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (B,), generator=g)]
+    hist = torch.zeros(B, cap, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        hist[b, : len(r)] = torch.tensor(r)
+        hist[b, len(r):] = 99  # stale past the end: never matched nor drafted
+    lens = torch.tensor([len(r) for r in rows])
+    got = lookup(hist, lens, max(len(r) for r in rows), K, drafter.max_ngram, drafter.min_ngram, drafter.window)
+    for b, r in enumerate(rows):
+        found = drafter.continuations(r, K, 1)
+        want = (found[0] if found else []) + [0] * (K - (len(found[0]) if found else 0))
+        assert got[b].tolist() == want, (b, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chain_steps_on_cuda_graphs_emit_plain_decoding_s_tokens() -> None:
+    """On CUDA the chain steps replay ragged graphs whose inputs are offset on the device after the batch's
+    copy. Plain decoding is the reference: float32 activations over random weights leave logit gaps far
+    above the rounding that different row counts give the matmuls."""
+    from draft.model_drafter import ModelDrafter
+    from engine_util import random_weights, tiny_config
+    from gateway.budget import BudgetConfig
+    from gateway.engine import Engine, EngineConfig
+    from gateway.scheduler import SchedulerConfig
+    from target.model import Transformer
+
+    cfg = tiny_config(vocab=512, layers=3, hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                      head_dim=64)
+    target = Transformer.from_weights(cfg, random_weights(cfg, scale=0.3), torch.float32, "cuda").quantize(64)
+
+    def cuda_engine(chain: bool) -> Engine:
+        drafters = {"self": ModelDrafter("self", target.truncated(2), 256, 16), "ngram": NgramDrafter()}
+        sched = SchedulerConfig(max_model_len=512, budget=BudgetConfig(cost_aware=False))
+        return Engine(target, drafters, EngineConfig(256, 16, sched, "ngram", (1, 1, 1), chain_ahead=chain))
+
+    g = torch.Generator().manual_seed(0)
+    phrases = [torch.randint(0, 512, (4 + i,), generator=g).tolist() for i in range(6)]
+    want = run_all(cuda_engine(False), [(str(i), p * 3, greedy(48), PLAIN) for i, p in enumerate(phrases)])
+    eng = cuda_engine(True)
+    got, stats = run(eng, [(str(i), p * 3, greedy(48), chain_spec(3 + i % 2)) for i, p in enumerate(phrases)])
+    assert got == want
+    assert eng.num_ahead > 0 and eng.graphs.replays > 0 and sum(s.accepted_tokens for s in stats.values()) > 0
+    assert eng.cache.pool.num_free == 256 and not eng.has_work()
