@@ -30,8 +30,11 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+
 from draft.base import DraftRequest
 from draft.tree import TokenTree
+from kernels.ngram_lookup import ngram_lookup
 
 TABLE_FILE = "ngram_table.json.gz"
 
@@ -149,6 +152,12 @@ class NgramDrafter:
                     if len(found) == branches:
                         return found
         return found
+
+    def lookup_on_device(self, hist: torch.Tensor, lens: torch.Tensor, span: int, depth: int) -> torch.Tensor:
+        """[B, depth] drafts for rows of token ids on the device: each row's first continuation as
+        ``continuations`` finds it, 0 where it finds none (kernels/ngram_lookup.py; the table is not consulted).
+        ``lens`` holds each row's length, at most ``span``."""
+        return ngram_lookup(hist, lens, span, depth, self.max_ngram, self.min_ngram, self.window)
 
     def propose(self, reqs: list[DraftRequest]) -> list[TokenTree]:
         trees = []

@@ -7,8 +7,8 @@ chain needs nothing from the host to draft the next step, so this module keeps e
 on the device:
 
 - each sequence's tokens in a device row (``ChainRun.hist``), extended by every step's picks there;
-- the lookup itself (``lookup``: the newest earlier occurrence of the last n tokens, longest n first, as
-  ``draft.ngram.NgramDrafter.continuations`` finds it on the host, whose shipped table is not consulted);
+- the lookup itself (``NgramDrafter.lookup_on_device``, one kernel: the newest earlier occurrence of the last
+  n tokens, longest n first, as the host's lookup finds it; the drafter's shipped table is not consulted);
 - the next step's positions, context lengths and slots, offset on the device by this step's advance (its
   accepted drafts plus the root); the host reserves blocks for the longest outcome;
 - greedy acceptance of a chain: the leading agreements of the target's picks and the drafts. The emitted
@@ -149,33 +149,6 @@ def _start(engine: Engine, seqs: list[Sequence], depths: list[int]) -> ChainRun:
     return ChainRun(seqs, depths, engine.drafters[seqs[0].drafter], hist, lens, row_seq, row_at, offered)
 
 
-def lookup(hist: torch.Tensor, lens: torch.Tensor, span: int, K: int, max_n: int, min_n: int,
-           window: int) -> torch.Tensor:
-    """[B, K] drafts: the tokens after the newest earlier occurrence of each row's last n tokens (n from
-    ``max_n`` down to ``min_n``, the first n that matches), inside the row's last ``window`` tokens; a match
-    ends before the last token. Rows with no match, and places past a row's end, hold token 0 (any token is
-    safe to verify: greedy acceptance keeps only what the target picks). ``span`` bounds every row's length.
-    The host's ``NgramDrafter.continuations``, first continuation, on the device."""
-    B = hist.shape[0]
-    view = hist[:, :span]
-    lo = (lens - window).clamp(min=0)
-    start = torch.full((B,), -1, dtype=torch.int64, device=hist.device)  # where the continuation begins
-    for n in range(max_n, min_n - 1, -1):
-        if span < n:
-            continue
-        key = hist.gather(1, ((lens - n).clamp(min=0))[:, None] + torch.arange(n, device=hist.device))  # [B, n]
-        hit = (view.unfold(1, n, 1) == key[:, None, :]).all(-1)  # [B, span - n + 1]: a match starting at s
-        s = torch.arange(hit.shape[1], device=hist.device)
-        hit &= (s[None, :] + n <= (lens - 1)[:, None]) & (s[None, :] >= lo[:, None])
-        found = torch.where(hit, s[None, :], -1).amax(1)
-        take = (start < 0) & (found >= 0) & (lens - lo - 1 >= n)
-        start = torch.where(take, found + n, start)
-    at = start[:, None] + torch.arange(K, device=hist.device)  # [B, K]
-    ok = (start >= 0)[:, None] & (at < lens[:, None])
-    drafts = hist.gather(1, at.clamp(min=0, max=hist.shape[1] - 1))
-    return torch.where(ok, drafts, torch.zeros_like(drafts))
-
-
 def launch(engine: Engine, run: ChainRun, prev: ChainInFlight | None) -> ChainInFlight:
     """One chain step of ``run``: each sequence's root and drafts at the positions after its last committed
     token, offset on the device by ``prev``'s advance where a step is pending."""
@@ -195,9 +168,8 @@ def launch(engine: Engine, run: ChainRun, prev: ChainInFlight | None) -> ChainIn
         P = engine.cache.page_size
         blocks = batch.block_tables[run.row_seq, batch.positions // P].to(torch.int64)
         batch.slot_mapping.copy_(blocks * P + batch.positions % P)
-    d = run.drafter
     span = min(run.hist.shape[1], max(s.num_tokens for s in seqs) + (K + 1 if ahead else 0))
-    drafts = lookup(run.hist, run.lens, span, K, d.max_ngram, d.min_ngram, d.window)  # [B, K]
+    drafts = run.drafter.lookup_on_device(run.hist, run.lens, span, K)  # [B, K]
     root = run.hist.gather(1, (run.lens - 1)[:, None])  # [B, 1]
     chain = torch.cat([root, drafts], 1)  # [B, K + 1]
     batch.tokens.copy_(chain[run.row_seq, run.row_at])

@@ -1,6 +1,6 @@
 """Overlapped n-gram chains (gateway/chain_ahead.py): the target's greedy tokens, as plain decoding gives them,
-through stop tokens, length and context limits, aborts, arrivals, the gate and a tight KV pool; drafts found
-on the device as the host's lookup finds them; no block left behind."""
+through stop tokens, length and context limits, aborts, arrivals, the gate and a tight KV pool; no block left
+behind (the device lookup itself: tests/kernels/test_ngram_lookup.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from draft.ngram import NgramDrafter
 from draft.params import SpeculationParams
 from engine_util import run_all, tiny_engine
 from gateway.budget import SpecGate
-from gateway.chain_ahead import MAX_RUN_STEPS, lookup
+from gateway.chain_ahead import MAX_RUN_STEPS
 from verify.sampling import SamplingParams
 
 PLAIN = SpeculationParams(enabled=False)
@@ -165,24 +165,6 @@ def test_off_by_default() -> None:
     assert not eng.config.chain_ahead
     run(eng, [("a", prompts(1)[0], greedy(20), chain_spec(3))])
     assert eng.num_ahead == 0
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_the_device_lookup_finds_the_host_lookup_s_continuation(seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    drafter = NgramDrafter(max_ngram=3, min_ngram=1, window=40 if seed % 2 else 4096)
-    B, K, cap = 5, 4, 80
-    rows = [torch.randint(0, 6 + seed, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (B,), generator=g)]
-    hist = torch.zeros(B, cap, dtype=torch.int64)
-    for b, r in enumerate(rows):
-        hist[b, : len(r)] = torch.tensor(r)
-        hist[b, len(r):] = 99  # stale past the end: never matched nor drafted
-    lens = torch.tensor([len(r) for r in rows])
-    got = lookup(hist, lens, max(len(r) for r in rows), K, drafter.max_ngram, drafter.min_ngram, drafter.window)
-    for b, r in enumerate(rows):
-        found = drafter.continuations(r, K, 1)
-        want = (found[0] if found else []) + [0] * (K - (len(found[0]) if found else 0))
-        assert got[b].tolist() == want, (b, r)
 
 
 @pytest.mark.gpu
