@@ -20,9 +20,10 @@ Step n + 1 is launched before step n is resolved; step n's tokens are committed 
 writes. Outputs reach the caller one step later. (SGLang's overlap scheduler for speculative decoding keeps a
 drafted step's inputs on the device the same way.)
 
-A run starts from a plan whose every decoding sequence drafts with an n-gram drafter, greedily, with no logit
-processing, logprobs, grammar or held stop token, and nothing waiting to be admitted; each keeps the depth the
-plan gave it for the run's life. It ends -- the pending step resolved, the next planned as usual -- when
+A run starts from a plan where some decoding sequence drafts with an n-gram drafter and every one is greedy,
+with no logit processing, logprobs, grammar or held stop token, drafting with that drafter or not at all (a
+plain request, or one the budget leaves plain, rides as a one-token chain), and nothing waits to be admitted;
+each keeps the depth the plan gave it for the run's life. It ends -- the pending step resolved, the next planned as usual -- when
 anything changes: a sequence ends or is aborted, a request arrives, the gate leaves adaptive requests plain,
 a sequence nears its token or context limit, the pool cannot hold the next step's blocks, or after
 ``MAX_RUN_STEPS`` steps, so that the budget re-plans depths. ``EngineConfig.chain_ahead`` turns it on; off by
@@ -64,7 +65,7 @@ class ChainRun:
     """One run's sequences and device state, kept across its steps."""
 
     seqs: list[Sequence]
-    depths: list[int]  # draft tokens in each sequence's chain, fixed for the run
+    depths: list[int]  # draft tokens in each sequence's chain, fixed for the run (0: it decodes plainly)
     drafter: NgramDrafter  # whose n-gram sizes and window the lookup uses
     hist: torch.Tensor  # [B, cap] int64: each sequence's tokens, the next root last (past lens: stale)
     lens: torch.Tensor  # [B] int64: tokens in each row of hist
@@ -89,27 +90,28 @@ class ChainInFlight:
 
 
 def eligible(seq: Sequence, engine: Engine) -> bool:
-    """Whether ``seq`` can draft and verify with nothing read on the host between steps (see the docstring)."""
+    """Whether ``seq`` can take part in a run: its step needs nothing read on the host (see the docstring), and
+    it drafts with an n-gram drafter or not at all (a plain request rides in the run as a one-token chain)."""
     s = seq.sampling
-    return (seq.drafter is not None and type(engine.drafters.get(seq.drafter)) is NgramDrafter and s.is_greedy
+    return ((seq.drafter is None or type(engine.drafters.get(seq.drafter)) is NgramDrafter) and s.is_greedy
             and not s.custom_logits and s.logprobs is None and seq.matcher is None
             and s.min_tokens <= len(seq.output_ids))
 
 
 def from_plan(engine: Engine, plan: StepPlan) -> ChainRun | None:
-    """A run's first step from a scheduler's plan, where it qualifies; None otherwise."""
+    """A run's first step from a scheduler's plan, where it qualifies: some sequence drafts, every one is
+    eligible, the drafting ones share one drafter; None otherwise."""
     if (not engine.config.chain_ahead or not isinstance(engine.target, Transformer) or plan.prefills
             or not plan.decodes or _admits(engine)):
         return None
     seqs = [s for s, _ in plan.decodes]
-    if any(not w for _, w in plan.decodes) or not all(eligible(s, engine) for s in seqs):
-        return None
-    if len({s.drafter for s in seqs}) != 1:
-        return None
     depths = [len(w) for _, w in plan.decodes]
+    drafters = {s.drafter for s, k in zip(seqs, depths) if k}
+    if len(drafters) != 1 or not all(eligible(s, engine) for s in seqs):
+        return None  # nobody drafts (the plain overlap's case), or two drafters' sizes to look up with
     if not _fits(engine, seqs, depths, ahead=False):
         return None
-    return _start(engine, seqs, depths)
+    return _start(engine, seqs, depths, engine.drafters[drafters.pop()])
 
 
 def _admits(engine: Engine) -> bool:
@@ -132,7 +134,7 @@ def _fits(engine: Engine, seqs: list[Sequence], depths: list[int], ahead: bool) 
     return need <= engine.cache.pool.num_free
 
 
-def _start(engine: Engine, seqs: list[Sequence], depths: list[int]) -> ChainRun:
+def _start(engine: Engine, seqs: list[Sequence], depths: list[int], drafter: NgramDrafter) -> ChainRun:
     device = engine.target.device
     B, K = len(seqs), max(depths)
     cap = engine.max_model_len + 2 * (K + 1) + 1  # every write stays inside: positions end at max_model_len
@@ -146,7 +148,7 @@ def _start(engine: Engine, seqs: list[Sequence], depths: list[int]) -> ChainRun:
     row_seq = to_device(torch.cat([torch.full((k + 1,), b) for b, k in enumerate(depths)]), device)
     row_at = to_device(torch.cat([torch.arange(k + 1) for k in depths]), device)
     offered = to_device(torch.arange(K)[None, :] < torch.tensor(depths)[:, None], device)
-    return ChainRun(seqs, depths, engine.drafters[seqs[0].drafter], hist, lens, row_seq, row_at, offered)
+    return ChainRun(seqs, depths, drafter, hist, lens, row_seq, row_at, offered)
 
 
 def launch(engine: Engine, run: ChainRun, prev: ChainInFlight | None) -> ChainInFlight:

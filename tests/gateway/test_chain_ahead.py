@@ -66,6 +66,19 @@ def test_greedy_tokens_match_plain_decoding(batch: int, depth: int) -> None:
     assert eng.cache.pool.num_free == eng.config.num_blocks and not eng.has_work()
 
 
+def test_plain_requests_ride_in_the_run_as_one_token_chains() -> None:
+    """An A/B server's mix: speculation-off requests beside n-gram ones, all greedy."""
+    ps = prompts(6, seed=5)
+    specs = [PLAIN if i % 2 else chain_spec(2 + i % 3) for i in range(6)]
+    want = run_all(engine(False), [(str(i), p, greedy(30), PLAIN) for i, p in enumerate(ps)])
+    eng = engine(True)
+    got, stats = run(eng, [(str(i), p, greedy(30), sp) for i, (p, sp) in enumerate(zip(ps, specs))])
+    assert got == want and eng.num_ahead > 0
+    assert all(stats[str(i)].drafted_tokens == 0 for i in (1, 3, 5))  # the plain ones drafted nothing
+    assert sum(stats[str(i)].accepted_tokens for i in (0, 2, 4)) > 0
+    assert eng.cache.pool.num_free == eng.config.num_blocks
+
+
 def test_stop_tokens_length_and_context_limits_end_outputs_where_plain_decoding_does() -> None:
     ps = prompts(4, seed=2)
     free = run_all(engine(False), [(str(i), p, greedy(30), PLAIN) for i, p in enumerate(ps)])
