@@ -38,9 +38,12 @@ from pathlib import Path
 # "gated ngram overlapped": n-gram requests in a batch where the speculation gate (gateway/budget.py SpecGate)
 # holds its plain arm -- the server's state whenever speculation does not pay (every batch size of the
 # H100's real pair, bench/results/engine_real_h100_d32cf22.json) -- against "plain overlapped".
+# "chain": n-gram requests with a fixed four-token chain whose lookups the target confirms (its next token
+# depends on the last alone, so a sequence soon repeats itself), stepped one by one; "chain ahead": the same
+# with EngineConfig.chain_ahead (gateway/chain_ahead.py), the device lookup being its torch reference here.
 CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48), ("plain+penalties", 64),
            ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64), ("plain overlapped", 64), ("plain overlapped 2k", 64),
-           ("gated ngram overlapped", 64)]
+           ("gated ngram overlapped", 64), ("chain", 1), ("chain ahead", 1), ("chain", 16), ("chain ahead", 16)]
 VOCAB = 512
 PENALTY_VOCAB = 49152
 
@@ -74,13 +77,15 @@ def measure(steps: int, only: set[str] | None = None) -> dict[str, float]:
             return out
 
         long = arm.endswith(" 2k")
+        roomy = long or arm.startswith("chain")  # 2,000-token prompts; chains that emit up to 5 tokens a step
         arm = arm.removesuffix(" 2k")
         engine = tiny_engine(num_blocks=16384 if long else 8192, page_size=16, max_running=64, vocab=V,
-                             tree=(2, 2, 2, 1), max_position_embeddings=4096 if long else 512)
-        if long:  # tiny_engine's scheduler holds 512 tokens
+                             tree=(2, 2, 2, 1), max_position_embeddings=4096 if roomy else 512)
+        if roomy:  # tiny_engine's scheduler holds 512 tokens
             engine = Engine(engine.target, engine.drafters,
                             replace(engine.config, scheduler=replace(engine.config.scheduler, max_model_len=4096,
-                                                                     max_step_tokens=4096)))
+                                                                     max_step_tokens=4096),
+                                    chain_ahead=arm == "chain ahead"))
         if arm.endswith(" overlapped"):
             engine.config = replace(engine.config, overlap=True)
         gated = arm.startswith("gated")
@@ -93,7 +98,9 @@ def measure(steps: int, only: set[str] | None = None) -> dict[str, float]:
         named = {"plain": SpeculationParams(enabled=False), "plain overlapped": SpeculationParams(enabled=False),
                  "adaptive": SpeculationParams(),
                  "idle ngram": SpeculationParams(drafter="ngram"),
-                 "gated ngram overlapped": SpeculationParams(drafter="ngram")}
+                 "gated ngram overlapped": SpeculationParams(drafter="ngram"),
+                 "chain": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)),
+                 "chain ahead": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1))}
         spec = named.get(arm, SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)))
         if arm == "adaptive":
             sched = engine.scheduler
