@@ -25,7 +25,7 @@ with no logit processing, logprobs, grammar or held stop token, drafting with th
 plain request, or one the budget leaves plain, rides as a one-token chain), and nothing waits to be admitted;
 each keeps the depth the plan gave it for the run's life. It ends -- the pending step resolved, the next planned as usual -- when
 anything changes: a sequence ends or is aborted, a request arrives, the gate leaves adaptive requests plain,
-a sequence nears its token or context limit, the pool cannot hold the next step's blocks, or after
+a sequence nears its context limit, the pool cannot hold the next step's blocks, or after
 ``MAX_RUN_STEPS`` steps, so that the budget re-plans depths. ``EngineConfig.chain_ahead`` turns it on; off by
 default until it is timed on a GPU. One-process targets only: a tensor-parallel target's ranks take the
 batch from the host.
@@ -121,14 +121,14 @@ def _admits(engine: Engine) -> bool:
 
 
 def _fits(engine: Engine, seqs: list[Sequence], depths: list[int], ahead: bool) -> bool:
-    """Whether a step of these chains can be launched now: each stays inside the context, still needs tokens
-    after the pending step's most, and the pool holds every slot the step may write. ``ahead``: a step of the
-    run is pending, which may advance each sequence by its depth + 1 first."""
+    """Whether a step of these chains can be launched now: each stays inside the context, and the pool holds
+    every slot the step may write. ``ahead``: a step of the run is pending, which may advance each sequence by
+    its depth + 1 first. (A sequence the pending step may end by length still goes ahead: its tokens past the
+    end are dropped at resolution, and its end then ends the run, as any end does.)"""
     need = 0
     for s, k in zip(seqs, depths):
-        extra = k + 1 if ahead else 0
-        end = s.num_cached + extra + k + 1
-        if end > engine.max_model_len or (ahead and len(s.output_ids) + extra >= s.sampling.max_tokens):
+        end = s.num_cached + (k + 1 if ahead else 0) + k + 1
+        if end > engine.max_model_len:
             return False
         need += s.table.blocks_needed(end)
     return need <= engine.cache.pool.num_free
