@@ -24,16 +24,17 @@ A run starts from a plan where some decoding sequence drafts with an n-gram draf
 with no logit processing, logprobs, grammar or held stop token, drafting with that drafter or not at all (a
 plain request, or one the budget leaves plain, rides as a one-token chain), and nothing waits to be admitted;
 each keeps the depth the plan gave it for the run's life. It ends -- the pending step resolved, the next planned as usual -- when
-anything changes: a sequence ends or is aborted, a request arrives, the gate leaves adaptive requests plain,
-a sequence nears its context limit, the pool cannot hold the next step's blocks, or after
+anything changes but an end: a request arrives, the gate leaves adaptive requests plain, a sequence nears
+its context limit, the pool cannot hold the next step's blocks, no sequence left drafts, or after
 ``MAX_RUN_STEPS`` steps, so that the budget re-plans depths. ``EngineConfig.chain_ahead`` turns it on; off by
 default until it is timed on a GPU. One-process targets only: a tensor-parallel target's ranks take the
 batch from the host.
 
-A sequence that a step ends (a stop token, its length) was already fed into the next step: that step's
-tokens for it are dropped at resolution, and its blocks go back to the pool while the step may still write
-them -- safe as in gateway/overlap.py: every later use of a block runs on the same stream after it, and the
-slots lie past the prompt.
+A sequence that a step ends (a stop token, its length) or that is aborted was already fed into the next step:
+that step's tokens for it are dropped at resolution, and the step after leaves it out (the run's device rows
+narrowed to the others). Its blocks go back to the pool while a step may still write them -- safe as in
+gateway/overlap.py: every later use of a block runs on the same stream after it, and the slots lie past the
+prompt.
 """
 
 from __future__ import annotations
@@ -145,18 +146,24 @@ def _start(engine: Engine, seqs: list[Sequence], depths: list[int], drafter: Ngr
     hist = torch.zeros(B, cap, dtype=torch.int64, device=device)
     hist[:, :L] = to_device(rows, device)
     lens = to_device(torch.tensor([s.num_tokens for s in seqs]), device)
-    row_seq = to_device(torch.cat([torch.full((k + 1,), b) for b, k in enumerate(depths)]), device)
-    row_at = to_device(torch.cat([torch.arange(k + 1) for k in depths]), device)
-    offered = to_device(torch.arange(K)[None, :] < torch.tensor(depths)[:, None], device)
-    return ChainRun(seqs, depths, drafter, hist, lens, row_seq, row_at, offered)
+    return ChainRun(seqs, depths, drafter, hist, lens, *_layout(depths, device))
 
 
-def launch(engine: Engine, run: ChainRun, prev: ChainInFlight | None) -> ChainInFlight:
+def _layout(depths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ChainRun.row_seq``, ``row_at`` and ``offered`` for chains of ``depths``."""
+    row_seq = torch.cat([torch.full((k + 1,), b) for b, k in enumerate(depths)])
+    row_at = torch.cat([torch.arange(k + 1) for k in depths])
+    offered = torch.arange(max(depths))[None, :] < torch.tensor(depths)[:, None]
+    return to_device(row_seq, device), to_device(row_at, device), to_device(offered, device)
+
+
+def launch(engine: Engine, run: ChainRun, advance: torch.Tensor | None) -> ChainInFlight:
     """One chain step of ``run``: each sequence's root and drafts at the positions after its last committed
-    token, offset on the device by ``prev``'s advance where a step is pending."""
+    token, offset on the device by ``advance`` (the pending step's, [B] in ``run``'s order) where a step is
+    pending."""
     seqs, depths, K = run.seqs, run.depths, run.K
     device = run.hist.device
-    ahead = prev is not None
+    ahead = advance is not None
     for s, k in zip(seqs, depths):  # the slots the step may write, past what build_batch reserves
         end = s.num_cached + (k + 1 if ahead else 0) + k + 1
         s.table.ensure(end)
@@ -164,9 +171,8 @@ def launch(engine: Engine, run: ChainRun, prev: ChainInFlight | None) -> ChainIn
     batch = build_batch([Segment(s.table, s.num_cached, [0] * (k + 1), logits="all") for s, k in zip(seqs, depths)],
                         engine.cache, device)
     if ahead:  # the pending step's advance, added on the device
-        adv = prev.advance
-        batch.positions += adv[run.row_seq]
-        batch.context_lens += adv.to(batch.context_lens.dtype)
+        batch.positions += advance[run.row_seq]
+        batch.context_lens += advance.to(batch.context_lens.dtype)
         P = engine.cache.page_size
         blocks = batch.block_tables[run.row_seq, batch.positions // P].to(torch.int64)
         batch.slot_mapping.copy_(blocks * P + batch.positions % P)
@@ -196,17 +202,33 @@ def launch(engine: Engine, run: ChainRun, prev: ChainInFlight | None) -> ChainIn
     return ChainInFlight(run, advance, host, event)
 
 
-def continues(engine: Engine, prev: ChainInFlight) -> bool:
-    """Whether the run goes on with a step launched ahead of ``prev`` (see the docstring for what ends it)."""
+def continues(engine: Engine, prev: ChainInFlight) -> tuple[ChainRun, torch.Tensor] | None:
+    """The run and the pending step's advance for a step launched ahead of ``prev``; None where the run ends
+    (see the docstring). Sequences that ended since ``prev`` was launched leave the run (``_without``)."""
     run, sched = prev.run, engine.scheduler
-    if run.steps >= MAX_RUN_STEPS or _admits(engine) or len(sched.running) != len(run.seqs):
-        return False
-    if any(s.status is not Status.RUNNING or not eligible(s, engine) for s in run.seqs):
-        return False
-    if sched.gate is not None and not sched.gate.allows(len(run.seqs)) and any(
-            engine._template_of(s)[1] for s in run.seqs):
-        return False  # the gate's plain arm: adaptive requests decode plainly
-    return _fits(engine, run.seqs, run.depths, ahead=True)
+    if run.steps >= MAX_RUN_STEPS or _admits(engine):
+        return None
+    keep = [b for b, s in enumerate(run.seqs) if s.status is Status.RUNNING]
+    seqs, depths = [run.seqs[b] for b in keep], [run.depths[b] for b in keep]
+    if not keep or max(depths) == 0 or len(sched.running) != len(keep):
+        return None  # nobody drafts any more (the plain overlap's case), or a sequence outside the run runs
+    if not all(eligible(s, engine) for s in seqs):
+        return None
+    if sched.gate is not None and not sched.gate.allows(len(seqs)) and any(engine._template_of(s)[1] for s in seqs):
+        return None  # the gate's plain arm: adaptive requests decode plainly
+    if not _fits(engine, seqs, depths, ahead=True):
+        return None
+    if len(keep) == len(run.seqs):
+        return run, prev.advance
+    index = to_device(torch.tensor(keep), run.hist.device)
+    return _without(run, keep, index), prev.advance[index]
+
+
+def _without(run: ChainRun, keep: list[int], index: torch.Tensor) -> ChainRun:
+    """``run`` narrowed to its rows ``keep`` (``index`` on the device): the rest ended."""
+    depths = [run.depths[b] for b in keep]
+    return ChainRun([run.seqs[b] for b in keep], depths, run.drafter, run.hist[index], run.lens[index],
+                    *_layout(depths, run.hist.device), run.steps)
 
 
 def resolve(engine: Engine, prev: ChainInFlight, successor: bool) -> list[RequestOutput]:

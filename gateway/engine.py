@@ -335,9 +335,10 @@ class Engine:
         """``_step_ahead`` for a pending chain step: the run's next step launched where it goes on, then the
         pending one resolved; else resolved, and the next step planned as usual."""
         run, failed = prev.run, None
-        if chain_ahead.continues(self, prev):
+        nxt = chain_ahead.continues(self, prev)
+        if nxt is not None:
             try:
-                self._inflight = chain_ahead.launch(self, run, prev)
+                self._inflight = chain_ahead.launch(self, *nxt)
                 self.num_ahead += 1
             except Exception as exc:  # noqa: BLE001 -- fails the run's sequences, once prev's tokens are theirs
                 failed = exc

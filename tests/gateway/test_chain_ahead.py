@@ -79,6 +79,34 @@ def test_plain_requests_ride_in_the_run_as_one_token_chains() -> None:
     assert eng.cache.pool.num_free == eng.config.num_blocks
 
 
+def test_the_run_goes_on_without_the_sequences_that_end(monkeypatch) -> None:
+    import gateway.chain_ahead as ca
+
+    batches: list[tuple[int, bool]] = []  # (sequences, launched ahead) per chain step
+    narrowed: list[list[int]] = []  # the pending advances handed to each narrowed run
+    launch, continues = ca.launch, ca.continues
+    monkeypatch.setattr(ca, "launch", lambda e, run, adv: batches.append((len(run.seqs), adv is not None))
+                        or launch(e, run, adv))
+
+    def recorded(e, prev):
+        nxt = continues(e, prev)
+        if nxt is not None and len(nxt[0].seqs) < len(prev.run.seqs):
+            narrowed.append(nxt[1].tolist())
+        return nxt
+
+    monkeypatch.setattr(ca, "continues", recorded)
+    ps = prompts(4, seed=12)
+    want = run_all(engine(False), [(str(i), p, greedy(8 + 6 * i), PLAIN) for i, p in enumerate(ps)])
+    eng = engine(True)
+    got, _ = run(eng, [(str(i), p, greedy(8 + 6 * i), chain_spec(1 + i % 3)) for i, p in enumerate(ps)])
+    assert got == want
+    # steps of three, two and one sequence went ahead of their predecessors within one run, and one narrowing
+    # carried unequal advances (each row kept its own)
+    assert {n for n, ahead in batches if ahead} >= {3, 2, 1} and batches.count((4, False)) == 1
+    assert any(len(set(adv)) > 1 for adv in narrowed)
+    assert eng.cache.pool.num_free == eng.config.num_blocks
+
+
 def test_stop_tokens_length_and_context_limits_end_outputs_where_plain_decoding_does() -> None:
     ps = prompts(4, seed=2)
     free = run_all(engine(False), [(str(i), p, greedy(30), PLAIN) for i, p in enumerate(ps)])
