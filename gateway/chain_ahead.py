@@ -22,13 +22,14 @@ drafted step's inputs on the device the same way.)
 
 A run starts from a plan where some decoding sequence drafts with an n-gram drafter and every one is greedy,
 with no logit processing, logprobs, grammar or held stop token, drafting with that drafter or not at all (a
-plain request, or one the budget leaves plain, rides as a one-token chain), and nothing waits to be admitted;
-each keeps the depth the plan gave it for the run's life. It ends -- the pending step resolved, the next planned as usual -- when
-anything changes but an end: a request arrives, the gate leaves adaptive requests plain, a sequence nears
-its context limit, the pool cannot hold the next step's blocks, no sequence left drafts, or after
-``MAX_RUN_STEPS`` steps, so that the budget re-plans depths. ``EngineConfig.chain_ahead`` turns it on; off by
-default until it is timed on a GPU. One-process targets only: a tensor-parallel target's ranks take the
-batch from the host.
+plain request, or one the budget leaves plain, rides as a one-token chain); each keeps the depth the plan gave
+it for the run's life. Requests the scheduler admits meanwhile ride along as prompt chunks, and join the run
+once their prompt is cached, at the depth their template and acceptance give (``_join_depth``). The run ends
+-- the pending step resolved, the next planned as usual -- when a sequence that is not eligible is decoding,
+the gate leaves adaptive requests plain, a sequence nears its context limit, the pool cannot hold the next
+step's blocks, a prompt chunk scores its prompt, no sequence drafts any more, or after ``MAX_RUN_STEPS``
+steps, so that the budget re-plans depths. ``EngineConfig.chain_ahead`` turns it on; off by default until it
+is timed on a GPU. One-process targets only: a tensor-parallel target's ranks take the batch from the host.
 
 A sequence that a step ends (a stop token, its length) or that is aborted was already fed into the next step:
 that step's tokens for it are dropped at resolution, and the step after leaves it out (the run's device rows
@@ -47,7 +48,7 @@ import torch
 
 from draft.ngram import NgramDrafter
 from draft.tree import TokenTree
-from gateway.budget import drafter_set
+from gateway.budget import adaptive_widths, drafter_set
 from gateway.sequence import Sequence, Status
 from target.batch import Segment, build_batch
 from target.model import Transformer
@@ -88,6 +89,18 @@ class ChainInFlight:
     advance: torch.Tensor  # [B] int64 on the device: tokens the step commits (accepted drafts + the root)
     host: torch.Tensor  # [B, 2K + 2]: picks, accepted count, drafts; complete once ``event`` has passed
     event: torch.cuda.Event | None
+    prefilled: bool  # the step also ran prompt chunks: not a decode step's time
+
+
+@dataclass(slots=True)
+class ChainStep:
+    """What a chain step launches: the run's rows, the pending step's advance per row (None: no step is
+    pending; 0 for a row that joined since), and the prompt chunks that ride along, as the scheduler admits and
+    picks them."""
+
+    run: ChainRun
+    advance: torch.Tensor | None
+    prefills: list[tuple[Sequence, int]]
 
 
 def eligible(seq: Sequence, engine: Engine) -> bool:
@@ -99,20 +112,25 @@ def eligible(seq: Sequence, engine: Engine) -> bool:
             and s.min_tokens <= len(seq.output_ids))
 
 
-def from_plan(engine: Engine, plan: StepPlan) -> ChainRun | None:
+def from_plan(engine: Engine, plan: StepPlan) -> ChainStep | None:
     """A run's first step from a scheduler's plan, where it qualifies: some sequence drafts, every one is
-    eligible, the drafting ones share one drafter; None otherwise."""
-    if (not engine.config.chain_ahead or not isinstance(engine.target, Transformer) or plan.prefills
-            or not plan.decodes or _admits(engine)):
+    eligible, the drafting ones share one drafter, no prompt chunk scores its prompt; None otherwise."""
+    if (not engine.config.chain_ahead or not isinstance(engine.target, Transformer) or not plan.decodes
+            or _scores_prompts(plan.prefills)):
         return None
     seqs = [s for s, _ in plan.decodes]
     depths = [len(w) for _, w in plan.decodes]
     drafters = {s.drafter for s, k in zip(seqs, depths) if k}
     if len(drafters) != 1 or not all(eligible(s, engine) for s in seqs):
         return None  # nobody drafts (the plain overlap's case), or two drafters' sizes to look up with
-    if not _fits(engine, seqs, depths, ahead=False):
+    if _blocks(engine, seqs, depths, pending=False) is None:
         return None
-    return _start(engine, seqs, depths, engine.drafters[drafters.pop()])
+    return ChainStep(_start(engine, seqs, depths, engine.drafters[drafters.pop()]), None, plan.prefills)
+
+
+def _scores_prompts(prefills: list[tuple[Sequence, int]]) -> bool:
+    """A prompt chunk whose logits are read on the host (prompt logprobs): its step cannot be a chain's."""
+    return any(s.wants_prompt_logprobs for s, _ in prefills)
 
 
 def _admits(engine: Engine) -> bool:
@@ -121,18 +139,18 @@ def _admits(engine: Engine) -> bool:
     return bool(sched.waiting) and len(sched.running) < sched.config.max_running
 
 
-def _fits(engine: Engine, seqs: list[Sequence], depths: list[int], ahead: bool) -> bool:
-    """Whether a step of these chains can be launched now: each stays inside the context, and the pool holds
-    every slot the step may write. ``ahead``: a step of the run is pending, which may advance each sequence by
-    its depth + 1 first. (A sequence the pending step may end by length still goes ahead: its tokens past the
-    end are dropped at resolution, and its end then ends the run, as any end does.)"""
+def _blocks(engine: Engine, seqs: list[Sequence], depths: list[int], pending: bool) -> int | None:
+    """The blocks a step of these chains needs; None where one cannot be launched now: a sequence would pass
+    the context, or the pool cannot hold every slot the step may write. ``pending``: a step of the run is in
+    flight, which may advance each sequence by its depth + 1 first. (A sequence the pending step may end by
+    length still goes ahead: its tokens past the end are dropped at resolution.)"""
     need = 0
     for s, k in zip(seqs, depths):
-        end = s.num_cached + (k + 1 if ahead else 0) + k + 1
+        end = s.num_cached + (k + 1 if pending else 0) + k + 1
         if end > engine.max_model_len:
-            return False
+            return None
         need += s.table.blocks_needed(end)
-    return need <= engine.cache.pool.num_free
+    return need if need <= engine.cache.pool.num_free else None
 
 
 def _start(engine: Engine, seqs: list[Sequence], depths: list[int], drafter: NgramDrafter) -> ChainRun:
@@ -157,10 +175,11 @@ def _layout(depths: list[int], device: torch.device) -> tuple[torch.Tensor, torc
     return to_device(row_seq, device), to_device(row_at, device), to_device(offered, device)
 
 
-def launch(engine: Engine, run: ChainRun, advance: torch.Tensor | None) -> ChainInFlight:
-    """One chain step of ``run``: each sequence's root and drafts at the positions after its last committed
-    token, offset on the device by ``advance`` (the pending step's, [B] in ``run``'s order) where a step is
-    pending."""
+def launch(engine: Engine, step: ChainStep) -> ChainInFlight:
+    """One chain step: the prompt chunks first (their sequences' ``num_cached`` advanced now: a chunk yields
+    no token), then each row's root and drafts at the positions after its last committed token, offset on the
+    device by the pending step's advance."""
+    run, advance, prefills = step.run, step.advance, step.prefills
     seqs, depths, K = run.seqs, run.depths, run.K
     device = run.hist.device
     ahead = advance is not None
@@ -168,21 +187,26 @@ def launch(engine: Engine, run: ChainRun, advance: torch.Tensor | None) -> Chain
         end = s.num_cached + (k + 1 if ahead else 0) + k + 1
         s.table.ensure(end)
         engine.cache.make_writable(s.table, s.num_cached, end)
-    batch = build_batch([Segment(s.table, s.num_cached, [0] * (k + 1), logits="all") for s, k in zip(seqs, depths)],
-                        engine.cache, device)
+    segs = [Segment(s.table, s.num_cached, s.token_ids[s.num_cached : s.num_cached + n], logits="none")
+            for s, n in prefills]
+    segs += [Segment(s.table, s.num_cached, [0] * (k + 1), logits="all") for s, k in zip(seqs, depths)]
+    batch = build_batch(segs, engine.cache, device)
+    first, nb = sum(n for _, n in prefills), len(prefills)  # the chains' first row, and first segment
     if ahead:  # the pending step's advance, added on the device
-        batch.positions += advance[run.row_seq]
-        batch.context_lens += advance.to(batch.context_lens.dtype)
+        positions = batch.positions[first:]
+        positions += advance[run.row_seq]
+        batch.context_lens[nb:] += advance.to(batch.context_lens.dtype)
         P = engine.cache.page_size
-        blocks = batch.block_tables[run.row_seq, batch.positions // P].to(torch.int64)
-        batch.slot_mapping.copy_(blocks * P + batch.positions % P)
+        blocks = batch.block_tables[nb + run.row_seq, positions // P].to(torch.int64)
+        batch.slot_mapping[first:] = blocks * P + positions % P
     span = min(run.hist.shape[1], max(s.num_tokens for s in seqs) + (K + 1 if ahead else 0))
     drafts = run.drafter.lookup_on_device(run.hist, run.lens, span, K)  # [B, K]
     root = run.hist.gather(1, (run.lens - 1)[:, None])  # [B, 1]
     chain = torch.cat([root, drafts], 1)  # [B, K + 1]
-    batch.tokens.copy_(chain[run.row_seq, run.row_at])
+    batch.tokens[first:] = chain[run.row_seq, run.row_at]
     runner = engine.graphs if engine.graphs is not None else engine.target
-    logits = runner.forward(batch, engine.cache)  # [T, V]: every row
+    logits = runner.forward(batch, engine.cache)  # [R, V]: every chain row (the chunks score nothing)
+    engine._advance_prefills(prefills)
     picks = torch.full((len(seqs), K + 1), -1, dtype=torch.int64, device=device)
     picks[run.row_seq, run.row_at] = logits.argmax(dim=-1)  # as greedy acceptance picks (verify/accept.py)
     agree = (picks[:, :K] == drafts) & run.offered
@@ -199,29 +223,69 @@ def launch(engine: Engine, run: ChainRun, advance: torch.Tensor | None) -> Chain
         event = torch.cuda.Event()
         event.record()
     engine.num_steps += 1
-    return ChainInFlight(run, advance, host, event)
+    return ChainInFlight(run, advance, host, event, bool(prefills))
 
 
-def continues(engine: Engine, prev: ChainInFlight) -> tuple[ChainRun, torch.Tensor] | None:
-    """The run and the pending step's advance for a step launched ahead of ``prev``; None where the run ends
-    (see the docstring). Sequences that ended since ``prev`` was launched leave the run (``_without``)."""
+def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
+    """The step to launch ahead of ``prev``; None where the run ends (see the docstring). Sequences that ended
+    since ``prev`` was launched leave the run (``_without``); sequences whose prompt is now cached join it
+    (``_joined``), and the waiting requests the scheduler admits ride along as prompt chunks."""
     run, sched = prev.run, engine.scheduler
-    if run.steps >= MAX_RUN_STEPS or _admits(engine):
+    if run.steps >= MAX_RUN_STEPS:
         return None
     keep = [b for b, s in enumerate(run.seqs) if s.status is Status.RUNNING]
     seqs, depths = [run.seqs[b] for b in keep], [run.depths[b] for b in keep]
-    if not keep or max(depths) == 0 or len(sched.running) != len(keep):
-        return None  # nobody drafts any more (the plain overlap's case), or a sequence outside the run runs
-    if not all(eligible(s, engine) for s in seqs):
+    inside = {id(s) for s in seqs}
+    joiners = [s for s in sched.running if not s.is_prefilling and id(s) not in inside]
+    if not all(eligible(s, engine) for s in seqs + joiners):
         return None
-    if sched.gate is not None and not sched.gate.allows(len(seqs)) and any(engine._template_of(s)[1] for s in seqs):
+    gated = sched.gate is not None and not sched.gate.allows(len(seqs) + len(joiners))
+    if gated and any(engine._template_of(s)[1] for s in seqs):
         return None  # the gate's plain arm: adaptive requests decode plainly
-    if not _fits(engine, seqs, depths, ahead=True):
+    joined = [_join_depth(engine, run, s, gated) for s in joiners]
+    if not depths + joined or max(depths + joined) == 0:
+        return None  # nobody drafts any more: the plain overlap's case
+    need = _blocks(engine, seqs + joiners, depths + joined, pending=True)
+    if need is None:
         return None
-    if len(keep) == len(run.seqs):
-        return run, prev.advance
-    index = to_device(torch.tensor(keep), run.hist.device)
-    return _without(run, keep, index), prev.advance[index]
+    prefills = []
+    if _admits(engine) or any(s.is_prefilling for s in sched.running):
+        budget = sched.config.max_step_tokens - sum(k + 1 for k in depths + joined)
+        prefills = sched.plan_prefills(budget, engine.cache.pool.num_free - need)
+        if _scores_prompts(prefills):
+            return None  # admitted, and planned again as usual
+    advance = prev.advance
+    if len(keep) < len(run.seqs):
+        index = to_device(torch.tensor(keep), run.hist.device)
+        run, advance = _without(run, keep, index), advance[index]
+    if joiners:
+        run = _joined(engine, run, joiners, joined)
+        advance = torch.cat([advance, torch.zeros(len(joiners), dtype=advance.dtype, device=advance.device)])
+    return ChainStep(run, advance, prefills)
+
+
+def _join_depth(engine: Engine, run: ChainRun, seq: Sequence, gated: bool) -> int:
+    """The chain depth of ``seq`` joining ``run``: its template's, cut as the budget cuts it at its acceptance
+    (no deeper than the run's deepest chain, the tokens it still wants and the context); 0 where it drafts with
+    another drafter or the gate keeps adaptive requests plain."""
+    if seq.drafter is None or engine.drafters[seq.drafter] is not run.drafter:
+        return 0
+    template, adapt = engine._template_of(seq)
+    if adapt:
+        template = () if gated else adaptive_widths(template, seq.acceptance.alpha, engine.scheduler.config.budget)
+    return max(0, min(len(template), run.K, seq.remaining_tokens - 1, engine.max_model_len - seq.num_tokens))
+
+
+def _joined(engine: Engine, run: ChainRun, seqs: list[Sequence], depths: list[int]) -> ChainRun:
+    """``run`` with rows for ``seqs`` added, from their tokens on the host (nothing of theirs is pending)."""
+    device = run.hist.device
+    rows = torch.zeros(len(seqs), run.hist.shape[1], dtype=torch.int64)
+    for b, s in enumerate(seqs):
+        rows[b, : s.num_tokens] = torch.tensor(s.token_ids)
+    lens = to_device(torch.tensor([s.num_tokens for s in seqs]), device)
+    all_depths = run.depths + depths
+    return ChainRun(run.seqs + seqs, all_depths, run.drafter, torch.cat([run.hist, to_device(rows, device)]),
+                    torch.cat([run.lens, lens]), *_layout(all_depths, device), run.steps)
 
 
 def _without(run: ChainRun, keep: list[int], index: torch.Tensor) -> ChainRun:

@@ -284,7 +284,7 @@ class Engine:
         if ahead is not None or chain is not None:
             try:
                 self._inflight = (overlap.launch(self, ahead, None) if chain is None else
-                                  chain_ahead.launch(self, chain, None))
+                                  chain_ahead.launch(self, chain))
             except Exception as exc:  # noqa: BLE001 -- as below
                 return ended + [self._finish(s, "error", error=f"{type(exc).__name__}: {exc}") for s in seqs]
             return ended
@@ -334,22 +334,22 @@ class Engine:
     def _chain_ahead(self, prev: chain_ahead.ChainInFlight) -> list[RequestOutput]:
         """``_step_ahead`` for a pending chain step: the run's next step launched where it goes on, then the
         pending one resolved; else resolved, and the next step planned as usual."""
-        run, failed = prev.run, None
-        nxt = chain_ahead.continues(self, prev)
+        nxt, failed = chain_ahead.continues(self, prev), None
         if nxt is not None:
             try:
-                self._inflight = chain_ahead.launch(self, *nxt)
+                self._inflight = chain_ahead.launch(self, nxt)
                 self.num_ahead += 1
-            except Exception as exc:  # noqa: BLE001 -- fails the run's sequences, once prev's tokens are theirs
+            except Exception as exc:  # noqa: BLE001 -- fails the step's sequences, once prev's tokens are theirs
                 failed = exc
         outputs = chain_ahead.resolve(self, prev, successor=self._inflight is not None)
         now = time.perf_counter()  # in an unbroken run, a step's time is the span between two resolutions
-        if self._ahead_t is not None:
-            self.scheduler.costs.observe(len(run.seqs), run.K, now - self._ahead_t, chain_ahead.kinds(run))
+        if self._ahead_t is not None and not prev.prefilled:
+            self.scheduler.costs.observe(len(prev.run.seqs), prev.run.K, now - self._ahead_t,
+                                         chain_ahead.kinds(prev.run))
         self._ahead_t = now if self._inflight is not None else None
         if failed is not None:
             outputs += [self._finish(s, "error", error=f"{type(failed).__name__}: {failed}")
-                        for s in run.seqs if s.status is Status.RUNNING]
+                        for s in nxt.run.seqs + [s for s, _ in nxt.prefills] if s.status is Status.RUNNING]
         if self._inflight is None and self.scheduler.has_work():
             outputs += self._step()
         return outputs

@@ -85,13 +85,13 @@ def test_the_run_goes_on_without_the_sequences_that_end(monkeypatch) -> None:
     batches: list[tuple[int, bool]] = []  # (sequences, launched ahead) per chain step
     narrowed: list[list[int]] = []  # the pending advances handed to each narrowed run
     launch, continues = ca.launch, ca.continues
-    monkeypatch.setattr(ca, "launch", lambda e, run, adv: batches.append((len(run.seqs), adv is not None))
-                        or launch(e, run, adv))
+    monkeypatch.setattr(ca, "launch", lambda e, step: batches.append((len(step.run.seqs), step.advance is not None))
+                        or launch(e, step))
 
     def recorded(e, prev):
         nxt = continues(e, prev)
-        if nxt is not None and len(nxt[0].seqs) < len(prev.run.seqs):
-            narrowed.append(nxt[1].tolist())
+        if nxt is not None and len(nxt.run.seqs) < len(prev.run.seqs):
+            narrowed.append(nxt.advance.tolist())
         return nxt
 
     monkeypatch.setattr(ca, "continues", recorded)
@@ -144,7 +144,40 @@ def test_an_abort_while_a_chain_step_is_in_flight_leaks_nothing() -> None:
     assert eng.cache.pool.num_free == eng.config.num_blocks
 
 
-def test_arrivals_plain_neighbours_and_sampled_requests_end_the_run() -> None:
+def test_arrivals_ride_along_as_prompt_chunks_and_join_the_run(monkeypatch) -> None:
+    import gateway.chain_ahead as ca
+
+    steps: list[tuple[int, int, bool]] = []  # (rows, prompt chunks, launched ahead) per chain step
+    launch = ca.launch
+    monkeypatch.setattr(ca, "launch", lambda e, step: steps.append(
+        (len(step.run.seqs), len(step.prefills), step.advance is not None)) or launch(e, step))
+    ps = prompts(6, seed=8)
+    long = [(7 * j) % 64 for j in range(70)]  # a prompt of 70 tokens: chunks of 32 (max_step_tokens below)
+    outs = []
+    for chain in (False, True):
+        eng = engine(chain)
+        eng.scheduler.config = replace(eng.scheduler.config, max_step_tokens=32)
+        got: dict[str, list[int]] = {}
+        for i in range(2):
+            eng.add(str(i), ps[i], greedy(40), chain_spec(3))
+        for step in range(80):
+            if step in (5, 9):  # arrivals mid-run: a plain request and a long-prompted speculating one
+                eng.add(f"new{step}", long if step == 9 else ps[step // 4], greedy(20), PLAIN if step == 5
+                        else chain_spec(2))
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        while eng.has_work():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        outs.append(got)
+        assert eng.cache.pool.num_free == eng.config.num_blocks
+    assert outs[0] == outs[1] and len(outs[1]) == 4
+    # every prompt chunk of the arrivals went ahead inside the run (one for the short prompt, three for the long
+    # one), and the run grew from its first two rows to four
+    assert sum(chunks for _, chunks, ahead in steps if ahead) == 4 and max(rows for rows, _, _ in steps) == 4
+
+
+def test_sampled_requests_and_other_drafters_end_the_run() -> None:
     ps = prompts(6, seed=4)
     outs = []
     for chain in (False, True):
@@ -187,7 +220,7 @@ def test_runs_end_after_max_run_steps_and_when_the_gate_turns_plain(monkeypatch)
     import gateway.chain_ahead as ca
 
     real = ca.launch
-    monkeypatch.setattr(ca, "launch", lambda e, run, prev: launched.append(run.steps) or real(e, run, prev))
+    monkeypatch.setattr(ca, "launch", lambda e, step: launched.append(step.run.steps) or real(e, step))
     p = prompts(1)[0]
     spec = SpeculationParams(drafter="ngram")  # adaptive: its depth is the budget's, the gate may hold it plain
     out, _ = run(eng, [("a", p, greedy(4 * MAX_RUN_STEPS), spec)])
