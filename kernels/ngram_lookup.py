@@ -52,9 +52,9 @@ def _ngram_lookup_kernel(hist_ptr, lens_ptr, out_ptr, stride, out_stride, window
                          BLOCK: tl.constexpr):
     b = tl.program_id(0)
     row = hist_ptr + b.to(tl.int64) * stride
-    L = tl.load(lens_ptr + b).to(tl.int64)
+    L = tl.load(lens_ptr + b).to(tl.int32)  # positions inside a row: 32 bits (the row's base is 64)
     lo = tl.maximum(L - window, 0)
-    start = L * 0 - 1  # int64, as the loop carries it
+    start = L * 0 - 1  # int32, as the loop carries it
     for n in tl.static_range(MAX_N, MIN_N - 1, -1):
         last = L - 1 - n  # the newest start a match may have
         best = L * 0 - 1
