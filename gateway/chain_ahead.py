@@ -134,7 +134,7 @@ def _scores_prompts(prefills: list[tuple[Sequence, int]]) -> bool:
 
 
 def _admits(engine: Engine) -> bool:
-    """Whether a waiting request may be admitted: the run gives way to its prefill (a full batch keeps it)."""
+    """Whether a waiting request may be admitted (its first prompt chunk then rides in the next step)."""
     sched = engine.scheduler
     return bool(sched.waiting) and len(sched.running) < sched.config.max_running
 
@@ -243,8 +243,8 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
     if gated and any(engine._template_of(s)[1] for s in seqs):
         return None  # the gate's plain arm: adaptive requests decode plainly
     joined = [_join_depth(engine, run, s, gated) for s in joiners]
-    if not depths + joined or max(depths + joined) == 0:
-        return None  # nobody drafts any more: the plain overlap's case
+    if not keep or max(depths + joined) == 0:
+        return None  # every row ended (joiners start a run from the next plan), or nobody drafts any more
     need = _blocks(engine, seqs + joiners, depths + joined, pending=True)
     if need is None:
         return None
