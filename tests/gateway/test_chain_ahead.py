@@ -271,3 +271,48 @@ def test_chain_steps_on_cuda_graphs_emit_plain_decoding_s_tokens() -> None:
     assert got == want
     assert eng.num_ahead > 0 and eng.graphs.replays > 0 and sum(s.accepted_tokens for s in stats.values()) > 0
     assert eng.cache.pool.num_free == 256 and not eng.has_work()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_matches_the_engine_without_chains(seed: int) -> None:
+    """Requests of every kind the server takes -- greedy plain and n-gram (fixed chains and adaptive), seeded
+    sampling, logprobs -- arriving at random steps, some aborted: with chains on, every finished request's
+    tokens are those without, an aborted one's a prefix of them, and the pool ends whole."""
+    g = torch.Generator().manual_seed(100 + seed)
+    kinds = [(greedy(20), PLAIN), (greedy(24), chain_spec(3)), (greedy(16), SpeculationParams(drafter="ngram")),
+             (SamplingParams(temperature=0.9, seed=seed, max_tokens=18, ignore_eos=True), chain_spec(2)),
+             (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2), chain_spec(2))]
+    plan = []  # (arrival step, id, prompt, sampling, speculation, abort step or None)
+    for i in range(10):  # the first three open a run together; the rest come at random
+        sp, spec = kinds[1 if i < 3 else int(torch.randint(0, len(kinds), (1,), generator=g))]
+        at = 0 if i < 3 else int(torch.randint(8, 30, (1,), generator=g))
+        abort = at + int(torch.randint(2, 12, (1,), generator=g)) if torch.rand(1, generator=g) < 0.2 else None
+        phrase = torch.randint(0, 64, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+        plan.append((at, str(i), phrase * 3, sp, spec, abort))
+    outs = []
+    for chain in (False, True):
+        eng = engine(chain, num_blocks=96)
+        got: dict[str, list[int]] = {}
+        aborted: set[str] = set()
+        step = 0
+        while step < 40 or eng.has_work():
+            for at, rid, p, sp, spec, abort in plan:
+                if at == step:
+                    eng.add(rid, p, sp, spec)
+                if abort == step and eng.abort(rid) is not None:
+                    aborted.add(rid)
+            for o in eng.step():
+                assert o.error is None, o.error
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            step += 1
+        assert eng.cache.pool.num_free == eng.config.num_blocks
+        outs.append((got, aborted))
+        if chain:
+            assert eng.num_ahead > 0
+    (off, off_aborted), (on, on_aborted) = outs
+    for _, rid, *_ in plan:
+        a, b = off.get(rid, []), on.get(rid, [])
+        if rid in off_aborted or rid in on_aborted:
+            assert a[: len(b)] == b[: len(a)]  # one is a prefix of the other
+        else:
+            assert a == b, rid
