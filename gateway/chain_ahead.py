@@ -239,10 +239,18 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
     joiners = [s for s in sched.running if not s.is_prefilling and id(s) not in inside]
     if not all(eligible(s, engine) for s in seqs + joiners):
         return None
+    if sched.roots_fill_cap(len(seqs) + len(joiners)):
+        return None  # a plan of this batch would draft nothing
     gated = sched.gate is not None and not sched.gate.allows(len(seqs) + len(joiners))
     if gated and any(engine._template_of(s)[1] for s in seqs):
         return None  # the gate's plain arm: adaptive requests decode plainly
     joined = [_join_depth(engine, run, s, gated) for s in joiners]
+    room = sched.config.budget.max_verify_tokens - sum(k + 1 for k in depths) - len(joiners)
+    if room < 0:
+        return None  # the joiners' roots alone pass the verify cap: the next plan trims the trees
+    for i, k in enumerate(joined):  # joiners' drafts within the verify cap the run's plan kept
+        joined[i] = min(k, max(room, 0))
+        room -= joined[i]
     if not keep or max(depths + joined) == 0:
         return None  # every row ended (joiners start a run from the next plan), or nobody drafts any more
     need = _blocks(engine, seqs + joiners, depths + joined, pending=True)
@@ -266,8 +274,8 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
 
 def _join_depth(engine: Engine, run: ChainRun, seq: Sequence, gated: bool) -> int:
     """The chain depth of ``seq`` joining ``run``: its template's, cut as the budget cuts it at its acceptance
-    (no deeper than the run's deepest chain, the tokens it still wants and the context); 0 where it drafts with
-    another drafter or the gate keeps adaptive requests plain."""
+    (no deeper than the run's deepest chain, the tokens it still wants and the context; ``continues`` fits it
+    under the verify cap); 0 where it drafts with another drafter or the gate keeps adaptive requests plain."""
     if seq.drafter is None or engine.drafters[seq.drafter] is not run.drafter:
         return 0
     template, adapt = engine._template_of(seq)

@@ -177,6 +177,33 @@ def test_arrivals_ride_along_as_prompt_chunks_and_join_the_run(monkeypatch) -> N
     assert sum(chunks for _, chunks, ahead in steps if ahead) == 4 and max(rows for rows, _, _ in steps) == 4
 
 
+def test_joiners_draft_within_the_verify_cap(monkeypatch) -> None:
+    import gateway.chain_ahead as ca
+    from gateway.budget import BudgetConfig
+
+    rows: list[int] = []  # chain rows per step
+    launch = ca.launch
+    monkeypatch.setattr(ca, "launch", lambda e, step: rows.append(sum(k + 1 for k in step.run.depths))
+                        or launch(e, step))
+    ps = prompts(4, seed=9)
+    want = run_all(engine(False), [(str(i), p, greedy(30), PLAIN) for i, p in enumerate(ps)])
+    eng = engine(True)
+    eng.scheduler.config = replace(eng.scheduler.config, budget=BudgetConfig(max_verify_tokens=12, cost_aware=False))
+    got: dict[str, list[int]] = {}
+    for i in range(2):
+        eng.add(str(i), ps[i], greedy(30), chain_spec(4))
+    for step in range(200):
+        if step == 3:  # two more: a run's ten rows and their two roots leave them no draft under the cap
+            for i in range(2, 4):
+                eng.add(str(i), ps[i], greedy(30), chain_spec(4))
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not eng.has_work():
+            break
+    assert got == want and max(rows) <= 12 and len(rows) > 10
+    assert 12 in rows  # the run took the joiners in, as one-token chains
+
+
 def test_sampled_requests_and_other_drafters_end_the_run() -> None:
     ps = prompts(6, seed=4)
     outs = []
