@@ -155,16 +155,20 @@ def _blocks(engine: Engine, seqs: list[Sequence], depths: list[int], pending: bo
 
 def _start(engine: Engine, seqs: list[Sequence], depths: list[int], drafter: NgramDrafter) -> ChainRun:
     device = engine.target.device
-    B, K = len(seqs), max(depths)
-    cap = engine.max_model_len + 2 * (K + 1) + 1  # every write stays inside: positions end at max_model_len
+    cap = engine.max_model_len + 2 * (max(depths) + 1) + 1  # every write stays inside: positions end at max_model_len
+    return ChainRun(seqs, depths, drafter, *_rows(seqs, cap, device), *_layout(depths, device))
+
+
+def _rows(seqs: list[Sequence], cap: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device rows [B, cap] of the sequences' tokens as the host holds them (nothing of theirs pending), and
+    their lengths [B]: one copy each of the tokens there are, not of the whole rows."""
     L = max(s.num_tokens for s in seqs)
-    rows = torch.zeros(B, L, dtype=torch.int64)
+    host = torch.zeros(len(seqs), L, dtype=torch.int64)
     for b, s in enumerate(seqs):
-        rows[b, : s.num_tokens] = torch.tensor(s.token_ids)
-    hist = torch.zeros(B, cap, dtype=torch.int64, device=device)
-    hist[:, :L] = to_device(rows, device)
-    lens = to_device(torch.tensor([s.num_tokens for s in seqs]), device)
-    return ChainRun(seqs, depths, drafter, hist, lens, *_layout(depths, device))
+        host[b, : s.num_tokens] = torch.tensor(s.token_ids)
+    rows = torch.zeros(len(seqs), cap, dtype=torch.int64, device=device)
+    rows[:, :L] = to_device(host, device)
+    return rows, to_device(torch.tensor([s.num_tokens for s in seqs]), device)
 
 
 def _layout(depths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -287,13 +291,10 @@ def _join_depth(engine: Engine, run: ChainRun, seq: Sequence, gated: bool) -> in
 def _joined(engine: Engine, run: ChainRun, seqs: list[Sequence], depths: list[int]) -> ChainRun:
     """``run`` with rows for ``seqs`` added, from their tokens on the host (nothing of theirs is pending)."""
     device = run.hist.device
-    rows = torch.zeros(len(seqs), run.hist.shape[1], dtype=torch.int64)
-    for b, s in enumerate(seqs):
-        rows[b, : s.num_tokens] = torch.tensor(s.token_ids)
-    lens = to_device(torch.tensor([s.num_tokens for s in seqs]), device)
+    rows, lens = _rows(seqs, run.hist.shape[1], device)
     all_depths = run.depths + depths
-    return ChainRun(run.seqs + seqs, all_depths, run.drafter, torch.cat([run.hist, to_device(rows, device)]),
-                    torch.cat([run.lens, lens]), *_layout(all_depths, device), run.steps)
+    return ChainRun(run.seqs + seqs, all_depths, run.drafter, torch.cat([run.hist, rows]), torch.cat([run.lens, lens]),
+                    *_layout(all_depths, device), run.steps)
 
 
 def _without(run: ChainRun, keep: list[int], index: torch.Tensor) -> ChainRun:
