@@ -53,6 +53,22 @@ def run(eng, requests) -> tuple[dict[str, list[int]], dict[str, object]]:
     return out, stats
 
 
+def staged(eng, schedule: dict[int, list[tuple]], steps: int) -> dict[str, list[int]]:
+    """Requests (id, prompt, sampling, speculation) added at their step of ``schedule``, the engine stepped at
+    least ``steps`` times, past the last arrival and on to the end; each request's tokens. The pool ends whole."""
+    got: dict[str, list[int]] = {}
+    step, steps = 0, max(steps, max(schedule) + 1)
+    while step < steps or eng.has_work():
+        for rid, prompt, sampling, spec in schedule.get(step, ()):
+            eng.add(rid, prompt, sampling, spec)
+        for o in eng.step():
+            assert o.error is None, o.error
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+    assert eng.cache.pool.num_free == eng.config.num_blocks
+    return got
+
+
 @pytest.mark.parametrize("batch,depth", [(1, 1), (1, 4), (4, 3), (8, 2)])
 def test_greedy_tokens_match_plain_decoding(batch: int, depth: int) -> None:
     ps = prompts(batch)
@@ -153,24 +169,14 @@ def test_arrivals_ride_along_as_prompt_chunks_and_join_the_run(monkeypatch) -> N
         (len(step.run.seqs), len(step.prefills), step.advance is not None)) or launch(e, step))
     ps = prompts(6, seed=8)
     long = [(7 * j) % 64 for j in range(70)]  # a prompt of 70 tokens: chunks of 32 (max_step_tokens below)
+    # arrivals mid-run: a plain request and a long-prompted speculating one
+    schedule = {0: [(str(i), ps[i], greedy(40), chain_spec(3)) for i in range(2)],
+                5: [("new5", ps[1], greedy(20), PLAIN)], 9: [("new9", long, greedy(20), chain_spec(2))]}
     outs = []
     for chain in (False, True):
         eng = engine(chain)
         eng.scheduler.config = replace(eng.scheduler.config, max_step_tokens=32)
-        got: dict[str, list[int]] = {}
-        for i in range(2):
-            eng.add(str(i), ps[i], greedy(40), chain_spec(3))
-        for step in range(80):
-            if step in (5, 9):  # arrivals mid-run: a plain request and a long-prompted speculating one
-                eng.add(f"new{step}", long if step == 9 else ps[step // 4], greedy(20), PLAIN if step == 5
-                        else chain_spec(2))
-            for o in eng.step():
-                got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        while eng.has_work():
-            for o in eng.step():
-                got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        outs.append(got)
-        assert eng.cache.pool.num_free == eng.config.num_blocks
+        outs.append(staged(eng, schedule, 80))
     assert outs[0] == outs[1] and len(outs[1]) == 4
     # every prompt chunk of the arrivals went ahead inside the run (one for the short prompt, three for the long
     # one), and the run grew from its first two rows to four
@@ -189,44 +195,25 @@ def test_joiners_draft_within_the_verify_cap(monkeypatch) -> None:
     want = run_all(engine(False), [(str(i), p, greedy(30), PLAIN) for i, p in enumerate(ps)])
     eng = engine(True)
     eng.scheduler.config = replace(eng.scheduler.config, budget=BudgetConfig(max_verify_tokens=12, cost_aware=False))
-    got: dict[str, list[int]] = {}
-    for i in range(2):
-        eng.add(str(i), ps[i], greedy(30), chain_spec(4))
-    for step in range(200):
-        if step == 3:  # two more: a run's ten rows and their two roots leave them no draft under the cap
-            for i in range(2, 4):
-                eng.add(str(i), ps[i], greedy(30), chain_spec(4))
-        for o in eng.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        if not eng.has_work():
-            break
+    # two more at step 3: a run's ten rows and their two roots leave them no draft under the cap
+    got = staged(eng, {0: [(str(i), ps[i], greedy(30), chain_spec(4)) for i in range(2)],
+                       3: [(str(i), ps[i], greedy(30), chain_spec(4)) for i in range(2, 4)]}, 0)
     assert got == want and max(rows) <= 12 and len(rows) > 10
     assert 12 in rows  # the run took the joiners in, as one-token chains
 
 
 def test_sampled_requests_and_other_drafters_end_the_run() -> None:
     ps = prompts(6, seed=4)
+    # an arrival mid-run, plain; then a sampled request that speculates
+    schedule = {0: [(str(i), ps[i], greedy(24), chain_spec(3)) for i in range(3)],
+                6: [("plain", ps[3], greedy(24), PLAIN)],
+                12: [("sampled", ps[4], SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
+                      chain_spec(3))]}
     outs = []
     for chain in (False, True):
         eng = engine(chain)
-        got: dict[str, list[int]] = {}
-        for i in range(3):
-            eng.add(str(i), ps[i], greedy(24), chain_spec(3))
-        for step in range(60):
-            if step == 6:  # an arrival mid-run, plain; then a sampled request that speculates
-                eng.add("plain", ps[3], greedy(24), PLAIN)
-            if step == 12:
-                eng.add("sampled", ps[4], SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
-                        chain_spec(3))
-            for o in eng.step():
-                got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        while eng.has_work():
-            for o in eng.step():
-                got.setdefault(o.request_id, []).extend(o.new_token_ids)
-        outs.append(got)
-        assert eng.cache.pool.num_free == eng.config.num_blocks
-        if chain:
-            assert eng.num_ahead > 0
+        outs.append(staged(eng, schedule, 60))
+        assert eng.num_ahead > 0 or not chain
     assert outs[0] == outs[1] and all(len(v) == 24 for v in outs[1].values())
 
 
