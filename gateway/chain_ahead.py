@@ -238,7 +238,8 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
     if run.steps >= MAX_RUN_STEPS:
         return None
     keep = [b for b, s in enumerate(run.seqs) if s.status is Status.RUNNING]
-    seqs, depths = [run.seqs[b] for b in keep], [run.depths[b] for b in keep]
+    seqs = [run.seqs[b] for b in keep]
+    depths = [_kept_depth(engine, s, run.depths[b]) for s, b in zip(seqs, keep)]
     inside = {id(s) for s in seqs}
     joiners = [s for s in sched.running if not s.is_prefilling and id(s) not in inside]
     if not all(eligible(s, engine) for s in seqs + joiners):
@@ -270,10 +271,23 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
     if len(keep) < len(run.seqs):
         index = to_device(torch.tensor(keep), run.hist.device)
         run, advance = _without(run, keep, index), advance[index]
+    if depths != run.depths:
+        run = ChainRun(run.seqs, depths, run.drafter, run.hist, run.lens, *_layout(depths, run.hist.device), run.steps)
     if joiners:
         run = _joined(engine, run, joiners, joined)
         advance = torch.cat([advance, torch.zeros(len(joiners), dtype=advance.dtype, device=advance.device)])
     return ChainStep(run, advance, prefills)
+
+
+def _kept_depth(engine: Engine, seq: Sequence, depth: int) -> int:
+    """An adaptive request's chain depth for the run's next step: the depth it had, cut to what its acceptance
+    now pays (``adaptive_widths`` without a probe), so that a run shrinks the chains of requests whose lookups
+    stopped paying instead of drafting them for the rest of the run (a probe's one level among them). A tree
+    the request fixed itself keeps its depth."""
+    template, adapt = engine._template_of(seq)
+    if not adapt or not depth:
+        return depth
+    return min(depth, len(adaptive_widths(template, seq.acceptance.alpha, engine.scheduler.config.budget)))
 
 
 def _join_depth(engine: Engine, run: ChainRun, seq: Sequence, gated: bool) -> int:

@@ -229,23 +229,46 @@ def test_a_tight_pool_ends_runs_and_every_request_finishes() -> None:
 
 
 def test_runs_end_after_max_run_steps_and_when_the_gate_turns_plain(monkeypatch) -> None:
-    eng = engine(True)
-    launched: list[int] = []
     import gateway.chain_ahead as ca
 
+    launched: list[int] = []
     real = ca.launch
     monkeypatch.setattr(ca, "launch", lambda e, step: launched.append(step.run.steps) or real(e, step))
     p = prompts(1)[0]
-    spec = SpeculationParams(drafter="ngram")  # adaptive: its depth is the budget's, the gate may hold it plain
-    out, _ = run(eng, [("a", p, greedy(4 * MAX_RUN_STEPS), spec)])
+    out, _ = run(engine(True), [("a", p, greedy(4 * MAX_RUN_STEPS), chain_spec(2))])
     assert max(launched) == MAX_RUN_STEPS - 1 and launched.count(0) >= 2  # runs restarted from a plan
     # under a gate held on its plain arm, no adaptive request drafts, so no run starts
     eng = engine(True)
     eng.scheduler.gate = SpecGate()
     monkeypatch.setattr(SpecGate, "allows", lambda self, batch: False)
     launched.clear()
-    got, _ = run(eng, [("a", p, greedy(40), spec)])
+    got, _ = run(eng, [("a", p, greedy(40), SpeculationParams(drafter="ngram"))])
     assert got["a"] == out["a"][:40] and not launched
+
+
+def test_adaptive_chains_shrink_as_their_acceptance_falls(monkeypatch) -> None:
+    """An adaptive request's depth within a run follows its acceptance down (never up: the plan that started
+    the run capped it); a fixed tree keeps its depth."""
+    import gateway.chain_ahead as ca
+
+    depths: list[tuple[list[int], bool]] = []  # (depths, launched ahead) per chain step
+    real = ca.launch
+    monkeypatch.setattr(ca, "launch", lambda e, step: depths.append((list(step.run.depths), step.advance is not None))
+                        or real(e, step))
+    eng = engine(True)
+    ps = prompts(2, seed=10)
+    want = run_all(engine(False), [(str(i), p, greedy(40), PLAIN) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        eng.add(str(i), p, greedy(40), SpeculationParams(drafter="ngram") if i == 0 else chain_spec(3))
+    got: dict[str, list[int]] = {"0": [], "1": []}
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+        if len(depths) == 2:  # the adaptive request's lookups stop paying, as far as its estimate knows
+            eng._seqs["0"].acceptance.successes = 0.0
+    assert got == want
+    shrunk = [d for d, ahead in depths if ahead and d[0] == 0]
+    assert depths[0][0][0] > 0 and shrunk and all(d[1] == 3 for d, _ in depths)
 
 
 def test_off_by_default() -> None:
