@@ -267,8 +267,9 @@ def test_adaptive_chains_shrink_as_their_acceptance_falls(monkeypatch) -> None:
         if len(depths) == 2:  # the adaptive request's lookups stop paying, as far as its estimate knows
             eng._seqs["0"].acceptance.successes = 0.0
     assert got == want
-    shrunk = [d for d, ahead in depths if ahead and d[0] == 0]
-    assert depths[0][0][0] > 0 and shrunk and all(d[1] == 3 for d, _ in depths)
+    # within one run (a step launched ahead of the last), the adaptive chain went from drafting to plain
+    shrunk = [i for i in range(1, len(depths)) if depths[i][1] and depths[i - 1][0][0] > 0 and depths[i][0][0] == 0]
+    assert shrunk and all(d[1] == 3 for d, _ in depths)
 
 
 def test_off_by_default() -> None:
