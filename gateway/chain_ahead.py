@@ -11,18 +11,19 @@ on the device:
   n tokens, longest n first, as the host's lookup finds it; the drafter's shipped table is not consulted);
 - the next step's positions, context lengths and slots, offset on the device by this step's advance (its
   accepted drafts plus the root); the host reserves blocks for the longest outcome;
-- greedy acceptance of a chain: the leading agreements of the target's picks and the drafts. The emitted
-  tokens are the picks up to the first disagreement, and a chain's accepted nodes already sit in their
-  final slots, so no K/V moves.
+- acceptance of a chain (verify/chains.py): greedy, the leading agreements of the target's picks and the
+  drafts; sampled, speculative sampling of a deterministic draft (a draft d kept with probability p(d), a
+  rejection drawn from p without d), with each request's own generator. A chain's accepted nodes already sit
+  in their final slots, so no K/V moves.
 
 Step n + 1 is launched before step n is resolved; step n's tokens are committed and emitted through
 ``Engine._settle`` while n + 1 runs, with each table kept to ``num_cached + depth + 1`` slots, the ones n + 1
 writes. Outputs reach the caller one step later. (SGLang's overlap scheduler for speculative decoding keeps a
 drafted step's inputs on the device the same way.)
 
-A run starts from a plan where some decoding sequence drafts with an n-gram drafter and every one is greedy,
-with no logit processing, logprobs, grammar or held stop token, drafting with that drafter or not at all (a
-plain request, or one the budget leaves plain, rides as a one-token chain); each keeps the depth the plan gave
+A run starts from a plan where some decoding sequence drafts with an n-gram drafter and every one is greedy or
+sampled without min-p, with no logit processing, logprobs, grammar or held stop token, drafting with that
+drafter or not at all (a plain request, or one the budget leaves plain, rides as a one-token chain); each keeps the depth the plan gave
 it for the run's life. Requests the scheduler admits meanwhile ride along as prompt chunks, and join the run
 once their prompt is cached, at the depth their template and acceptance give (``_join_depth``). The run ends
 -- the pending step resolved, the next planned as usual -- when a sequence that is not eligible is decoding,
@@ -54,12 +55,27 @@ from target.batch import Segment, build_batch
 from target.model import Transformer
 from target.transfer import to_device
 from verify.accept import AcceptResult
+from verify.chains import accept_greedy_chains, accept_sampled_chains
+from verify.sampling import process_rows
 
 if TYPE_CHECKING:
     from gateway.engine import Engine, RequestOutput
     from gateway.scheduler import StepPlan
 
 MAX_RUN_STEPS = 32  # then the pending step resolves and the scheduler plans (and the budget sets depths) anew
+
+
+@dataclass(slots=True)
+class Sampled:
+    """A run's sampled rows: which, their knobs, their logits rows and their generators."""
+
+    index: torch.Tensor  # [S] int64: their rows in the run
+    rows: torch.Tensor  # [S, K + 1] int64: each one's logits rows in a step (its last one past its depth)
+    temperature: torch.Tensor  # [S]
+    top_k: torch.Tensor  # [S] int64
+    top_p: torch.Tensor  # [S]
+    filtered: bool  # some row has top-k or top-p
+    generators: list[torch.Generator]
 
 
 @dataclass(slots=True)
@@ -74,6 +90,7 @@ class ChainRun:
     row_seq: torch.Tensor  # [T] int64: the sequence of each row of a step's batch
     row_at: torch.Tensor  # [T] int64: each row's node in its chain (0: the root)
     offered: torch.Tensor  # [B, K] bool: the chain places each sequence drafts
+    sampled: Sampled | None  # the sampled rows' knobs and draws; None: every row is greedy
     steps: int = 0
 
     @property
@@ -107,8 +124,8 @@ def eligible(seq: Sequence, engine: Engine) -> bool:
     """Whether ``seq`` can take part in a run: its step needs nothing read on the host (see the docstring), and
     it drafts with an n-gram drafter or not at all (a plain request rides in the run as a one-token chain)."""
     s = seq.sampling
-    return ((seq.drafter is None or type(engine.drafters.get(seq.drafter)) is NgramDrafter) and s.is_greedy
-            and not s.custom_logits and s.logprobs is None and seq.matcher is None
+    return ((seq.drafter is None or type(engine.drafters.get(seq.drafter)) is NgramDrafter)
+            and (s.is_greedy or s.min_p == 0) and not s.custom_logits and s.logprobs is None and seq.matcher is None
             and s.min_tokens <= len(seq.output_ids))
 
 
@@ -156,7 +173,7 @@ def _blocks(engine: Engine, seqs: list[Sequence], depths: list[int], pending: bo
 def _start(engine: Engine, seqs: list[Sequence], depths: list[int], drafter: NgramDrafter) -> ChainRun:
     device = engine.target.device
     cap = engine.max_model_len + 2 * (max(depths) + 1) + 1  # every write stays inside: positions end at max_model_len
-    return ChainRun(seqs, depths, drafter, *_rows(seqs, cap, device), *_layout(depths, device))
+    return ChainRun(seqs, depths, drafter, *_rows(seqs, cap, device), *_layout(seqs, depths, device))
 
 
 def _rows(seqs: list[Sequence], cap: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,12 +188,26 @@ def _rows(seqs: list[Sequence], cap: int, device: torch.device) -> tuple[torch.T
     return rows, to_device(torch.tensor([s.num_tokens for s in seqs]), device)
 
 
-def _layout(depths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``ChainRun.row_seq``, ``row_at`` and ``offered`` for chains of ``depths``."""
+def _layout(seqs: list[Sequence], depths: list[int], device: torch.device) -> tuple:
+    """``ChainRun.row_seq``, ``row_at``, ``offered`` and ``sampled`` for chains of ``depths``."""
     row_seq = torch.cat([torch.full((k + 1,), b) for b, k in enumerate(depths)])
     row_at = torch.cat([torch.arange(k + 1) for k in depths])
-    offered = torch.arange(max(depths))[None, :] < torch.tensor(depths)[:, None]
-    return to_device(row_seq, device), to_device(row_at, device), to_device(offered, device)
+    K = max(depths)
+    offered = torch.arange(K)[None, :] < torch.tensor(depths)[:, None]
+    picked = [b for b, s in enumerate(seqs) if not s.sampling.is_greedy]
+    sampled = None
+    if picked:
+        first = [0]
+        for k in depths:
+            first.append(first[-1] + k + 1)
+        rows = torch.tensor([[first[b] + min(i, depths[b]) for i in range(K + 1)] for b in picked])
+        knobs = [seqs[b].sampling for b in picked]
+        sampled = Sampled(to_device(torch.tensor(picked), device), to_device(rows, device),
+                          to_device(torch.tensor([k.temperature for k in knobs], dtype=torch.float32), device),
+                          to_device(torch.tensor([k.top_k for k in knobs]), device),
+                          to_device(torch.tensor([k.top_p for k in knobs], dtype=torch.float32), device),
+                          any(k.top_k or k.top_p < 1 for k in knobs), [seqs[b].generator for b in picked])
+    return to_device(row_seq, device), to_device(row_at, device), to_device(offered, device), sampled
 
 
 def launch(engine: Engine, step: ChainStep) -> ChainInFlight:
@@ -213,8 +244,9 @@ def launch(engine: Engine, step: ChainStep) -> ChainInFlight:
     engine._advance_prefills(prefills)
     picks = torch.full((len(seqs), K + 1), -1, dtype=torch.int64, device=device)
     picks[run.row_seq, run.row_at] = logits.argmax(dim=-1)  # as greedy acceptance picks (verify/accept.py)
-    agree = (picks[:, :K] == drafts) & run.offered
-    accepted = agree.to(torch.int64).cumprod(1).sum(1)  # [B]: leading agreements
+    accepted = accept_greedy_chains(picks, drafts, run.offered)  # [B]; emitted: picks[:, :accepted + 1]
+    if run.sampled is not None:
+        picks, accepted = _sample(run.sampled, logits, drafts, run.offered, picks, accepted)
     run.hist.scatter_(1, run.lens[:, None] + torch.arange(K + 1, device=device), picks)  # past the advance: stale
     advance = accepted + 1
     run.lens += advance
@@ -228,6 +260,23 @@ def launch(engine: Engine, step: ChainStep) -> ChainInFlight:
         event.record()
     engine.num_steps += 1
     return ChainInFlight(run, advance, host, event, bool(prefills))
+
+
+def _sample(sampled: Sampled, logits: torch.Tensor, drafts: torch.Tensor, offered: torch.Tensor, picks: torch.Tensor,
+            accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled rows' emitted tokens and accepted counts put in place of their greedy ones (verify/chains.py):
+    each one's processed distributions, its K uniforms and its bonus race drawn from its own generator."""
+    probs = process_rows(logits[sampled.rows], sampled.temperature, sampled.top_k, sampled.top_p,
+                         sampled.filtered)  # [S, K + 1, V]
+    K, V = drafts.shape[1], logits.shape[1]
+    u = torch.stack([torch.rand(K, generator=g, device=logits.device) for g in sampled.generators])
+    race = torch.empty(len(sampled.generators), V, device=logits.device)
+    for row, g in zip(race, sampled.generators):
+        row.exponential_(generator=g)
+    taken, emitted = accept_sampled_chains(probs, drafts[sampled.index], offered[sampled.index], u, race)
+    picks, accepted = picks.clone(), accepted.clone()
+    picks[sampled.index], accepted[sampled.index] = emitted, taken
+    return picks, accepted
 
 
 def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
@@ -272,7 +321,8 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
         index = to_device(torch.tensor(keep), run.hist.device)
         run, advance = _without(run, keep, index), advance[index]
     if depths != run.depths:
-        run = ChainRun(run.seqs, depths, run.drafter, run.hist, run.lens, *_layout(depths, run.hist.device), run.steps)
+        run = ChainRun(run.seqs, depths, run.drafter, run.hist, run.lens, *_layout(run.seqs, depths, run.hist.device),
+                       run.steps)
     if joiners:
         run = _joined(engine, run, joiners, joined)
         advance = torch.cat([advance, torch.zeros(len(joiners), dtype=advance.dtype, device=advance.device)])
@@ -308,14 +358,14 @@ def _joined(engine: Engine, run: ChainRun, seqs: list[Sequence], depths: list[in
     rows, lens = _rows(seqs, run.hist.shape[1], device)
     all_depths = run.depths + depths
     return ChainRun(run.seqs + seqs, all_depths, run.drafter, torch.cat([run.hist, rows]), torch.cat([run.lens, lens]),
-                    *_layout(all_depths, device), run.steps)
+                    *_layout(run.seqs + seqs, all_depths, device), run.steps)
 
 
 def _without(run: ChainRun, keep: list[int], index: torch.Tensor) -> ChainRun:
     """``run`` narrowed to its rows ``keep`` (``index`` on the device): the rest ended."""
     depths = [run.depths[b] for b in keep]
     return ChainRun([run.seqs[b] for b in keep], depths, run.drafter, run.hist[index], run.lens[index],
-                    *_layout(depths, run.hist.device), run.steps)
+                    *_layout([run.seqs[b] for b in keep], depths, run.hist.device), run.steps)
 
 
 def resolve(engine: Engine, prev: ChainInFlight, successor: bool) -> list[RequestOutput]:

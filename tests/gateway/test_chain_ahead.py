@@ -202,19 +202,39 @@ def test_joiners_draft_within_the_verify_cap(monkeypatch) -> None:
     assert 12 in rows  # the run took the joiners in, as one-token chains
 
 
-def test_sampled_requests_and_other_drafters_end_the_run() -> None:
+def test_sampled_requests_ride_and_a_model_drafter_ends_the_run(monkeypatch) -> None:
+    """A seeded sampled request drafts chains in the run (its draws its own: the same tokens run after run, not
+    plain decoding's); a request drafting with a model ends the run, and greedy outputs stay the target's."""
+    import gateway.chain_ahead as ca
+
+    sampled_rows: list[int] = []
+    launch = ca.launch
+    monkeypatch.setattr(ca, "launch", lambda e, step: sampled_rows.append(
+        0 if step.run.sampled is None else len(step.run.sampled.generators)) or launch(e, step))
     ps = prompts(6, seed=4)
-    # an arrival mid-run, plain; then a sampled request that speculates
+    hot = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
     schedule = {0: [(str(i), ps[i], greedy(24), chain_spec(3)) for i in range(3)],
-                6: [("plain", ps[3], greedy(24), PLAIN)],
-                12: [("sampled", ps[4], SamplingParams(temperature=0.8, seed=7, max_tokens=24, ignore_eos=True),
-                      chain_spec(3))]}
-    outs = []
-    for chain in (False, True):
-        eng = engine(chain)
-        outs.append(staged(eng, schedule, 60))
-        assert eng.num_ahead > 0 or not chain
-    assert outs[0] == outs[1] and all(len(v) == 24 for v in outs[1].values())
+                6: [("plain", ps[3], greedy(24), PLAIN)], 12: [("sampled", ps[4], hot, chain_spec(3))],
+                20: [("model", ps[5], greedy(24), SpeculationParams(drafter="draft", tree=(2, 1)))]}
+    outs = [staged(engine(chain), schedule, 60) for chain in (False, True, True)]
+    greedy_ids = ["0", "1", "2", "plain", "model"]
+    assert all(outs[0][r] == outs[1][r] for r in greedy_ids)
+    assert outs[1] == outs[2] and all(len(v) == 24 for v in outs[1].values())  # seeded: repeatable
+    assert max(sampled_rows) == 1  # the sampled request rode in a run
+
+
+def test_sampling_at_a_vanishing_temperature_emits_the_greedy_tokens() -> None:
+    """At temperature 1e-4 every processed distribution is the argmax's point mass, so sampled chains must emit
+    plain greedy decoding's tokens: a check that each sampled row reads its own chain's logits rows and knobs,
+    in a batch mixing depths, greedy rows and top-k / top-p rows."""
+    ps = prompts(5, seed=11)
+    want = run_all(engine(False), [(str(i), p, greedy(30), PLAIN) for i, p in enumerate(ps)])
+    cold = [SamplingParams(temperature=1e-4, seed=i, max_tokens=30, ignore_eos=True, top_k=5 * (i % 2),
+                           top_p=0.9 if i == 2 else 1.0) for i in range(5)]
+    eng = engine(True)
+    got, stats = run(eng, [(str(i), p, greedy(30) if i == 4 else cold[i], chain_spec(1 + i % 3))
+                           for i, p in enumerate(ps)])
+    assert got == want and eng.num_ahead > 0 and sum(s.accepted_tokens for s in stats.values()) > 0
 
 
 def test_a_tight_pool_ends_runs_and_every_request_finishes() -> None:
@@ -314,8 +334,9 @@ def test_chain_steps_on_cuda_graphs_emit_plain_decoding_s_tokens() -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_random_traffic_matches_the_engine_without_chains(seed: int) -> None:
     """Requests of every kind the server takes -- greedy plain and n-gram (fixed chains and adaptive), seeded
-    sampling, logprobs -- arriving at random steps, some aborted: with chains on, every finished request's
-    tokens are those without, an aborted one's a prefix of them, and the pool ends whole."""
+    sampling, logprobs -- arriving at random steps, some aborted: with chains on, every finished greedy
+    request's tokens are those without, an aborted one's a prefix of them, every sampled one reaches its
+    length, and the pool ends whole."""
     g = torch.Generator().manual_seed(100 + seed)
     kinds = [(greedy(20), PLAIN), (greedy(24), chain_spec(3)), (greedy(16), SpeculationParams(drafter="ngram")),
              (SamplingParams(temperature=0.9, seed=seed, max_tokens=18, ignore_eos=True), chain_spec(2)),
@@ -348,9 +369,11 @@ def test_random_traffic_matches_the_engine_without_chains(seed: int) -> None:
         if chain:
             assert eng.num_ahead > 0
     (off, off_aborted), (on, on_aborted) = outs
-    for _, rid, *_ in plan:
+    for _, rid, _, sp, _, _ in plan:
         a, b = off.get(rid, []), on.get(rid, [])
-        if rid in off_aborted or rid in on_aborted:
+        if not sp.is_greedy:  # its draws are the chain's in one engine, plain decoding's in the other
+            assert rid in off_aborted or rid in on_aborted or len(a) == len(b) == sp.max_tokens
+        elif rid in off_aborted or rid in on_aborted:
             assert a[: len(b)] == b[: len(a)]  # one is a prefix of the other
         else:
             assert a == b, rid
