@@ -117,7 +117,7 @@ for stage in "$@"; do
     tests) PYTHONPATH=".:tests:tests/gateway" python -m pytest -q --noconftest -p no:cacheprovider tests/target/test_graphs_cuda.py \
              tests/target/test_model_cuda.py tests/kernels/test_fused_norm_rope.py tests/draft/test_tree_loop.py \
              tests/gateway/test_logit_controls_cuda.py tests/gateway/test_overlap_cuda.py tests/kernels/test_graph_inputs.py \
-             tests/draft/test_feature_drafter.py tests/gateway/test_chain_ahead.py tests/kernels/test_ngram_lookup.py tests/kernels/test_paged_decode.py tests/kernels/test_tree_attention.py tests/kernels/test_stochastic_accept.py \
+             tests/draft/test_feature_drafter.py tests/gateway/test_chain_ahead.py tests/kernels/test_ngram_lookup.py tests/kernels/test_chain_inputs.py tests/kernels/test_paged_decode.py tests/kernels/test_tree_attention.py tests/kernels/test_stochastic_accept.py \
              -k "cuda or gpu or graph or stochastic_accept" 2>&1 | tail -15 ;;
     prefetch) timeout 420 python bench/kernels/prefetch_probe.py --out "$OUT" 2>&1 | tail -18 ;;
     attention)

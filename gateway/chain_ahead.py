@@ -10,7 +10,8 @@ on the device:
 - the lookup itself (``NgramDrafter.lookup_on_device``, one kernel: the newest earlier occurrence of the last
   n tokens, longest n first, as the host's lookup finds it; the drafter's shipped table is not consulted);
 - the next step's positions, context lengths and slots, offset on the device by this step's advance (its
-  accepted drafts plus the root); the host reserves blocks for the longest outcome;
+  accepted drafts plus the root), and its tokens, in one launch (kernels/chain_inputs.py); the host reserves
+  blocks for the longest outcome;
 - acceptance of a chain (verify/chains.py): greedy, the leading agreements of the target's picks and the
   drafts; sampled, speculative sampling of a deterministic draft (a draft d kept with probability p(d), a
   rejection drawn from p without d), with each request's own generator. A chain's accepted nodes already sit
@@ -41,6 +42,7 @@ prompt.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,6 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from draft.ngram import NgramDrafter
+from kernels.chain_inputs import chain_inputs
 from draft.tree import TokenTree
 from gateway.budget import adaptive_widths, drafter_set
 from gateway.sequence import Sequence, Status
@@ -63,6 +66,8 @@ if TYPE_CHECKING:
     from gateway.scheduler import StepPlan
 
 MAX_RUN_STEPS = 32  # then the pending step resolves and the scheduler plans (and the budget sets depths) anew
+# SPECGATE_CHAIN_INPUTS=ops: a chain step's inputs fixed by torch ops (~14 launches) instead of one kernel (A/B).
+FUSED_INPUTS = os.environ.get("SPECGATE_CHAIN_INPUTS", "kernel") != "ops"
 
 
 @dataclass(slots=True)
@@ -227,18 +232,12 @@ def launch(engine: Engine, step: ChainStep) -> ChainInFlight:
     segs += [Segment(s.table, s.num_cached, [0] * (k + 1), logits="all") for s, k in zip(seqs, depths)]
     batch = build_batch(segs, engine.cache, device)
     first, nb = sum(n for _, n in prefills), len(prefills)  # the chains' first row, and first segment
-    if ahead:  # the pending step's advance, added on the device
-        positions = batch.positions[first:]
-        positions += advance[run.row_seq]
-        batch.context_lens[nb:] += advance.to(batch.context_lens.dtype)
-        P = engine.cache.page_size
-        blocks = batch.block_tables[nb + run.row_seq, positions // P].to(torch.int64)
-        batch.slot_mapping[first:] = blocks * P + positions % P
     span = min(run.hist.shape[1], max(s.num_tokens for s in seqs) + (K + 1 if ahead else 0))
     drafts = run.drafter.lookup_on_device(run.hist, run.lens, span, K)  # [B, K]
-    root = run.hist.gather(1, (run.lens - 1)[:, None])  # [B, 1]
-    chain = torch.cat([root, drafts], 1)  # [B, K + 1]
-    batch.tokens[first:] = chain[run.row_seq, run.row_at]
+    # the chains' rows moved by the pending step's advance, and their roots and drafts put in
+    chain_inputs(batch.tokens[first:], batch.positions[first:], batch.slot_mapping[first:], batch.context_lens[nb:],
+                 batch.block_tables[nb:], run.hist, run.lens, drafts, advance, run.row_seq, run.row_at,
+                 engine.cache.page_size, use_triton=None if FUSED_INPUTS else False)
     runner = engine.graphs if engine.graphs is not None else engine.target
     logits = runner.forward(batch, engine.cache)  # [R, V]: every chain row (the chunks score nothing)
     engine._advance_prefills(prefills)
