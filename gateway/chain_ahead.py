@@ -10,7 +10,7 @@ on the device:
 - the lookup itself (``NgramDrafter.lookup_on_device``, one kernel: the newest earlier occurrence of the last
   n tokens, longest n first, as the host's lookup finds it; the drafter's shipped table is not consulted);
 - the next step's positions, context lengths and slots, offset on the device by this step's advance (its
-  accepted drafts plus the root), and its tokens, in one launch (kernels/chain_inputs.py); the host reserves
+  accepted drafts plus the root), and its tokens, in one launch (``target.batch.place_chains``); the host reserves
   blocks for the longest outcome;
 - acceptance of a chain (verify/chains.py): greedy, the leading agreements of the target's picks and the
   drafts; sampled, speculative sampling of a deterministic draft (a draft d kept with probability p(d), a
@@ -42,7 +42,6 @@ prompt.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,11 +49,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from draft.ngram import NgramDrafter
-from kernels.chain_inputs import chain_inputs
 from draft.tree import TokenTree
 from gateway.budget import adaptive_widths, drafter_set
 from gateway.sequence import Sequence, Status
-from target.batch import Segment, build_batch
+from target.batch import Segment, build_batch, place_chains
 from target.model import Transformer
 from target.transfer import to_device
 from verify.accept import AcceptResult
@@ -66,8 +64,6 @@ if TYPE_CHECKING:
     from gateway.scheduler import StepPlan
 
 MAX_RUN_STEPS = 32  # then the pending step resolves and the scheduler plans (and the budget sets depths) anew
-# SPECGATE_CHAIN_INPUTS=ops: a chain step's inputs fixed by torch ops (~14 launches) instead of one kernel (A/B).
-FUSED_INPUTS = os.environ.get("SPECGATE_CHAIN_INPUTS", "kernel") != "ops"
 
 
 @dataclass(slots=True)
@@ -235,9 +231,8 @@ def launch(engine: Engine, step: ChainStep) -> ChainInFlight:
     span = min(run.hist.shape[1], max(s.num_tokens for s in seqs) + (K + 1 if ahead else 0))
     drafts = run.drafter.lookup_on_device(run.hist, run.lens, span, K)  # [B, K]
     # the chains' rows moved by the pending step's advance, and their roots and drafts put in
-    chain_inputs(batch.tokens[first:], batch.positions[first:], batch.slot_mapping[first:], batch.context_lens[nb:],
-                 batch.block_tables[nb:], run.hist, run.lens, drafts, advance, run.row_seq, run.row_at,
-                 engine.cache.page_size, use_triton=None if FUSED_INPUTS else False)
+    place_chains(batch, first, nb, run.hist, run.lens, drafts, advance, run.row_seq, run.row_at,
+                 engine.cache.page_size)
     runner = engine.graphs if engine.graphs is not None else engine.target
     logits = runner.forward(batch, engine.cache)  # [R, V]: every chain row (the chunks score nothing)
     engine._advance_prefills(prefills)
@@ -280,7 +275,7 @@ def _sample(sampled: Sampled, logits: torch.Tensor, drafts: torch.Tensor, offere
 
 def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
     """The step to launch ahead of ``prev``; None where the run ends (see the docstring). Sequences that ended
-    since ``prev`` was launched leave the run (``_without``); sequences whose prompt is now cached join it
+    since ``prev`` was launched leave the run (its device rows narrowed); sequences whose prompt is now cached join it
     (``_joined``), and the waiting requests the scheduler admits ride along as prompt chunks."""
     run, sched = prev.run, engine.scheduler
     if run.steps >= MAX_RUN_STEPS:
@@ -316,12 +311,12 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
         if _scores_prompts(prefills):
             return None  # admitted, and planned again as usual
     advance = prev.advance
-    if len(keep) < len(run.seqs):
-        index = to_device(torch.tensor(keep), run.hist.device)
-        run, advance = _without(run, keep, index), advance[index]
-    if depths != run.depths:
-        run = ChainRun(run.seqs, depths, run.drafter, run.hist, run.lens, *_layout(run.seqs, depths, run.hist.device),
-                       run.steps)
+    if len(keep) < len(run.seqs) or depths != run.depths:  # rows that ended leave; chains that shrank shrink
+        hist, lens = run.hist, run.lens
+        if len(keep) < len(run.seqs):
+            index = to_device(torch.tensor(keep), hist.device)
+            hist, lens, advance = hist[index], lens[index], advance[index]
+        run = ChainRun(seqs, depths, run.drafter, hist, lens, *_layout(seqs, depths, hist.device), run.steps)
     if joiners:
         run = _joined(engine, run, joiners, joined)
         advance = torch.cat([advance, torch.zeros(len(joiners), dtype=advance.dtype, device=advance.device)])
@@ -358,13 +353,6 @@ def _joined(engine: Engine, run: ChainRun, seqs: list[Sequence], depths: list[in
     all_depths = run.depths + depths
     return ChainRun(run.seqs + seqs, all_depths, run.drafter, torch.cat([run.hist, rows]), torch.cat([run.lens, lens]),
                     *_layout(run.seqs + seqs, all_depths, device), run.steps)
-
-
-def _without(run: ChainRun, keep: list[int], index: torch.Tensor) -> ChainRun:
-    """``run`` narrowed to its rows ``keep`` (``index`` on the device): the rest ended."""
-    depths = [run.depths[b] for b in keep]
-    return ChainRun([run.seqs[b] for b in keep], depths, run.drafter, run.hist[index], run.lens[index],
-                    *_layout([run.seqs[b] for b in keep], depths, run.hist.device), run.steps)
 
 
 def resolve(engine: Engine, prev: ChainInFlight, successor: bool) -> list[RequestOutput]:

@@ -9,10 +9,12 @@ trees pass ``context_len + depth``.
 from __future__ import annotations
 
 import array
+import os
 from dataclasses import dataclass
 
 import torch
 
+from kernels.chain_inputs import chain_inputs
 from target.kv_cache import BlockTable, KVCache, NoFreeBlocks
 from target.transfer import to_device
 
@@ -138,6 +140,22 @@ def build_batch(segments: list[Segment], cache: KVCache, device: torch.device | 
         query_lens=tuple(len(s.tokens) for s in segments),
         logits_rows=tuple(logit_rows),
     )
+
+
+# SPECGATE_CHAIN_INPUTS=ops: ``place_chains`` as torch ops (~14 launches) instead of one kernel (A/B).
+FUSED_CHAIN_INPUTS = os.environ.get("SPECGATE_CHAIN_INPUTS", "kernel") != "ops"
+
+
+def place_chains(batch: ForwardBatch, first_row: int, first_segment: int, hist: torch.Tensor, lens: torch.Tensor,
+                 drafts: torch.Tensor, advance: torch.Tensor | None, row_seq: torch.Tensor, row_at: torch.Tensor,
+                 page: int) -> None:
+    """A packed batch's chain segments (from row ``first_row``, segment ``first_segment``, packed as though
+    nothing were pending) moved on by a pending step's ``advance`` per chain and given their tokens, on the
+    device: each chain's root from its row of ``hist`` (``lens`` long), its drafts from ``drafts``
+    (kernels/chain_inputs.py; ``row_seq`` / ``row_at``: each row's chain and node). gateway/chain_ahead.py's."""
+    chain_inputs(batch.tokens[first_row:], batch.positions[first_row:], batch.slot_mapping[first_row:],
+                 batch.context_lens[first_segment:], batch.block_tables[first_segment:], hist, lens, drafts, advance,
+                 row_seq, row_at, page, use_triton=None if FUSED_CHAIN_INPUTS else False)
 
 
 _TYPECODES = {torch.int64: "q", torch.int32: "i"}
