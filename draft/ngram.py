@@ -34,7 +34,7 @@ import torch
 
 from draft.base import DraftRequest
 from draft.tree import TokenTree
-from kernels.ngram_lookup import ngram_lookup
+from kernels.ngram_lookup import ngram_lookup, pack_table
 
 TABLE_FILE = "ngram_table.json.gz"
 
@@ -122,6 +122,7 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram, self.window = max_ngram, min_ngram, window
         self.table = table
         self._tokens: dict[str, _Tokens] = {}
+        self._device_tables: dict[torch.device, tuple | None] = {}  # the table packed for lookup_on_device
 
     def continuations(self, ids: list[int], depth: int, branches: int, seq_id: str | None = None) -> list[list[int]]:
         """Up to ``branches`` distinct continuations of ``ids``, each up to ``depth`` tokens. With a
@@ -154,10 +155,22 @@ class NgramDrafter:
         return found
 
     def lookup_on_device(self, hist: torch.Tensor, lens: torch.Tensor, span: int, depth: int) -> torch.Tensor:
-        """[B, depth] drafts for rows of token ids on the device: each row's first continuation as
-        ``continuations`` finds it, 0 where it finds none (kernels/ngram_lookup.py; the table is not consulted).
-        ``lens`` holds each row's length, at most ``span``."""
-        return ngram_lookup(hist, lens, span, depth, self.max_ngram, self.min_ngram, self.window)
+        """[B, depth] drafts for rows of token ids on the device: each row's first continuation as ``propose``
+        finds it for a chain (``continuations``, else ``table_continuations``), 0 past its end
+        (kernels/ngram_lookup.py). ``lens`` holds each row's length, at most ``span``."""
+        return ngram_lookup(hist, lens, span, depth, self.max_ngram, self.min_ngram, self.window,
+                            self._device_table(hist.device))
+
+    def _device_table(self, device: torch.device) -> tuple | None:
+        """The table as the device lookup reads it, packed and copied once per device; None without a table
+        or where it cannot be packed (contexts over 3 tokens: the device then drafts from the rows alone)."""
+        if self.table is None:
+            return None
+        if device not in self._device_tables:
+            packed = pack_table(self.table.entries)
+            self._device_tables[device] = None if packed is None else (
+                packed[0].to(device), packed[1].to(device), self.table.min_n, self.table.max_n)
+        return self._device_tables[device]
 
     def propose(self, reqs: list[DraftRequest]) -> list[TokenTree]:
         trees = []

@@ -8,6 +8,12 @@ itself). The draft is ``row[s + n : s + n + K]``, cut at
 the row's end; places with no draft hold token 0. That is ``draft.ngram.NgramDrafter.continuations``' first
 continuation, as the host finds it with ``bytes.rfind``.
 
+A row with no match can draft from an n-gram table instead (``draft.ngram.NgramTable``, the REST-style
+static table shipped beside a draft): the top next token after the longest suffix of the row the table holds,
+then after that suffix grown by the token, level by level until the table holds no suffix (the rest: 0). On the
+device the table is two sorted arrays (``pack_table``): each context packed into one int64 key, searched by
+bisection, and its top next token. That is ``NgramDrafter.table_continuations``' first continuation.
+
 The overlapped chain steps (gateway/chain_ahead.py) draft here, between two launches, with nothing read on
 the host. The reference takes ~35 torch ops a call (each a launch on CUDA); the kernel is one launch: one
 program a row, scanning its window in blocks for every n at once.
@@ -19,11 +25,34 @@ import torch
 import triton
 import triton.language as tl
 
+TOKEN_BITS = 20  # a packed table key: n, then n tokens of TOKEN_BITS each (n <= 3: 62 bits)
+TABLE_MAX_N = 3
+_BITS = tl.constexpr(TOKEN_BITS)
+
+
+def pack_key(ctx: tuple[int, ...] | list[int]) -> int:
+    """The int64 key of a table context of 1..TABLE_MAX_N tokens, each below 2**TOKEN_BITS."""
+    key = len(ctx)
+    for t in ctx:
+        key = (key << TOKEN_BITS) | t
+    return key
+
+
+def pack_table(entries: dict[tuple[int, ...], tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(keys [T] int64 sorted, next [T] int64): each context's key and its top next token; None where a
+    context is longer than TABLE_MAX_N or a token does not fit TOKEN_BITS (the device then drafts no table)."""
+    if any(len(c) > TABLE_MAX_N or max(*c, *v) >= 1 << TOKEN_BITS for c, v in entries.items() if v):
+        return None
+    pairs = sorted((pack_key(c), v[0]) for c, v in entries.items() if v)
+    keys = torch.tensor([k for k, _ in pairs], dtype=torch.int64)
+    return keys, torch.tensor([v for _, v in pairs], dtype=torch.int64)
+
 
 def ngram_lookup_ref(hist: torch.Tensor, lens: torch.Tensor, span: int, K: int, max_n: int, min_n: int,
-                     window: int) -> torch.Tensor:
+                     window: int, table: tuple | None = None) -> torch.Tensor:
     """[B, K] int64 drafts (see the module's docstring). ``hist`` [B, cap] int64, ``lens`` [B] int64;
-    ``span`` bounds every row's length (the columns scanned)."""
+    ``span`` bounds every row's length (the columns scanned); ``table``: (keys, next, min_n, max_n) from
+    ``pack_table`` and the table's sizes, for the rows with no match."""
     B = hist.shape[0]
     view = hist[:, :span]
     lo = (lens - window).clamp(min=0)
@@ -41,15 +70,69 @@ def ngram_lookup_ref(hist: torch.Tensor, lens: torch.Tensor, span: int, K: int, 
     at = start[:, None] + torch.arange(K, device=hist.device)  # [B, K]
     ok = (start >= 0)[:, None] & (at < lens[:, None])
     drafts = hist.gather(1, at.clamp(min=0, max=hist.shape[1] - 1))
-    return torch.where(ok, drafts, torch.zeros_like(drafts))
+    drafts = torch.where(ok, drafts, torch.zeros_like(drafts))
+    if table is not None and table[0].numel():
+        drafts = torch.where((start >= 0)[:, None], drafts, _table_chains_ref(hist, lens, K, *table))
+    return drafts
+
+
+def _table_chains_ref(hist: torch.Tensor, lens: torch.Tensor, K: int, keys: torch.Tensor, nxt: torch.Tensor,
+                      min_n: int, max_n: int) -> torch.Tensor:
+    """[B, K]: each row's table chain (see the module's docstring), 0 past where it stops."""
+    B, dev = hist.shape[0], hist.device
+    at = lens[:, None] - max_n + torch.arange(max_n, device=dev)  # the last max_n tokens, oldest first
+    ctx = torch.where(at >= 0, hist.gather(1, at.clamp(min=0)), -1)  # -1: before the row's start
+    live = torch.ones(B, dtype=torch.bool, device=dev)
+    out = torch.zeros(B, K, dtype=torch.int64, device=dev)
+    for level in range(K):
+        tok = torch.full((B,), -1, dtype=torch.int64, device=dev)
+        for n in range(max_n, min_n - 1, -1):
+            key = torch.full((B,), n, dtype=torch.int64, device=dev)
+            for j in range(max_n - n, max_n):
+                key = (key << TOKEN_BITS) | ctx[:, j].clamp(min=0)
+            i = torch.searchsorted(keys, key).clamp(max=keys.numel() - 1)
+            hit = (tok < 0) & (ctx[:, max_n - n] >= 0) & (keys[i] == key)
+            tok = torch.where(hit, nxt[i], tok)
+        live &= tok >= 0
+        out[:, level] = torch.where(live, tok, 0)
+        ctx = torch.cat([ctx[:, 1:], tok[:, None]], 1)
+    return out
+
+
+@triton.jit
+def _table_next(keys_ptr, nxt_ptr, T, c0, c1, c2, avail, TMIN_N: tl.constexpr, TMAX_N: tl.constexpr,
+                STEPS: tl.constexpr):
+    """The table's top next token after the context ending ``c0 c1 c2`` (``c2`` the newest; ``avail`` tokens
+    of it exist), longest suffix first; -1 where it holds none. Bisection over the sorted keys."""
+    tok = avail * 0 - 1
+    for n in tl.static_range(TMAX_N, TMIN_N - 1, -1):
+        key = (c2 * 0 + n).to(tl.int64)
+        if n >= 3:
+            key = (key << _BITS) | c0
+        if n >= 2:
+            key = (key << _BITS) | c1
+        key = (key << _BITS) | c2
+        lo = T * 0
+        hi = T
+        for _ in tl.static_range(STEPS):  # the first key >= key
+            mid = (lo + hi) // 2
+            go = lo < hi
+            below = tl.load(keys_ptr + mid, mask=go, other=0) < key
+            lo = tl.where(go & below, mid + 1, lo)
+            hi = tl.where(go & (below == 0), mid, hi)
+        found = tl.load(keys_ptr + lo, mask=lo < T, other=-1) == key
+        hit = (tok < 0) & (avail >= n) & found
+        tok = tl.where(hit, tl.load(nxt_ptr + lo, mask=hit, other=0).to(tl.int32), tok)
+    return tok
 
 
 # The window and the row stride are fixed per run, but lens change every step: nothing here is specialised
-# on a value that moves (a new variant would compile mid-serving).
-@triton.jit(do_not_specialize=["stride", "out_stride", "window"])
-def _ngram_lookup_kernel(hist_ptr, lens_ptr, out_ptr, stride, out_stride, window,
+# on a value that moves, nor on the table's size (a new variant would compile mid-serving).
+@triton.jit(do_not_specialize=["stride", "out_stride", "window", "T"])
+def _ngram_lookup_kernel(hist_ptr, lens_ptr, out_ptr, stride, out_stride, window, keys_ptr, nxt_ptr, T,
                          K: tl.constexpr, KP: tl.constexpr, MAX_N: tl.constexpr, MIN_N: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, TABLE: tl.constexpr, TMIN_N: tl.constexpr, TMAX_N: tl.constexpr,
+                         STEPS: tl.constexpr):
     b = tl.program_id(0)
     row = hist_ptr + b.to(tl.int64) * stride
     L = tl.load(lens_ptr + b).to(tl.int32)  # positions inside a row: 32 bits (the row's base is 64)
@@ -71,15 +154,30 @@ def _ngram_lookup_kernel(hist_ptr, lens_ptr, out_ptr, stride, out_stride, window
     at = start + i
     ok = (start >= 0) & (i < K) & (at < L)
     drafts = tl.load(row + at, mask=ok, other=0)
+    if TABLE:
+        if start < 0:  # no match in the row: its table chain
+            c0 = tl.load(row + L - 3, mask=L >= 3, other=0)
+            c1 = tl.load(row + L - 2, mask=L >= 2, other=0)
+            c2 = tl.load(row + L - 1, mask=L >= 1, other=0)
+            live = L >= 0
+            for level in tl.static_range(K):
+                tok = _table_next(keys_ptr, nxt_ptr, T, c0, c1, c2, L + level, TMIN_N, TMAX_N, STEPS)
+                live = live & (tok >= 0)
+                drafts = tl.where((i == level) & live, tok.to(tl.int64), drafts)
+                c0 = c1
+                c1 = c2
+                c2 = tok.to(tl.int64)
     tl.store(out_ptr + b.to(tl.int64) * out_stride + i, drafts, mask=i < K)
 
 
 def ngram_lookup(hist: torch.Tensor, lens: torch.Tensor, span: int, K: int, max_n: int, min_n: int, window: int,
-                 *, use_triton: bool | None = None, block: int = 512) -> torch.Tensor:
+                 table: tuple | None = None, *, use_triton: bool | None = None, block: int = 512) -> torch.Tensor:
     """Dispatch: the kernel on CUDA (or when forced: CPU tensors need TRITON_INTERPRET=1), the reference
     elsewhere. Same contract as ``ngram_lookup_ref``."""
+    if table is not None and not 1 <= table[2] <= table[3] <= TABLE_MAX_N:
+        raise ValueError(f"a device table needs 1 <= min_n <= max_n <= {TABLE_MAX_N}, got {table[2]}, {table[3]}")
     if not (hist.is_cuda if use_triton is None else use_triton):
-        return ngram_lookup_ref(hist, lens, span, K, max_n, min_n, window)
+        return ngram_lookup_ref(hist, lens, span, K, max_n, min_n, window, table)
     if hist.dim() != 2 or hist.stride(1) != 1 or hist.dtype != torch.int64 or lens.shape != hist.shape[:1]:
         raise ValueError(f"hist must be [B, cap] int64 with unit column stride and lens [B], got "
                          f"{tuple(hist.shape)} {hist.dtype}, {tuple(lens.shape)}")
@@ -87,8 +185,10 @@ def ngram_lookup(hist: torch.Tensor, lens: torch.Tensor, span: int, K: int, max_
         raise ValueError(f"need 1 <= min_n <= max_n and K >= 1, got {min_n}, {max_n}, {K}")
     B = hist.shape[0]
     out = torch.empty(B, K, dtype=torch.int64, device=hist.device)
+    keys, nxt, t_min, t_max = table if table is not None and table[0].numel() else (lens, lens, 1, 1)
     if B:
-        _ngram_lookup_kernel[(B,)](hist, lens, out, hist.stride(0), out.stride(0), window,
+        _ngram_lookup_kernel[(B,)](hist, lens, out, hist.stride(0), out.stride(0), window, keys, nxt, keys.numel(),
                                    K=K, KP=triton.next_power_of_2(K), MAX_N=max_n, MIN_N=min_n, BLOCK=block,
-                                   num_warps=4)
+                                   TABLE=keys is not lens, TMIN_N=t_min, TMAX_N=t_max,
+                                   STEPS=max(1, keys.numel().bit_length()), num_warps=4)
     return out
