@@ -320,11 +320,13 @@ def first_use_counts(llm: LLM) -> dict[str, int]:
 
 
 def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, spec: SpeculationParams,
-                   counts: dict | None = None, batch_completion: bool = True) -> tuple[float, float]:
+                   counts: dict | None = None, batch_completion: bool = True,
+                   tokens: list | None = None) -> tuple[float, float]:
     """Tokens per second and mean accepted length of one ``generate`` per group of prompts, one after another
     (tokens over their summed time; ``batch_completion``: generate's budget objective); ``counts`` (if given)
     receives the change of ``first_use_counts`` across it (zero counters left out), and ``steps_by_depth``:
-    for each draft depth the decode-only steps took, [steps, mean ms per step, longest step's ms]."""
+    for each draft depth the decode-only steps took, [steps, mean ms per step, longest step's ms]; ``tokens``
+    (if given) each sequence's generated token ids."""
     before = first_use_counts(llm) if counts is not None else {}
     eng = llm.engine
     steps_before = (eng.num_steps, eng.num_ahead, eng.wait_s)
@@ -365,6 +367,8 @@ def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, 
         counts["wait_ms"] = round(1e3 * (eng.wait_s - steps_before[2]), 1)
         if sched.gate is not None:  # the speculation gate's arms after the call: (bucket, speculate, tok/s on, off)
             counts["gate"] = [list(s) for s in sched.gate.state()]
+    if tokens is not None:
+        tokens += [list(g.token_ids) for g in gens]
     steps = sum(g.stats.steps for g in gens)
     acc = sum(g.stats.accepted_tokens for g in gens)
     return sum(len(g.token_ids) for g in gens) / secs, (acc + steps) / max(steps, 1)
@@ -455,12 +459,22 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
             return later[arm][-1]
 
         runs: dict[str, list] = {"on": [], "off": []}
+        # Each arm's first run's tokens, against speculation off's: greedy output must not change with the drafter
+        # (on the GPU in bf16 a near-tie can still flip with the batch's shape: bench/greedy_identity.py)
+        outputs: dict[str, list] = {}
+
+        def same_as_off(arm: str) -> list[int]:
+            """[sequences identical to speculation off's, sequences]"""
+            return [sum(a == b for a, b in zip(outputs[arm], outputs["off"])), len(outputs["off"])]
+
         for rep in range(repeats):
             for arm, spec in (("on", SpeculationParams()), ("off", SpeculationParams(enabled=False))):
-                runs[arm].append(generate_tok_s(llm, groups, greedy, spec, record(arm, rep)))
+                runs[arm].append(generate_tok_s(llm, groups, greedy, spec, record(arm, rep),
+                                                tokens=outputs.setdefault(arm, []) if rep == 0 else None))
         (on, mal), (off, _) = max(runs["on"]), max(runs["off"])
         row = {"batch": b, "spec_tok_s": round(on, 1), "nospec_tok_s": round(off, 1),
                "speedup": round(on / off, 3), "mean_accepted_length": round(mal, 3),
+               "same_as_off": same_as_off("on"),
                "hf_static_tok_s": None, "hf_assisted_tok_s": None, "drafter_arms": {}, "first_use": first_use,
                "runs_tok_s": {k: [round(t, 1) for t, _ in v] for k, v in runs.items()}, "later_runs": later}
         table = llm.engine.drafters["ngram"].table
@@ -481,7 +495,8 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
             else:
                 spec = SpeculationParams() if name == PER_TOKEN else SpeculationParams(drafter=select_arm(llm, name, table))
             llm.generate(warm, warm_sampling, spec)
-            arm_runs = [generate_tok_s(llm, groups, greedy, spec, record(name, rep), batch_completion=name != PER_TOKEN)
+            arm_runs = [generate_tok_s(llm, groups, greedy, spec, record(name, rep), batch_completion=name != PER_TOKEN,
+                                       tokens=outputs.setdefault(name, []) if rep == 0 else None)
                         for rep in range(repeats)]
             llm.engine.config = default_config
             if name not in STEPPED_ARMS and name not in FIXED_ARMS and name not in AHEAD_ARMS:
@@ -489,6 +504,7 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
             tok_s, arm_mal = max(arm_runs)
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),
                                          "mean_accepted_length": round(arm_mal, 3),
+                                         "same_as_off": same_as_off(name),
                                          "runs_tok_s": [round(t, 1) for t, _ in arm_runs]}
         row["groups"] = groups  # the prompts, as timed
         rows.append(row)

@@ -43,6 +43,10 @@ def test_real_pair_smoke_run_on_cpu(tmp_path):
         assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["nospec_tok_s"], abs=0.01)  # one run
         assert set(row["drafter_arms"]) == {"ngram-alone", "off-stepped", "ngram-chain4", "ngram-chain4-ahead"}
         assert all(arm["tok_s"] > 0 for arm in row["drafter_arms"].values())
+        # float32 on the CPU: every arm's greedy tokens are speculation off's, sequence for sequence
+        n = row["prompts_timed"]
+        assert row["same_as_off"] == [n, n]
+        assert all(arm["same_as_off"] == [n, n] for arm in row["drafter_arms"].values())
         assert set(row["first_use"]) >= {"on", "off", "ngram-alone", "off-stepped", "ngram-chain4", "ngram-chain4-ahead"}
         # on the CPU nothing is overlapped by default: every engine step ran one by one, but where the
         # chain-ahead arm turned EngineConfig.chain_ahead on
