@@ -113,11 +113,13 @@ class ChainInFlight:
 @dataclass(slots=True)
 class ChainStep:
     """What a chain step launches: the run's rows, the pending step's advance per row (None: no step is
-    pending; 0 for a row that joined since), and the prompt chunks that ride along, as the scheduler admits and
-    picks them."""
+    pending; 0 for a row that joined since) and the most it may be (``reach``: the row's depth in the pending
+    step + 1; 0 where nothing of the row is pending), and the prompt chunks that ride along, as the scheduler
+    admits and picks them."""
 
     run: ChainRun
     advance: torch.Tensor | None
+    reach: list[int]
     prefills: list[tuple[Sequence, int]]
 
 
@@ -141,9 +143,10 @@ def from_plan(engine: Engine, plan: StepPlan) -> ChainStep | None:
     drafters = {s.drafter for s, k in zip(seqs, depths) if k}
     if len(drafters) != 1 or not all(eligible(s, engine) for s in seqs):
         return None  # nobody drafts (the plain overlap's case), or two drafters' sizes to look up with
-    if _blocks(engine, seqs, depths, pending=False) is None:
+    if _blocks(engine, seqs, depths, [0] * len(seqs)) is None:
         return None
-    return ChainStep(_start(engine, seqs, depths, engine.drafters[drafters.pop()]), None, plan.prefills)
+    return ChainStep(_start(engine, seqs, depths, engine.drafters[drafters.pop()]), None, [0] * len(seqs),
+                     plan.prefills)
 
 
 def _scores_prompts(prefills: list[tuple[Sequence, int]]) -> bool:
@@ -157,14 +160,14 @@ def _admits(engine: Engine) -> bool:
     return bool(sched.waiting) and len(sched.running) < sched.config.max_running
 
 
-def _blocks(engine: Engine, seqs: list[Sequence], depths: list[int], pending: bool) -> int | None:
+def _blocks(engine: Engine, seqs: list[Sequence], depths: list[int], reach: list[int]) -> int | None:
     """The blocks a step of these chains needs; None where one cannot be launched now: a sequence would pass
-    the context, or the pool cannot hold every slot the step may write. ``pending``: a step of the run is in
-    flight, which may advance each sequence by its depth + 1 first. (A sequence the pending step may end by
-    length still goes ahead: its tokens past the end are dropped at resolution.)"""
+    the context, or the pool cannot hold every slot the step may write. ``reach``: how far the step in flight
+    may advance each sequence first (its depth there + 1; 0 with none). (A sequence the pending step may end
+    by length still goes ahead: its tokens past the end are dropped at resolution.)"""
     need = 0
-    for s, k in zip(seqs, depths):
-        end = s.num_cached + (k + 1 if pending else 0) + k + 1
+    for s, k, r in zip(seqs, depths, reach):
+        end = s.num_cached + r + k + 1
         if end > engine.max_model_len:
             return None
         need += s.table.blocks_needed(end)
@@ -218,9 +221,8 @@ def launch(engine: Engine, step: ChainStep) -> ChainInFlight:
     run, advance, prefills = step.run, step.advance, step.prefills
     seqs, depths, K = run.seqs, run.depths, run.K
     device = run.hist.device
-    ahead = advance is not None
-    for s, k in zip(seqs, depths):  # the slots the step may write, past what build_batch reserves
-        end = s.num_cached + (k + 1 if ahead else 0) + k + 1
+    for s, k, r in zip(seqs, depths, step.reach):  # the slots the step may write, past what build_batch reserves
+        end = s.num_cached + r + k + 1
         s.table.ensure(end)
         engine.cache.make_writable(s.table, s.num_cached, end)
     segs = [Segment(s.table, s.num_cached, s.token_ids[s.num_cached : s.num_cached + n], logits="none")
@@ -228,7 +230,7 @@ def launch(engine: Engine, step: ChainStep) -> ChainInFlight:
     segs += [Segment(s.table, s.num_cached, [0] * (k + 1), logits="all") for s, k in zip(seqs, depths)]
     batch = build_batch(segs, engine.cache, device)
     first, nb = sum(n for _, n in prefills), len(prefills)  # the chains' first row, and first segment
-    span = min(run.hist.shape[1], max(s.num_tokens for s in seqs) + (K + 1 if ahead else 0))
+    span = min(run.hist.shape[1], max(s.num_tokens for s in seqs) + max(step.reach))
     drafts = run.drafter.lookup_on_device(run.hist, run.lens, span, K)  # [B, K]
     # the chains' rows moved by the pending step's advance, and their roots and drafts put in
     place_chains(batch, first, nb, run.hist, run.lens, drafts, advance, run.row_seq, run.row_at,
@@ -301,7 +303,9 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
         room -= joined[i]
     if not keep or max(depths + joined) == 0:
         return None  # every row ended (joiners start a run from the next plan), or nobody drafts any more
-    need = _blocks(engine, seqs + joiners, depths + joined, pending=True)
+    # the pending step may advance a kept row by its depth there + 1, whatever its depth in the next
+    reach = [run.depths[b] + 1 for b in keep] + [0] * len(joiners)
+    need = _blocks(engine, seqs + joiners, depths + joined, reach)
     if need is None:
         return None
     prefills = []
@@ -320,7 +324,7 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
     if joiners:
         run = _joined(engine, run, joiners, joined)
         advance = torch.cat([advance, torch.zeros(len(joiners), dtype=advance.dtype, device=advance.device)])
-    return ChainStep(run, advance, prefills)
+    return ChainStep(run, advance, reach, prefills)
 
 
 def _kept_depth(engine: Engine, seq: Sequence, depth: int) -> int:

@@ -292,6 +292,61 @@ def test_adaptive_chains_shrink_as_their_acceptance_falls(monkeypatch) -> None:
     assert shrunk and all(d[1] == 3 for d, _ in depths)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_every_slot_a_chain_step_writes_is_in_its_own_table(monkeypatch, seed: int) -> None:
+    """Small pages, chains accepted whole (an oracle drafts plain decoding's next tokens) and cut short mid-run:
+    a step launched ahead of one that may advance a row by its old depth + 1 writes up to that far past it, at
+    its new depth, and every such slot lies in a block of the row's own table, held by it alone, when the step
+    launches."""
+    import gateway.chain_ahead as ca
+
+    checked = []
+    real = ca.launch
+
+    def launch(e, step):
+        inflight = real(e, step)
+        ahead = step.advance.tolist() if step.advance is not None else [0] * len(step.run.seqs)
+        for s, k, a in zip(step.run.seqs, step.run.depths, ahead):
+            last = s.num_cached + a + k  # the deepest slot the step writes for s
+            assert len(s.table.blocks) > last // e.config.page_size, (s.num_cached, a, k, len(s.table.blocks))
+            assert e.cache.pool.refcount(s.table.blocks[last // e.config.page_size]) == 1
+            checked.append(a)
+        return inflight
+
+    monkeypatch.setattr(ca, "launch", launch)
+    ps = prompts(3, seed=20 + seed)
+    want = run_all(engine(False, page_size=2), [(str(i), p, greedy(40), PLAIN) for i, p in enumerate(ps)])
+    eng = engine(True, page_size=2)
+    eng.config = replace(eng.config, default_tree=(1,) * 4)  # adaptive chains of up to four drafts
+    full = [p + want[str(i)] for i, p in enumerate(ps)]
+
+    def oracle(hist, lens, span, depth):  # each row's next tokens as plain decoding emits them
+        out = torch.zeros(len(lens), depth, dtype=torch.int64)
+        for b, n in enumerate(lens.tolist()):
+            seq = next(f for f in full if f[:n] == hist[b, :n].tolist())
+            nxt = seq[n : n + depth]
+            out[b, : len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
+        return out
+
+    eng.drafters["ngram"].lookup_on_device = oracle
+    eng.scheduler.config = replace(eng.scheduler.config, budget=replace(eng.scheduler.config.budget,
+                                                                        cost_aware=False, gate=False))
+    eng.scheduler.gate = None
+    for i, p in enumerate(ps):
+        eng.add(str(i), p, greedy(40), SpeculationParams(drafter="ngram"))
+    got: dict[str, list[int]] = {str(i): [] for i in range(3)}
+    for step in range(200):
+        if not eng.has_work():
+            break
+        for s in eng._seqs.values():  # the estimates say the lookups pay (the whole chain), but for a step or two
+            s.acceptance.successes = s.acceptance.trials * (0.3 if step in (4 + seed, 20 + seed) else 0.99)
+        for o in eng.step():
+            assert o.error is None, o.error  # (a failed check in the launch fails the step's requests)
+            got[o.request_id] += o.new_token_ids
+    assert got == want and eng.cache.pool.num_free == eng.config.num_blocks
+    assert max(checked) == 5  # some step was launched ahead of one that could advance a row by a whole chain
+
+
 def test_off_by_default() -> None:
     eng = tiny_engine()
     assert not eng.config.chain_ahead
