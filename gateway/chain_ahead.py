@@ -24,14 +24,17 @@ drafted step's inputs on the device the same way.)
 
 A run starts from a plan where some decoding sequence drafts with an n-gram drafter and every one is greedy or
 sampled without min-p, with no logit processing, logprobs, grammar or held stop token, drafting with that
-drafter or not at all (a plain request, or one the budget leaves plain, rides as a one-token chain); each keeps the depth the plan gave
-it for the run's life. Requests the scheduler admits meanwhile ride along as prompt chunks, and join the run
-once their prompt is cached, at the depth their template and acceptance give (``_join_depth``). The run ends
--- the pending step resolved, the next planned as usual -- when a sequence that is not eligible is decoding,
-the gate leaves adaptive requests plain, a sequence nears its context limit, the pool cannot hold the next
-step's blocks, a prompt chunk scores its prompt, no sequence drafts any more, or after ``MAX_RUN_STEPS``
-steps, so that the budget re-plans depths. ``EngineConfig.chain_ahead`` turns it on; off by default until it
-is timed on a GPU. One-process targets only: a tensor-parallel target's ranks take the batch from the host.
+drafter or not at all (a plain request, or one the budget leaves plain, rides as a one-token chain). Each
+step's depths are planned anew while the last step runs (``Scheduler.chain_depths``: the budget's cut at each
+request's acceptance, or a probe, the cost cap and the verify cap, as a plan sets them), so a chain deepens
+and shallows with its acceptance within a run; the step reserves slots for the pending step's reach (its
+depth there + 1) plus its own chain. Requests the scheduler admits meanwhile ride along as prompt chunks,
+and join the run once their prompt is cached. The run ends -- the pending step resolved, the next planned as
+usual -- when a sequence that is not eligible is decoding, the gate leaves adaptive requests plain, a
+sequence nears its context limit, the pool cannot hold the next step's blocks, a prompt chunk scores its
+prompt, no sequence drafts any more, or after ``MAX_RUN_STEPS`` steps. ``EngineConfig.chain_ahead`` turns
+it on; off by default until it is timed on a GPU. One-process targets only: a tensor-parallel target's ranks
+take the batch from the host.
 
 A sequence that a step ends (a stop token, its length) or that is aborted was already fed into the next step:
 that step's tokens for it are dropped at resolution, and the step after leaves it out (the run's device rows
@@ -49,8 +52,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from draft.ngram import NgramDrafter
-from draft.tree import TokenTree
-from gateway.budget import adaptive_widths, drafter_set
+from draft.tree import MAX_TREE_NODES, TokenTree
+from gateway.budget import drafter_set
 from gateway.sequence import Sequence, Status
 from target.batch import Segment, build_batch, place_chains
 from target.model import Transformer
@@ -63,7 +66,7 @@ if TYPE_CHECKING:
     from gateway.engine import Engine, RequestOutput
     from gateway.scheduler import StepPlan
 
-MAX_RUN_STEPS = 32  # then the pending step resolves and the scheduler plans (and the budget sets depths) anew
+MAX_RUN_STEPS = 32  # then the pending step resolves and the scheduler plans anew (admissions, preemption)
 
 
 @dataclass(slots=True)
@@ -176,7 +179,9 @@ def _blocks(engine: Engine, seqs: list[Sequence], depths: list[int], reach: list
 
 def _start(engine: Engine, seqs: list[Sequence], depths: list[int], drafter: NgramDrafter) -> ChainRun:
     device = engine.target.device
-    cap = engine.max_model_len + 2 * (max(depths) + 1) + 1  # every write stays inside: positions end at max_model_len
+    # every write stays inside (positions end at max_model_len; a step writes at most a pending chain's reach
+    # and its own chain past them, each under MAX_TREE_NODES), whatever depths the run's steps take
+    cap = engine.max_model_len + 2 * (MAX_TREE_NODES + 1) + 1
     return ChainRun(seqs, depths, drafter, *_rows(seqs, cap, device), *_layout(seqs, depths, device))
 
 
@@ -284,25 +289,22 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
         return None
     keep = [b for b, s in enumerate(run.seqs) if s.status is Status.RUNNING]
     seqs = [run.seqs[b] for b in keep]
-    depths = [_kept_depth(engine, s, run.depths[b]) for s, b in zip(seqs, keep)]
     inside = {id(s) for s in seqs}
     joiners = [s for s in sched.running if not s.is_prefilling and id(s) not in inside]
-    if not all(eligible(s, engine) for s in seqs + joiners):
-        return None
+    if not keep or not all(eligible(s, engine) for s in seqs + joiners):
+        return None  # every row ended (joiners start a run from the next plan), or a request the run cannot carry
     if sched.roots_fill_cap(len(seqs) + len(joiners)):
         return None  # a plan of this batch would draft nothing
     gated = sched.gate is not None and not sched.gate.allows(len(seqs) + len(joiners))
     if gated and any(engine._template_of(s)[1] for s in seqs):
         return None  # the gate's plain arm: adaptive requests decode plainly
-    joined = [_join_depth(engine, run, s, gated) for s in joiners]
-    room = sched.config.budget.max_verify_tokens - sum(k + 1 for k in depths) - len(joiners)
-    if room < 0:
-        return None  # the joiners' roots alone pass the verify cap: the next plan trims the trees
-    for i, k in enumerate(joined):  # joiners' drafts within the verify cap the run's plan kept
-        joined[i] = min(k, max(room, 0))
-        room -= joined[i]
-    if not keep or max(depths + joined) == 0:
-        return None  # every row ended (joiners start a run from the next plan), or nobody drafts any more
+    # each row's depth as a plan would set it now (shallower or deeper than in the pending step), within the
+    # verify cap; 0 for a row drafting with another drafter (it rides as a one-token chain)
+    depths = [k if s.drafter is not None and engine.drafters[s.drafter] is run.drafter else 0
+              for s, k in zip(seqs + joiners, sched.chain_depths(seqs + joiners, engine._template_of))]
+    if max(depths) == 0:
+        return None  # nobody drafts any more
+    depths, joined = depths[: len(seqs)], depths[len(seqs) :]
     # the pending step may advance a kept row by its depth there + 1, whatever its depth in the next
     reach = [run.depths[b] + 1 for b in keep] + [0] * len(joiners)
     need = _blocks(engine, seqs + joiners, depths + joined, reach)
@@ -315,7 +317,7 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
         if _scores_prompts(prefills):
             return None  # admitted, and planned again as usual
     advance = prev.advance
-    if len(keep) < len(run.seqs) or depths != run.depths:  # rows that ended leave; chains that shrank shrink
+    if len(keep) < len(run.seqs) or depths != run.depths:  # rows that ended leave; chains change depth
         hist, lens = run.hist, run.lens
         if len(keep) < len(run.seqs):
             index = to_device(torch.tensor(keep), hist.device)
@@ -327,29 +329,6 @@ def continues(engine: Engine, prev: ChainInFlight) -> ChainStep | None:
     return ChainStep(run, advance, reach, prefills)
 
 
-def _kept_depth(engine: Engine, seq: Sequence, depth: int) -> int:
-    """An adaptive request's chain depth for the run's next step: the depth it had, cut to what its acceptance
-    now pays (``adaptive_widths`` without a probe), so that a run shrinks the chains of requests whose lookups
-    stopped paying instead of drafting them for the rest of the run (a probe's one level among them). A tree
-    the request fixed itself keeps its depth."""
-    template, adapt = engine._template_of(seq)
-    if not adapt or not depth:
-        return depth
-    return min(depth, len(adaptive_widths(template, seq.acceptance.alpha, engine.scheduler.config.budget)))
-
-
-def _join_depth(engine: Engine, run: ChainRun, seq: Sequence, gated: bool) -> int:
-    """The chain depth of ``seq`` joining ``run``: its template's, cut as the budget cuts it at its acceptance
-    (no deeper than the run's deepest chain, the tokens it still wants and the context; ``continues`` fits it
-    under the verify cap); 0 where it drafts with another drafter or the gate keeps adaptive requests plain."""
-    if seq.drafter is None or engine.drafters[seq.drafter] is not run.drafter:
-        return 0
-    template, adapt = engine._template_of(seq)
-    if adapt:
-        template = () if gated else adaptive_widths(template, seq.acceptance.alpha, engine.scheduler.config.budget)
-    return max(0, min(len(template), run.K, seq.remaining_tokens - 1, engine.max_model_len - seq.num_tokens))
-
-
 def _joined(engine: Engine, run: ChainRun, seqs: list[Sequence], depths: list[int]) -> ChainRun:
     """``run`` with rows for ``seqs`` added, from their tokens on the host (nothing of theirs is pending)."""
     device = run.hist.device
@@ -359,9 +338,9 @@ def _joined(engine: Engine, run: ChainRun, seqs: list[Sequence], depths: list[in
                     *_layout(run.seqs + seqs, all_depths, device), run.steps)
 
 
-def resolve(engine: Engine, prev: ChainInFlight, successor: bool) -> list[RequestOutput]:
-    """``prev``'s tokens committed and emitted for its sequences still running; ``successor``: a step of the
-    run was launched after it, whose slots the tables keep."""
+def resolve(engine: Engine, prev: ChainInFlight, successor: ChainInFlight | None) -> list[RequestOutput]:
+    """``prev``'s tokens committed and emitted for its sequences still running; ``successor``: the run's step
+    launched after it, whose chains' slots the tables keep (None: none was)."""
     if prev.event is not None:
         t0 = time.perf_counter()
         prev.event.synchronize()
@@ -379,7 +358,7 @@ def resolve(engine: Engine, prev: ChainInFlight, successor: bool) -> list[Reques
         trees.append(TokenTree.from_lists(tokens, [-1, *range(k)]))
         results.append(AcceptResult(nodes, picks[accepted], [tokens[i] for i in nodes]))
         offered.append(k)
-    return engine._settle(seqs, trees, results, offered, {}, keep=1 + K if successor else 1)
+    return engine._settle(seqs, trees, results, offered, {}, keep=1 + successor.run.K if successor else 1)
 
 
 def kinds(run: ChainRun) -> frozenset:

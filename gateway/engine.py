@@ -341,7 +341,7 @@ class Engine:
                 self.num_ahead += 1
             except Exception as exc:  # noqa: BLE001 -- fails the step's sequences, once prev's tokens are theirs
                 failed = exc
-        outputs = chain_ahead.resolve(self, prev, successor=self._inflight is not None)
+        outputs = chain_ahead.resolve(self, prev, successor=self._inflight)
         now = time.perf_counter()  # in an unbroken run, a step's time is the span between two resolutions
         if self._ahead_t is not None and not prev.prefilled:
             self.scheduler.costs.observe(len(prev.run.seqs), prev.run.K, now - self._ahead_t,

@@ -160,6 +160,24 @@ class Scheduler:
         self._plan_prefills(plan, budget, self.pool.num_free - reserved)
         return plan
 
+    def chain_depths(self, decoding: list[Sequence], template_of: TemplateOf) -> list[int]:
+        """The draft depth a plan would give each of ``decoding`` now -- the budget's cut at its acceptance (or
+        a probe), the cost cap, the verify cap -- admitting, preempting and reserving nothing: an overlapped
+        chain run's next step (gateway/chain_ahead.py), planned while the last one runs. Counts as a plan for
+        the probes' schedule."""
+        self.num_schedules += 1
+        self._intervals.clear()
+        self._batch = len(decoding)
+        self._gate_open = self.gate is None or self.gate.allows(len(decoding))
+        if self.roots_fill_cap(len(decoding)):
+            return [0] * len(decoding)
+        asked = [self._widths(s, template_of) for s in decoding]
+        if not any(w for w, _ in asked):
+            return [0] * len(decoding)
+        widths = self._cap_depth(decoding, asked) if self.config.budget.cost_aware else [w for w, _ in asked]
+        widths = cap_total(widths, [s.acceptance.alpha for s in decoding], self.config.budget.max_verify_tokens)
+        return [len(w) for w in widths]
+
     def _widths(self, seq: Sequence, template_of: TemplateOf) -> tuple[tuple[int, ...], bool]:
         """The sequence's widths this step, and whether the budget may cut them further."""
         template, adapt = template_of(seq)

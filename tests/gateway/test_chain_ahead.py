@@ -266,30 +266,37 @@ def test_runs_end_after_max_run_steps_and_when_the_gate_turns_plain(monkeypatch)
     assert got["a"] == out["a"][:40] and not launched
 
 
-def test_adaptive_chains_shrink_as_their_acceptance_falls(monkeypatch) -> None:
-    """An adaptive request's depth within a run follows its acceptance down (never up: the plan that started
-    the run capped it); a fixed tree keeps its depth."""
+def test_adaptive_chains_follow_their_acceptance_within_a_run(monkeypatch) -> None:
+    """An adaptive request's depth within a run follows its acceptance down and back up, as a plan would set
+    it each step; a fixed tree keeps its depth but for its last tokens (a step emits depth + 1)."""
     import gateway.chain_ahead as ca
 
-    depths: list[tuple[list[int], bool]] = []  # (depths, launched ahead) per chain step
+    steps: list[tuple[list[int], bool, int]] = []  # (depths, launched ahead, the fixed chain's tokens left)
     real = ca.launch
-    monkeypatch.setattr(ca, "launch", lambda e, step: depths.append((list(step.run.depths), step.advance is not None))
-                        or real(e, step))
+    monkeypatch.setattr(ca, "launch", lambda e, step: steps.append(
+        (list(step.run.depths), step.advance is not None, e._seqs["1"].remaining_tokens)) or real(e, step))
     eng = engine(True)
+    eng.scheduler.config = replace(eng.scheduler.config, budget=replace(eng.scheduler.config.budget,
+                                                                        cost_aware=False, gate=False))
+    eng.scheduler.gate = None
     ps = prompts(2, seed=10)
     want = run_all(engine(False), [(str(i), p, greedy(40), PLAIN) for i, p in enumerate(ps)])
     for i, p in enumerate(ps):
         eng.add(str(i), p, greedy(40), SpeculationParams(drafter="ngram") if i == 0 else chain_spec(3))
     got: dict[str, list[int]] = {"0": [], "1": []}
     while eng.has_work():
+        # the adaptive request's estimate: its lookups pay, then (steps 3-5) stop paying, then pay again
+        if "0" in eng._seqs:
+            eng._seqs["0"].acceptance.successes = eng._seqs["0"].acceptance.trials * (0.0 if 3 <= len(steps) < 6 else 0.99)
         for o in eng.step():
             got[o.request_id] += o.new_token_ids
-        if len(depths) == 2:  # the adaptive request's lookups stop paying, as far as its estimate knows
-            eng._seqs["0"].acceptance.successes = 0.0
     assert got == want
-    # within one run (a step launched ahead of the last), the adaptive chain went from drafting to plain
-    shrunk = [i for i in range(1, len(depths)) if depths[i][1] and depths[i - 1][0][0] > 0 and depths[i][0][0] == 0]
-    assert shrunk and all(d[1] == 3 for d, _ in depths)
+    adaptive = [d[0] if len(d) == 2 else None for d, _, _ in steps]
+    ahead = [a for _, a, _ in steps]
+    # within one run (each step launched ahead of the last): drafting, then plain, then drafting again
+    down = next(i for i in range(1, len(steps)) if ahead[i] and adaptive[i - 1] and adaptive[i] == 0)
+    assert any(ahead[j] and adaptive[j] for j in range(down + 1, len(steps)) if all(ahead[down : j + 1]))
+    assert all(d[-1] == min(3, left - 1) for d, _, left in steps)
 
 
 @pytest.mark.parametrize("seed", range(3))
