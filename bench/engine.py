@@ -61,6 +61,9 @@ FIXED_ARMS = {"ngram-chain4": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 
 # state, and the default speculation under the gate with them
 AHEAD_ARMS = {"ngram-chain4-ahead": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)),
               "on-ahead": SpeculationParams()}
+# The default speculation with the budget's acceptance cut at another BudgetConfig.min_gain ("on-gain0.2": the
+# default before 2026-12-07), the default's A/B within one run
+GAIN_ARM = "on-gain"
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                  intermediate_size=14336, tie_word_embeddings=False)
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -479,10 +482,14 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                "runs_tok_s": {k: [round(t, 1) for t, _ in v] for k, v in runs.items()}, "later_runs": later}
         table = llm.engine.drafters["ngram"].table
         for name in [a for a in arms if (a in llm.engine.drafters or a in (NGRAM_ALONE, PER_TOKEN, *STEPPED_ARMS, *FIXED_ARMS,
-                                                                                     *AHEAD_ARMS))
+                                                                                     *AHEAD_ARMS) or a.startswith(GAIN_ARM))
                      and a != llm.engine.config.default_drafter]:
-            default_config = llm.engine.config
-            if name in STEPPED_ARMS:
+            default_config, sched_config = llm.engine.config, llm.engine.scheduler.config
+            if name.startswith(GAIN_ARM):
+                spec = SpeculationParams()
+                llm.engine.scheduler.config = replace(sched_config, budget=replace(
+                    sched_config.budget, min_gain=float(name[len(GAIN_ARM):])))
+            elif name in STEPPED_ARMS:
                 spec = STEPPED_ARMS[name]
                 llm.engine.config = replace(llm.engine.config, overlap=False)
             elif name in FIXED_ARMS:
@@ -498,8 +505,8 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
             arm_runs = [generate_tok_s(llm, groups, greedy, spec, record(name, rep), batch_completion=name != PER_TOKEN,
                                        tokens=outputs.setdefault(name, []) if rep == 0 else None)
                         for rep in range(repeats)]
-            llm.engine.config = default_config
-            if name not in STEPPED_ARMS and name not in FIXED_ARMS and name not in AHEAD_ARMS:
+            llm.engine.config, llm.engine.scheduler.config = default_config, sched_config
+            if name not in STEPPED_ARMS and name not in FIXED_ARMS and name not in AHEAD_ARMS and not name.startswith(GAIN_ARM):
                 select_arm(llm, "ngram", table)
             tok_s, arm_mal = max(arm_runs)
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),

@@ -30,7 +30,7 @@ def test_real_pair_smoke_run_on_cpu(tmp_path):
     out = tmp_path / "engine_real.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "engine.py"), "--real", "embedded", "--device", "cpu",
                            "--batches", "1,2", "--new-tokens", "3", "--batch1-prompts", "2", "--repeats", "1",
-                           "--arms", "ngram-alone,off-stepped,ngram-chain4,ngram-chain4-ahead", "--prompts-file", str(prompts), "--out", str(out)],
+                           "--arms", "ngram-alone,off-stepped,ngram-chain4,ngram-chain4-ahead,on-gain0.05", "--prompts-file", str(prompts), "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -41,7 +41,7 @@ def test_real_pair_smoke_run_on_cpu(tmp_path):
     for row in (one, two):
         assert row["spec_tok_s"] > 0 and row["nospec_tok_s"] > 0 and row["hf_static_tok_s"] > 0
         assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["nospec_tok_s"], abs=0.01)  # one run
-        assert set(row["drafter_arms"]) == {"ngram-alone", "off-stepped", "ngram-chain4", "ngram-chain4-ahead"}
+        assert set(row["drafter_arms"]) == {"ngram-alone", "off-stepped", "ngram-chain4", "ngram-chain4-ahead", "on-gain0.05"}
         assert all(arm["tok_s"] > 0 for arm in row["drafter_arms"].values())
         # float32 on the CPU: every arm's greedy tokens are speculation off's, sequence for sequence
         n = row["prompts_timed"]
