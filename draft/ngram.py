@@ -169,7 +169,7 @@ class NgramDrafter:
         if device not in self._device_tables:
             packed = pack_table(self.table.entries)
             self._device_tables[device] = None if packed is None else (
-                packed[0].to(device), packed[1].to(device), self.table.min_n, self.table.max_n)
+                packed[0].to(device), packed[1].to(device), self.table.min_n, self.table.max_n, packed[2])
         return self._device_tables[device]
 
     def propose(self, reqs: list[DraftRequest]) -> list[TokenTree]:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from draft.ngram import NgramDrafter, NgramTable
-from kernels.ngram_lookup import TOKEN_BITS, ngram_lookup, ngram_lookup_ref, pack_table
+from kernels.ngram_lookup import (MAX_PROBES, TOKEN_BITS, ngram_lookup, ngram_lookup_ref, pack_key, pack_table,
+                                  table_hash)
 
 
 def rows_case(seed: int, B: int = 6, cap: int = 96, vocab: int = 5):
@@ -63,8 +64,8 @@ def table_case(seed: int, min_n: int = 1, max_n: int = 3, B: int = 8, cap: int =
 
 
 def packed(table: NgramTable) -> tuple:
-    keys, nxt = pack_table(table.entries)
-    return keys, nxt, table.min_n, table.max_n
+    keys, nxt, probes = pack_table(table.entries)
+    return keys, nxt, table.min_n, table.max_n, probes
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -95,8 +96,18 @@ def test_with_a_table_the_reference_drafts_the_host_drafter_s_chain(seed: int) -
 def test_a_table_that_cannot_be_packed_is_left_to_the_host() -> None:
     assert pack_table({(1, 2, 3, 4): (5,)}) is None  # four tokens of context
     assert pack_table({(1,): (1 << TOKEN_BITS,)}) is None  # a token past the key's width
-    keys, nxt = pack_table({(2, 1): (5, 6), (3,): (4,), (9,): ()})
-    assert keys.tolist() == sorted(keys.tolist()) and sorted(nxt.tolist()) == [4, 5]
+    keys, nxt, probes = pack_table({(2, 1): (5, 6), (3,): (4,), (9,): ()})  # (9,) holds no next token: left out
+    assert keys.numel() == 4 and sorted(keys.tolist()) == [-1, -1, pack_key((3,)), pack_key((2, 1))]
+    assert {k: v for k, v in zip(keys.tolist(), nxt.tolist()) if k >= 0} == {pack_key((3,)): 4, pack_key((2, 1)): 5}
+    # many contexts: at most half the slots full, every key within its probe window of its hash
+    entries = {(a, b): (a ^ b,) for a in range(60) for b in range(50)}
+    keys, nxt, probes = pack_table(entries)
+    assert keys.numel() >= 2 * len(entries) and probes <= MAX_PROBES
+    where = {k: i for i, k in enumerate(keys.tolist()) if k >= 0}
+    assert len(where) == len(entries)
+    for c, v in entries.items():
+        i = where[pack_key(c)]
+        assert nxt[i] == v[0] and (i - table_hash(pack_key(c))) % keys.numel() < probes
     hist, lens, _, _ = table_case(0)
     drafter = NgramDrafter(table=NgramTable({(1, 2, 3, 4): (5,)}, 4, 4))
     assert torch.equal(drafter.lookup_on_device(hist, lens, int(lens.max()), 3),
@@ -110,7 +121,7 @@ def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="min_n"):
         ngram_lookup(hist, lens, 10, 2, 1, 2, 64, use_triton=True)
     with pytest.raises(ValueError, match="device table"):
-        ngram_lookup(hist, lens, 10, 2, 3, 1, 64, (lens, lens, 1, 4), use_triton=True)
+        ngram_lookup(hist, lens, 10, 2, 3, 1, 64, (lens, lens, 1, 4, 1), use_triton=True)
 
 
 @pytest.mark.gpu
