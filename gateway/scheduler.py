@@ -123,18 +123,7 @@ class Scheduler:
         self.num_schedules += 1
         self._intervals.clear()
         decoding = [s for s in self.running if not s.is_prefilling]
-        self._batch = len(decoding)
-        self._gate_open = self.gate is None or self.gate.allows(len(decoding))
-        cap = self.config.budget.max_verify_tokens
-        if self.roots_fill_cap(len(decoding)):  # every tree would be cut away
-            widths = [()] * len(decoding)
-        else:
-            asked = [self._widths(s, template_of) for s in decoding]
-            if not any(w for w, _ in asked):  # nobody drafts this step (the usual case where speculation is off)
-                widths = [()] * len(decoding)
-            else:
-                widths = self._cap_depth(decoding, asked) if self.config.budget.cost_aware else [w for w, _ in asked]
-                widths = cap_total(widths, [s.acceptance.alpha for s in decoding], cap)
+        widths = self._plan_widths(decoding, template_of)
         budget = self.config.max_step_tokens
         reserved = 0  # blocks this plan will allocate
         for seq, w in zip(decoding, widths):
@@ -167,16 +156,20 @@ class Scheduler:
         the probes' schedule."""
         self.num_schedules += 1
         self._intervals.clear()
+        return [len(w) for w in self._plan_widths(decoding, template_of)]
+
+    def _plan_widths(self, decoding: list[Sequence], template_of: TemplateOf) -> list[tuple[int, ...]]:
+        """Each decoding sequence's tree widths this step: the budget's cut at its acceptance (or a probe), the
+        cost cap, the verify cap."""
         self._batch = len(decoding)
         self._gate_open = self.gate is None or self.gate.allows(len(decoding))
-        if self.roots_fill_cap(len(decoding)):
-            return [0] * len(decoding)
+        if self.roots_fill_cap(len(decoding)):  # every tree would be cut away
+            return [()] * len(decoding)
         asked = [self._widths(s, template_of) for s in decoding]
-        if not any(w for w, _ in asked):
-            return [0] * len(decoding)
+        if not any(w for w, _ in asked):  # nobody drafts this step (the usual case where speculation is off)
+            return [()] * len(decoding)
         widths = self._cap_depth(decoding, asked) if self.config.budget.cost_aware else [w for w, _ in asked]
-        widths = cap_total(widths, [s.acceptance.alpha for s in decoding], self.config.budget.max_verify_tokens)
-        return [len(w) for w in widths]
+        return cap_total(widths, [s.acceptance.alpha for s in decoding], self.config.budget.max_verify_tokens)
 
     def _widths(self, seq: Sequence, template_of: TemplateOf) -> tuple[tuple[int, ...], bool]:
         """The sequence's widths this step, and whether the budget may cut them further."""
