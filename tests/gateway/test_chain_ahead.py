@@ -396,9 +396,10 @@ def test_chain_steps_on_cuda_graphs_emit_plain_decoding_s_tokens() -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_random_traffic_matches_the_engine_without_chains(seed: int) -> None:
     """Requests of every kind the server takes -- greedy plain and n-gram (fixed chains and adaptive), seeded
-    sampling, logprobs -- arriving at random steps, some aborted: with chains on, every finished greedy
-    request's tokens are those without, an aborted one's a prefix of them, every sampled one reaches its
-    length, and the pool ends whole."""
+    sampling, logprobs -- arriving at random steps, some aborted, their acceptance estimates jolted at random
+    (so that chains deepen and shallow mid-run): with chains on, every finished greedy request's tokens are
+    those without, an aborted one's a prefix of them, every sampled one reaches its length, and the pool ends
+    whole."""
     g = torch.Generator().manual_seed(100 + seed)
     kinds = [(greedy(20), PLAIN), (greedy(24), chain_spec(3)), (greedy(16), SpeculationParams(drafter="ngram")),
              (SamplingParams(temperature=0.9, seed=seed, max_tokens=18, ignore_eos=True), chain_spec(2)),
@@ -416,7 +417,13 @@ def test_random_traffic_matches_the_engine_without_chains(seed: int) -> None:
         got: dict[str, list[int]] = {}
         aborted: set[str] = set()
         step = 0
+        jolts = torch.Generator().manual_seed(seed)  # the same jolts in both engines
         while step < 40 or eng.has_work():
+            for rid in sorted(eng._seqs):
+                u = torch.rand(2, generator=jolts).tolist()
+                if u[0] < 0.3:
+                    est = eng._seqs[rid].acceptance
+                    est.successes = est.trials * u[1]
             for at, rid, p, sp, spec, abort in plan:
                 if at == step:
                     eng.add(rid, p, sp, spec)
