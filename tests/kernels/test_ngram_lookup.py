@@ -44,7 +44,7 @@ def test_the_reference_finds_the_host_drafter_s_first_continuation(seed: int) ->
         assert got[b].tolist() == want, (b, r)
 
 
-def table_case(seed: int, min_n: int = 1, max_n: int = 3, B: int = 8, cap: int = 40, vocab: int = 30):
+def table_case(seed: int, min_n: int = 1, max_n: int = 3, B: int = 8, cap: int = 40, vocab: int = 40):
     """Rows with no repeated token (the table's case: no lookup in their own text matches) and a few with
     repeats, stale tails past their lengths, and a table of next tokens over the same vocabulary built from
     texts that share some of the rows' endings, so lookups hit at every context size, and miss."""
