@@ -78,7 +78,7 @@
 # model split into 28 MiB pieces; `bash bench/gpu_prep.sh WHEELS_DIR MT_BENCH_JSONL` rebuilds all but the
 # Triton parts in a new checkout). A warm machine keeps what earlier calls carried. Failed starts cost 90-210 s of
 # device time each (2026-12-05: three in a row; 2026-12-06: every start failed, 1546 s of the 1800 spent; 2026-12-07:
-# every start failed again, ~1,370 s spent on 20 tries between refusals and failed starts).
+# 19 tries refused or failed, ~1,400 s, before one started with 434 s left).
 # Results go to $OUT (the device tool brings them back). Put the commit in the command text, as the host's
 # checkout names it (BENCH_COMMIT=abc1234 bash bench/gpu_run.sh ...): the device's copy of .git is stale,
 # and `$(git rev-parse HEAD)` inside the command runs there.
