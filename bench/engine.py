@@ -485,6 +485,7 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                                                                                      *AHEAD_ARMS) or a.startswith(GAIN_ARM))
                      and a != llm.engine.config.default_drafter]:
             default_config, sched_config = llm.engine.config, llm.engine.scheduler.config
+            reselect = False  # the arm picked the drafter: the default's is put back after it
             if name.startswith(GAIN_ARM):
                 spec = SpeculationParams()
                 llm.engine.scheduler.config = replace(sched_config, budget=replace(
@@ -501,12 +502,13 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                 llm.engine.config = replace(llm.engine.config, chain_ahead=True)
             else:
                 spec = SpeculationParams() if name == PER_TOKEN else SpeculationParams(drafter=select_arm(llm, name, table))
+                reselect = True
             llm.generate(warm, warm_sampling, spec)
             arm_runs = [generate_tok_s(llm, groups, greedy, spec, record(name, rep), batch_completion=name != PER_TOKEN,
                                        tokens=outputs.setdefault(name, []) if rep == 0 else None)
                         for rep in range(repeats)]
             llm.engine.config, llm.engine.scheduler.config = default_config, sched_config
-            if name not in STEPPED_ARMS and name not in FIXED_ARMS and name not in AHEAD_ARMS and not name.startswith(GAIN_ARM):
+            if reselect:
                 select_arm(llm, "ngram", table)
             tok_s, arm_mal = max(arm_runs)
             row["drafter_arms"][name] = {"tok_s": round(tok_s, 1), "speedup": round(tok_s / off, 3),

@@ -159,9 +159,9 @@ class NgramDrafter:
         finds it for a chain (``continuations``, else ``table_continuations``), 0 past its end
         (kernels/ngram_lookup.py). ``lens`` holds each row's length, at most ``span``."""
         return ngram_lookup(hist, lens, span, depth, self.max_ngram, self.min_ngram, self.window,
-                            self._device_table(hist.device))
+                            self.device_table(hist.device))
 
-    def _device_table(self, device: torch.device) -> tuple | None:
+    def device_table(self, device: torch.device) -> tuple | None:
         """The table as the device lookup reads it, packed and copied once per device; None without a table
         or where it cannot be packed (contexts over 3 tokens: the device then drafts from the rows alone)."""
         if self.table is None:

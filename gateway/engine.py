@@ -117,6 +117,7 @@ class Engine:
                                           hidden=bool(self._feature_drafters), shared_logits=True)
         if config.capture_at_start:
             self.capture_graphs()
+        chain_ahead.prepare(self)
         self._seqs: dict[str, Sequence] = {}
         # this step's sequences whose verified tree is not their drafter's own (a grammar-forced chain grafted in,
         # forbidden nodes dropped): the drafter's tree, each verified node's index in it (-1: not the
@@ -303,55 +304,39 @@ class Engine:
         return ended + outputs
 
     def _step_ahead(self) -> list[RequestOutput]:
-        """Launch the step after the pending plain one where it can be planned now, then resolve the pending
-        one; else resolve it and plan normally."""
+        """Launch the step after the pending one -- plain (gateway/overlap.py) or a chain (gateway/chain_ahead.py)
+        -- where it can be planned now, then resolve the pending one; else resolve it and plan normally."""
         prev, self._inflight = self._inflight, None
-        if isinstance(prev, chain_ahead.ChainInFlight):
-            return self._chain_ahead(prev)
-        ahead = overlap.plan_ahead(self, prev)
-        seqs = [] if ahead is None else ahead.ahead + ahead.host + [s for s, _ in ahead.prefills]
+        chain = isinstance(prev, chain_ahead.ChainInFlight)
+        if chain:
+            nxt = chain_ahead.continues(self, prev)
+            seqs = [] if nxt is None else nxt.run.seqs + [s for s, _ in nxt.prefills]
+        else:
+            nxt = overlap.plan_ahead(self, prev)
+            seqs = [] if nxt is None else nxt.ahead + nxt.host + [s for s, _ in nxt.prefills]
         failed: Exception | None = None
-        if ahead is not None:
+        if nxt is not None:
             try:
-                self._inflight = overlap.launch(self, ahead, prev)
+                self._inflight = chain_ahead.launch(self, nxt) if chain else overlap.launch(self, nxt, prev)
                 self.num_ahead += 1
             except Exception as exc:  # noqa: BLE001 -- fails this step's sequences, once prev's tokens are theirs
                 failed = exc
-        outputs = overlap.resolve(self, prev)
+        outputs = chain_ahead.resolve(self, prev, successor=self._inflight) if chain else overlap.resolve(self, prev)
         # In an unbroken run of overlapped steps one step's time is the span between two resolutions: the
-        # plain step's price the budget weighs drafts against (a draft level also breaks the run).
+        # plain step's price the budget weighs drafts against (a draft level also breaks the run), or a chain's.
         now = time.perf_counter()
         if self._ahead_t is not None and not prev.prefilled:
-            self.scheduler.costs.observe(len(prev.seqs), 0, now - self._ahead_t)
+            if chain:
+                self.scheduler.costs.observe(len(prev.run.seqs), prev.run.K, now - self._ahead_t,
+                                             chain_ahead.kinds(prev.run))
+            else:
+                self.scheduler.costs.observe(len(prev.seqs), 0, now - self._ahead_t)
         self._ahead_t = now if self._inflight is not None else None
         if failed is not None:
             outputs += [self._finish(s, "error", error=f"{type(failed).__name__}: {failed}")
                         for s in seqs if s.status is Status.RUNNING]
         if self._inflight is None and self.scheduler.has_work():
             outputs += self._step()  # prev is committed: plan as usual
-        return outputs
-
-    def _chain_ahead(self, prev: chain_ahead.ChainInFlight) -> list[RequestOutput]:
-        """``_step_ahead`` for a pending chain step: the run's next step launched where it goes on, then the
-        pending one resolved; else resolved, and the next step planned as usual."""
-        nxt, failed = chain_ahead.continues(self, prev), None
-        if nxt is not None:
-            try:
-                self._inflight = chain_ahead.launch(self, nxt)
-                self.num_ahead += 1
-            except Exception as exc:  # noqa: BLE001 -- fails the step's sequences, once prev's tokens are theirs
-                failed = exc
-        outputs = chain_ahead.resolve(self, prev, successor=self._inflight)
-        now = time.perf_counter()  # in an unbroken run, a step's time is the span between two resolutions
-        if self._ahead_t is not None and not prev.prefilled:
-            self.scheduler.costs.observe(len(prev.run.seqs), prev.run.K, now - self._ahead_t,
-                                         chain_ahead.kinds(prev.run))
-        self._ahead_t = now if self._inflight is not None else None
-        if failed is not None:
-            outputs += [self._finish(s, "error", error=f"{type(failed).__name__}: {failed}")
-                        for s in nxt.run.seqs + [s for s, _ in nxt.prefills] if s.status is Status.RUNNING]
-        if self._inflight is None and self.scheduler.has_work():
-            outputs += self._step()
         return outputs
 
     def _run(self, plan) -> list[RequestOutput]:
