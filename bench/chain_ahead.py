@@ -1,7 +1,7 @@
 """Overlapped n-gram chains (EngineConfig.chain_ahead) against the same chains stepped one by one, and against
 overlapped plain decoding, in one run.
 
-    python bench/chain_ahead.py [--batches 1,16] [--depth 4] [--out bench/results/chain_ahead.json]
+    python bench/chain_ahead.py [--batches 1,16] [--depth 4] [--profile] [--out bench/results/chain_ahead.json]
 
 The target is SmolLM2-135M's shape with random weights (INT4 g128, bench/step_profile.py's): a step's cost
 does not depend on the weights, but what a lookup finds does, so acceptance here is the random model's, not
@@ -10,6 +10,11 @@ at the same tokens per step: the host time an overlapped chain step hides. Every
 fixed chain (``SpeculationParams.tree``), so neither the budget nor the gate changes the shape, and its prompt
 repeats a phrase, so lookups find continuations from the first step. Arms alternate within each repetition;
 each reports its best repetition.
+
+``--profile`` (CUDA) adds, after every timed row, one run of each arm under torch.profiler: per engine step its
+wall, its kernels' device time, how long the device was busy (the union of kernel spans) and idle, and its
+launches, with the kernels that moved the stream's end most (``verify_profile.exposed``). A step whose device
+busy time is near its wall is device-bound; one with idle time is waiting on the host.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from gateway.budget import BudgetConfig  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
 from step_profile import random_model  # noqa: E402
+from verify_profile import exposed  # noqa: E402
 from verify.sampling import SamplingParams  # noqa: E402
 
 ARMS = ("plain overlapped", "chain stepped", "chain ahead")
@@ -78,6 +84,44 @@ def run_arm(engine: Engine, arm: str, batch: int, depth: int, tokens: int, promp
             "tokens": [out[f"{arm}-{i}"] for i in range(batch)]}
 
 
+def profile_arm(engine: Engine, arm: str, batch: int, depth: int, tokens: int, prompts: list[list[int]],
+                top: int = 14) -> dict:
+    """``run_arm`` under torch.profiler (CUDA activity only): per engine step, device figures as the module's
+    docstring lists them. Prefill steps fall inside the session too; they are a few of ``tokens`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        r = run_arm(engine, arm, batch, depth, tokens, prompts)
+        torch.cuda.synchronize()
+    spans, per_name = [], {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            name = e.name[:70]
+            agg = per_name.setdefault(name, [0.0, 0, 0.0])
+            agg[0] += e.device_time_total
+            agg[1] += 1
+            spans.append((e.time_range.start, e.time_range.end, name))
+    busy, end = 0.0, None
+    for start, stop, _ in sorted(spans):
+        if end is None or start >= end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    for name, us in exposed(spans).items():
+        per_name[name][2] = us
+    steps = max(r["steps"], 1)
+    span = (max(s[1] for s in spans) - min(s[0] for s in spans)) if spans else 0.0
+    kernels = sorted(per_name.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"batch": batch, "arm": arm, "steps": r["steps"], "profiled_ms_per_step": round(r["ms_per_step"], 4),
+            "kernel_us_per_step": round(sum(v[0] for v in per_name.values()) / steps, 1),
+            "busy_us_per_step": round(busy / steps, 1), "idle_us_per_step": round((span - busy) / steps, 1),
+            "launches_per_step": round(sum(v[1] for v in per_name.values()) / steps, 1),
+            "kernels": {k: {"us_per_step": round(v[0] / steps, 1), "exposed_us_per_step": round(v[2] / steps, 1),
+                            "per_step": round(v[1] / steps, 2)} for k, v in kernels}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -87,6 +131,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--target-layers", type=int, default=30)
     ap.add_argument("--out", default=str(HERE / "results" / "chain_ahead.json"))
+    ap.add_argument("--profile", action="store_true", help="CUDA: a torch.profiler run of each arm (see the docstring)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="activations (default: bfloat16 on CUDA, float32 on the CPU)")
     args = ap.parse_args()
@@ -131,6 +176,13 @@ def main() -> None:
         res["rows"][-1]["requests_same_tokens_as_stepped"] = same("chain ahead", "chain stepped")
         res["rows"][-1]["requests_same_tokens_as_plain"] = same("chain ahead", "plain overlapped")
         res["rows"][-2]["requests_same_tokens_as_plain"] = same("chain stepped", "plain overlapped")
+    # last: after a profiler session every graph launch in the process costs more (verify_profile's note)
+    if args.profile and args.device == "cuda":
+        res["profile"] = []
+        for batch in batches:
+            for arm in ARMS:
+                res["profile"].append(profile_arm(engine, arm, batch, args.depth, min(args.tokens, 64), prompts))
+                log(json.dumps({k: v for k, v in res["profile"][-1].items() if k != "kernels"}))
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     plot(res, Path(args.out).with_suffix(".png"))
 

@@ -51,6 +51,7 @@
 #                                    draft arm, the device loops' gain within one run, greedy and sampled)
 #   bash bench/gpu_run.sh chain_ahead bench/chain_ahead.py: n-gram chains overlapped (EngineConfig.chain_ahead) vs stepped vs
 #                                    plain overlapped, SmolLM2's shape with random weights, batch 1 and 16
+#                                    (CHAIN_ARGS="--profile": then each arm under torch.profiler, device busy/idle a step)
 #   bash bench/gpu_run.sh identity   bench/greedy_identity.py: greedy speculative output against plain decoding per
 #                                    prompt, bfloat16 and float32, with each flip's logit gap (random weights: no model;
 #                                    IDENTITY_ARGS=--embedded after `model`: SmolLM2, n-grams and the shipped draft)
@@ -209,7 +210,7 @@ for stage in "$@"; do
           --batch $b --prompts 16 --max-tokens 128 --prompts-file .cache/mt_bench.jsonl \
           --out "$OUT/draft_head_gpu_b$b.json" 2>&1 | grep -v "^{'drafter" | tail -6
       done ;;
-    chain_ahead) timeout "${CHAIN_TIMEOUT:-300}" python bench/chain_ahead.py --batches "${CHAIN_BATCHES:-1,16}" \
+    chain_ahead) timeout "${CHAIN_TIMEOUT:-300}" python bench/chain_ahead.py --batches "${CHAIN_BATCHES:-1,16}" ${CHAIN_ARGS:-} \
         --out "$OUT/chain_ahead.json" 2>&1 | tail -8 ;;
     identity) timeout "${IDENTITY_TIMEOUT:-300}" python bench/greedy_identity.py --device cuda ${IDENTITY_ARGS:-} \
                 --prompts-file .cache/mt_bench.jsonl --out "$OUT/greedy_identity.json" 2>&1 | grep -v Warning | tail -14 ;;
