@@ -67,7 +67,8 @@ def run_arm(engine: Engine, arm: str, batch: int, depth: int, tokens: int, promp
             out[o.request_id] += o.new_token_ids
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    steps0, ahead0, emitted0 = engine.num_steps, engine.num_ahead, sum(len(v) for v in out.values())
+    steps0, ahead0, wait0 = engine.num_steps, engine.num_ahead, engine.wait_s
+    emitted0 = sum(len(v) for v in out.values())
     t0 = time.perf_counter()
     while engine.has_work():
         for o in engine.step():
@@ -80,6 +81,9 @@ def run_arm(engine: Engine, arm: str, batch: int, depth: int, tokens: int, promp
     accepted = sum(s.accepted_tokens for s in stats.values())
     return {"tok_s": emitted / seconds, "ms_per_step": 1e3 * seconds / max(steps, 1),
             "tokens_per_step": emitted / max(steps, 1), "steps_ahead": engine.num_ahead - ahead0, "steps": steps,
+            # the host's wait on a step launched ahead: near 0 where the host bounds the step, near the step's
+            # device time less the host's where the device does
+            "wait_ms_per_step": 1e3 * (engine.wait_s - wait0) / max(steps, 1),
             "mean_accepted_length": (accepted + verify_steps) / max(verify_steps, 1),
             "tokens": [out[f"{arm}-{i}"] for i in range(batch)]}
 
