@@ -98,6 +98,10 @@ class BudgetConfig:
     gate: bool = True
     gate_block: int = 32
     gate_explore: int = 8
+    # With the gate on, the drafters it chooses among for adaptive requests that name none, each an arm of
+    # its own, in order of preference (``SpecGate.drafters``); empty: each request keeps the engine's default.
+    # None: as the loader picks (gateway/llm.py: a loaded draft model and n-grams), else empty.
+    gate_drafters: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_verify_tokens < 1:
@@ -281,11 +285,15 @@ class StepCosts:
         return seen[0]
 
 
+PLAIN = "plain"  # the gate's plain-decoding arm
+SPEC = "spec"  # its speculating arm where it chooses no drafter: each request drafts with its own
+
+
 @dataclass(slots=True)
 class _Block:
     """A speculation gate's running block at one batch bucket: its arm and what it has measured so far."""
 
-    spec: bool
+    arm: str
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
@@ -301,37 +309,67 @@ class SpecGate:
     drains that pipeline, and the plain step after it starts a new one, paying its host work with the GPU
     idle; probes and lookups that keep nothing cost their steps too. On a lent H100 (SmolLM2-135M,
     ``engine_real_h100_2d5125e.json``) the default speculation ran at 0.85x of overlapped plain decoding at
-    batch 1 under the depth caps alone. So the scheduler runs the two arms in blocks of ``block`` steps --
+    batch 1 under the depth caps alone. So the scheduler runs the arms in blocks of ``block`` steps --
     speculation as the budget plans it, or every adaptive request plain with no probes -- measures each
-    block's tokens per second, and runs the arm with the better EMA, the other one block in ``explore`` so
-    that a change in either is seen. That share doubles, up to one block in ``max_explore``, until the losing
+    block's tokens per second, and runs the arm with the better EMA, each other one a block in ``explore`` so
+    that a change in any is seen. That share doubles, up to one block in ``max_explore``, until the losing
     arm's measured shortfall spread over it is at most ``overhead`` of the better arm's time (as probes are
     priced, ``probe_interval``): a loser by 15% is run one block in 16, by 50% one in 64. A bucket not yet
-    measured inherits speculation's loss at a smaller one (``_inherited_loss``). Requests
-    that fixed their own tree keep it in both arms: an A/B experiment's shape is not the gate's to change.
+    measured inherits an arm's loss at a smaller one (``_inherited_loss``). Requests that fixed their own
+    tree keep it in every arm: an A/B experiment's shape is not the gate's to change.
+
+    With ``drafters`` the gate also picks the drafter: each one is a speculating arm of its own (in order of
+    preference: the first is measured first), run for the adaptive requests that named no drafter
+    (``Engine._follow_gate``). A drafter that pays on one machine need not on another: in this project's CPU
+    runs the embedded pair's distilled draft paid 1.38x at batch 1 where n-grams paid 1.07x, while on a lent
+    H100 a model-draft step cost 3.1x a plain one and neither paid. Without ``drafters`` the speculating arm
+    is ``SPEC``: every request drafts with its own drafter.
 
     The engine reports each step's decoding batch, emitted tokens and seconds (from the previous step's
     end: a plain step's overlapped host work counts once, where it ran). Each bucket runs its own block, fed
     by the steps at that bucket alone, so a batch size that wavers across a bucket's edge fills two blocks
     rather than cutting both short. Steps that also prefilled are not counted (a prompt's cost falls on
-    whichever arm admitted it), nor steps where no decoding request speculates (both arms are the same step
+    whichever arm admitted it), nor steps where no decoding request speculates (every arm is the same step
     there)."""
 
     block: int = 32
     explore: int = 8
+    drafters: tuple[str, ...] = ()
     decay: float = 0.7
     max_explore: int = 64
     overhead: float = 0.01
-    _rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, spec?) -> EMA tokens / s
+    _rates: dict[tuple[int, str], float] = field(default_factory=dict)  # (bucket, arm) -> EMA tokens / s
     _blocks: dict[int, int] = field(default_factory=dict)  # blocks completed per bucket
+    _last: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, arm) -> the last block it ran
     _open: dict[int, _Block] = field(default_factory=dict)  # the running block per bucket
     _state: tuple | None = None  # ``state()`` until the next block completes (it is read after every step)
 
-    def allows(self, batch: int) -> bool:
-        """Whether adaptive requests may speculate in a step of ``batch`` decoding sequences (changes nothing)."""
+    def __post_init__(self) -> None:
+        self.drafters = tuple(self.drafters)
+        if len(set(self.drafters)) != len(self.drafters) or {PLAIN, SPEC} & set(self.drafters):
+            raise ValueError(f"the gate's drafters must be distinct drafter names, got {list(self.drafters)}")
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        """The arms in order of preference: the speculating ones, then ``PLAIN``."""
+        return (*(self.drafters or (SPEC,)), PLAIN)
+
+    def arm(self, batch: int) -> str:
+        """The arm of a step of ``batch`` decoding sequences: its bucket's running block's, else the next
+        block's (changes nothing)."""
         b = batch_bucket(batch)
         running = self._open.get(b)
-        return running.spec if running is not None else self._arm(b)
+        return running.arm if running is not None else self._arm(b)
+
+    def allows(self, batch: int) -> bool:
+        """Whether adaptive requests may speculate in a step of ``batch`` decoding sequences (changes nothing)."""
+        return self.arm(batch) != PLAIN
+
+    def drafter(self, batch: int) -> str | None:
+        """The drafter adaptive requests that named none draft with in a step of ``batch`` decoding sequences;
+        None where the gate chooses none (no ``drafters``, or the plain arm)."""
+        arm = self.arm(batch)
+        return arm if arm in self.drafters else None
 
     def observe(self, batch: int, tokens: int, seconds: float, counted: bool = True) -> None:
         """One engine step: ``batch`` decoding sequences, ``tokens`` emitted, ``seconds`` since the last step;
@@ -347,77 +385,115 @@ class SpecGate:
         running.seconds += seconds
         if running.steps >= self.block:
             del self._open[b]
+            n = self._blocks.get(b, 0)
+            self._last[(b, running.arm)] = n
+            self._blocks[b] = n + 1
             if running.seconds > 0:
-                key = (b, running.spec)
+                key = (b, running.arm)
                 rate = running.tokens / running.seconds
                 old = self._rates.get(key)
                 self._rates[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
-                self._blocks[b] = self._blocks.get(b, 0) + 1
-                self._state = None
+            self._state = None
 
-    def rate(self, batch: int, spec: bool) -> float | None:
-        """The EMA of tokens per second of an arm at ``batch``'s bucket; None before its first block."""
-        return self._rates.get((batch_bucket(batch), spec))
+    def rate(self, batch: int, arm: bool | str) -> float | None:
+        """The EMA of tokens per second of ``arm`` at ``batch``'s bucket; None before its first block. True: the
+        best speculating arm's; False: plain decoding's."""
+        b = batch_bucket(batch)
+        if arm is True:
+            return self._best_spec(b)[1]
+        return self._rates.get((b, PLAIN if arm is False else arm))
 
-    def state(self) -> tuple[tuple[int, bool, int | None, int | None], ...]:
-        """``summary`` as a tuple of (bucket, speculate, spec tokens/s, plain tokens/s), rates rounded to whole
-        tokens: what the engine process sends the server when it changes (gateway/engine_proc.py)."""
+    def state(self) -> tuple[tuple[int, bool, int | None, int | None, str | None], ...]:
+        """``summary`` as a tuple of (bucket, speculate, spec tokens/s, plain tokens/s, drafter), rates rounded
+        to whole tokens: what the engine process sends the server when it changes (gateway/engine_proc.py)."""
         if self._state is None:
             self._state = tuple((int(b), v["speculate"], None if v["spec_tok_s"] is None else round(v["spec_tok_s"]),
-                                 None if v["plain_tok_s"] is None else round(v["plain_tok_s"]))
+                                 None if v["plain_tok_s"] is None else round(v["plain_tok_s"]), v.get("drafter"))
                                 for b, v in self.summary().items())
         return self._state
 
-    def summary(self) -> dict[str, dict[str, float | bool | None]]:
-        """Per bucket: each arm's tokens per second and the arm the gate prefers."""
-        out: dict[str, dict[str, float | bool | None]] = {}
+    def summary(self) -> dict[str, dict]:
+        """Per bucket: the best speculating arm's and plain decoding's tokens per second and whether the gate
+        prefers speculation; with ``drafters``, also the drafter it prefers and every arm's rate."""
+        out: dict[str, dict] = {}
         for b in sorted({b for b, _ in self._rates}):
-            on, off = self._rates.get((b, True)), self._rates.get((b, False))
+            name, on = self._best_spec(b)
+            off = self._rates.get((b, PLAIN))
+            better = self._better(b)
             out[str(b)] = {"spec_tok_s": None if on is None else round(on, 1),
-                           "plain_tok_s": None if off is None else round(off, 1), "speculate": self._better(b)}
+                           "plain_tok_s": None if off is None else round(off, 1), "speculate": better != PLAIN}
+            if self.drafters:
+                out[str(b)]["drafter"] = better if better != PLAIN else name
+                out[str(b)]["arms"] = {a: round(self._rates[(b, a)], 1) for a in self.arms if (b, a) in self._rates}
         return out
 
-    def _better(self, b: int) -> bool:
-        on, off = self._rates.get((b, True)), self._rates.get((b, False))
-        if on is None and self._inherited_loss(b) is not None:
-            return False  # speculation lost at a smaller batch: plain first, speculation explored (``_arm``)
-        if on is None or off is None:
-            return on is None  # an arm never measured is measured next: speculation first
-        return on >= off
+    def _best_spec(self, b: int) -> tuple[str | None, float | None]:
+        """The speculating arm with the best rate at bucket ``b``, and that rate; (None, None) where none ran."""
+        rated = [(self._rates[(b, a)], -i, a) for i, a in enumerate(self.arms[:-1]) if (b, a) in self._rates]
+        if not rated:
+            return None, None
+        rate, _, name = max(rated)
+        return name, rate
 
-    def _inherited_loss(self, b: int) -> float | None:
-        """Speculation's shortfall against plain decoding (a share of plain's rate) at the largest smaller
-        bucket that measured both arms, where speculation lost there; None otherwise. A larger batch leaves
+    def _untried(self, b: int, arm: str) -> bool:
+        """Whether ``arm`` has not run at bucket ``b`` and inherits no loss there: it runs next, as the better."""
+        return (b, arm) not in self._rates and (arm == PLAIN or self._inherited_loss(b, arm) is None)
+
+    def _better(self, b: int) -> str:
+        """The arm bucket ``b`` runs when it explores nothing: the first untried arm (in order of preference),
+        else the best measured one (a tie goes to the preferred)."""
+        rated = []
+        for i, a in enumerate(self.arms):
+            if self._untried(b, a):
+                return a
+            if (b, a) in self._rates:
+                rated.append((self._rates[(b, a)], -i, a))
+        return max(rated)[2]
+
+    def _inherited_loss(self, b: int, arm: str) -> float | None:
+        """Speculating ``arm``'s shortfall against plain decoding (a share of plain's rate) at the largest
+        smaller bucket that measured both, where the arm lost there; None otherwise. A larger batch leaves
         speculation less to gain (its verify rows cost more as the step turns compute-bound), so a bucket
-        not yet measured starts from that verdict: plain decoding first, speculation explored one block in
+        not yet measured starts from that verdict: plain decoding first, the arm explored one block in
         as many as the inherited loss allows, rather than a block of losing speculation first and then one
         in ``explore`` until its own rates say otherwise. Each new bucket of a server whose speculation
         loses thus stops paying that learning cost (on the lent H100 at d32cf22 the gate ran plain at every
         bucket, ``engine_real_h100_d32cf22.json``). Its own measurements replace the verdict."""
         c = b >> 1
-        while c and not ((c, True) in self._rates and (c, False) in self._rates):
+        while c and not ((c, arm) in self._rates and (c, PLAIN) in self._rates):
             c >>= 1
         if not c:
             return None
-        on, off = self._rates[(c, True)], self._rates[(c, False)]
+        on, off = self._rates[(c, arm)], self._rates[(c, PLAIN)]
         return 1.0 - on / off if on < off else None
 
-    def interval(self, batch: int) -> int:
-        """One block in this many runs the losing arm at ``batch``'s bucket (see the class's docstring); a bucket
-        that has not measured speculation yet but inherits a loss (``_inherited_loss``) explores it as often as
-        that loss allows."""
+    def interval(self, batch: int, arm: str | None = None) -> int:
+        """One block in this many runs ``arm`` at ``batch``'s bucket where another arm is better (see the
+        class's docstring): from its measured shortfall against the best arm, or from the loss it inherits
+        where it has not run there; ``explore`` otherwise. None: the shortest over the arms not better."""
         b = batch_bucket(batch)
-        on, off = self._rates.get((b, True)), self._rates.get((b, False))
-        if not (on and off):
-            loss = self._inherited_loss(b) if on is None else None
+        if arm is None:
+            better = self._better(b)
+            return min((self.interval(b, a) for a in self.arms if a != better), default=self.explore)
+        rate = self._rates.get((b, arm))
+        if rate is None:
+            loss = self._inherited_loss(b, arm) if arm != PLAIN else None
             return self.explore if loss is None else doubled_interval(self.explore, self.max_explore, loss,
                                                                       self.overhead)
-        return doubled_interval(self.explore, self.max_explore, 1.0 - min(on, off) / max(on, off), self.overhead)
+        best = max(self._rates.get((b, a), 0.0) for a in self.arms)
+        return doubled_interval(self.explore, self.max_explore, 1.0 - rate / best, self.overhead)
 
-    def _arm(self, b: int) -> bool:
-        """The next block's arm at bucket ``b``: the better one, the other every ``interval``-th block."""
+    def _arm(self, b: int) -> str:
+        """The next block's arm at bucket ``b``: the better one, or an arm that has gone its ``interval`` of
+        blocks without running there (measured, or inheriting a loss), the most overdue first."""
         better = self._better(b)
-        k = self.interval(b)
-        explore = self._blocks.get(b, 0) % k == k - 1
-        measurable = (b, not better) in self._rates or (not better and self._inherited_loss(b) is not None)
-        return not better if explore and measurable else better
+        n = self._blocks.get(b, 0)
+        due = []
+        for i, a in enumerate(self.arms):
+            if a == better or self._untried(b, a):
+                continue
+            late = n - self._last.get((b, a), -1) - self.interval(b, a)
+            if late >= 0:
+                due.append((late, -i, a))
+        return max(due)[2] if due else better
+

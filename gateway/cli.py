@@ -19,6 +19,14 @@ from verify.grammar import compile_grammar
 from verify.sampling import SamplingParams
 
 
+def drafters_arg(spec: str) -> tuple[str, ...]:
+    """``--gate-drafters``: comma-separated drafter names, or ``none``."""
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one drafter, or none")
+    return () if names == ("none",) else names
+
+
 def tree_arg(spec: str) -> tuple[int, ...]:
     try:
         return parse_tree(spec)
@@ -67,6 +75,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-gate", action=argparse.BooleanOptionalAction, default=True,
                    help="with --adapt cost: run speculation against plain decoding in blocks of steps per batch size "
                         "and keep the faster, measured end to end (gateway/budget.py SpecGate)")
+    p.add_argument("--gate-drafters", type=drafters_arg, default=None,
+                   help="with the gate: the drafters it chooses among for requests that name none, by measured "
+                        "throughput, in order of preference (e.g. draft,ngram); none: each request keeps the "
+                        "default drafter. Default: a loaded draft model, then ngram")
     p.add_argument("--min-gain", type=float, default=BudgetConfig().min_gain,
                    help="an adaptive tree keeps draft level d while its acceptance alpha ** d is at least this "
                         "(0 keeps every level the step costs allow)")
@@ -104,6 +116,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                                   max_model_len=args.max_model_len, policy=args.policy,
                                                   budget=BudgetConfig(max_verify_tokens=args.max_verify_tokens,
                                                                       min_gain=args.min_gain, gate=args.spec_gate,
+                                                                      gate_drafters=args.gate_drafters,
                                                                       cost_aware=args.adapt == "cost",
                                                                       plain_penalty=penalty)),
                         cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start,

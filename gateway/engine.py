@@ -117,6 +117,11 @@ class Engine:
                                           hidden=bool(self._feature_drafters), shared_logits=True)
         if config.capture_at_start:
             self.capture_graphs()
+        gate_drafters = config.scheduler.budget.gate_drafters or ()
+        for name in gate_drafters:
+            if name not in drafters or name in self._feature_drafters:
+                raise ValueError(f"the speculation gate cannot choose drafter {name!r}: it chooses among loaded "
+                                 f"drafters that read no target features, here {sorted(set(drafters) - self._feature_drafters)}")
         chain_ahead.prepare(self)
         self._seqs: dict[str, Sequence] = {}
         # this step's sequences whose verified tree is not their drafter's own (a grammar-forced chain grafted in,
@@ -226,6 +231,9 @@ class Engine:
                        make_generator(sampling, self.target.device), drafter, priority, stop_ids=stops)
         seq.matcher = matcher
         seq.verify_sampling = stripped(sampling) if sampling.custom_logits else sampling
+        gate = self.scheduler.gate
+        seq.follows_gate = (drafter is not None and not speculation.drafter and gate is not None and bool(gate.drafters)
+                            and speculation.tree is None and speculation.max_nodes is None)
         leader = self._seqs.get(prefix_of) if prefix_of is not None else None
         if leader is not None and leader.prompt_ids == seq.prompt_ids:
             seq.prefix_leader = leader
@@ -257,6 +265,8 @@ class Engine:
         gate = self.scheduler.gate
         # the batch the step plans with (the gate's bucket and arm are that batch's), before it ends any request
         decoding = [s for s in self.scheduler.running if not s.is_prefilling] if gate is not None else []
+        if gate is not None and gate.drafters:
+            self._follow_gate(gate.drafter(len(decoding)), decoding)
         chunks = self.num_prefill_chunks
         outputs = self._step()
         end = time.perf_counter()
@@ -268,6 +278,22 @@ class Engine:
                          end - (start if self._step_end is None else self._step_end), counted)
         self._step_end = end if self.has_work() else None  # idle time between requests is nobody's step
         return outputs
+
+    def _follow_gate(self, choice: str | None, decoding: list[Sequence]) -> None:
+        """This step's drafter for the adaptive requests that named none, as the speculation gate chose it
+        (``SpecGate.drafters``; None: its plain arm, where they keep their drafter and draft nothing). A
+        sequence whose drafter changes leaves the old one's state (its draft K/V freed: the new drafter catches
+        up from the sequence's tokens, as after a preemption) and starts its acceptance estimate from the new
+        drafter's. A step still pending for it (an overlapped plain step, a chain step) commits to the new
+        drafter, which holds nothing of the sequence yet and keeps nothing of that commit."""
+        if choice is None:
+            return
+        for seq in decoding:
+            if seq.follows_gate and seq.drafter != choice:
+                self.drafters[seq.drafter].release(seq.request_id)
+                seq.drafter = choice
+                seq.acceptance = self.scheduler.priors.start(choice)
+                seq.template = None
 
     def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:

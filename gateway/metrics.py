@@ -78,6 +78,9 @@ class Metrics:
                           "bucket, 0 where it runs plain decoding", ["bucket"], registry=r)
         self.gate_rate = Gauge("specgate_speculation_gate_tokens_per_second", "The gate's measured tokens/s of "
                                "each arm at each batch bucket", ["bucket", "arm"], registry=r)
+        self.gate_drafter = Gauge("specgate_speculation_gate_drafter", "1 for the drafter the speculation gate "
+                                  "prefers at this batch bucket (where it chooses drafters)", ["bucket", "drafter"],
+                                  registry=r)
         self._gate_seen: tuple = ()
         self.step_figures = StepFigures()
         r.register(self.step_figures)
@@ -105,17 +108,22 @@ class Metrics:
 
     def observe_engine(self, waiting: int, running: int, kv_used: int, kv_free: int, draft_kv_used: int = 0,
                        gate: tuple = ()) -> None:
-        """``gate``: ``SpecGate.state()``, (bucket, speculates, spec tok/s, plain tok/s) per batch bucket; its
-        labelled gauges are set only when it changed (a labelled child costs microseconds a set)."""
+        """``gate``: ``SpecGate.state()``, (bucket, speculates, spec tok/s, plain tok/s, drafter) per batch
+        bucket; its labelled gauges are set only when it changed (a labelled child costs microseconds a set)."""
         self.queue_depth.set(waiting)
         self.running.set(running)
         self.kv_used.set(kv_used)
         self.kv_free.set(kv_free)
         self.draft_kv_used.set(draft_kv_used)
         if gate != self._gate_seen:
+            for bucket, *_, drafter in self._gate_seen:
+                if drafter is not None:
+                    self.gate_drafter.labels(str(bucket), drafter).set(0)
             self._gate_seen = gate
-            for bucket, speculates, spec, plain in gate:
+            for bucket, speculates, spec, plain, drafter in gate:
                 self.gate.labels(str(bucket)).set(1 if speculates else 0)
+                if drafter is not None:
+                    self.gate_drafter.labels(str(bucket), drafter).set(1)
                 for arm, rate in (("spec", spec), ("plain", plain)):
                     if rate is not None:
                         self.gate_rate.labels(str(bucket), arm).set(rate)

@@ -31,7 +31,7 @@ from gateway.audit import REPLAY_PRIORITY, Auditor, Replay
 from gateway.engine import Engine, RequestOutput
 from gateway.metrics import Metrics
 from gateway.sequence import SpecStats
-from gateway.stats import Arm, ArmLabeller, StatsStore
+from gateway.stats import AUTO, Arm, ArmLabeller, StatsStore
 from verify.logprobs import TokenLogprob
 from verify.sampling import SamplingParams
 
@@ -190,7 +190,8 @@ class EngineRunner:
         except Exception as exc:  # noqa: BLE001 -- ValueError / QueueFull go back to the caller as they are
             self._settled(future, request_id, None, exc)
             return
-        arm = self.labeller.arm(seq.drafter, speculation.tree, speculation.max_nodes)
+        # a request whose drafter the speculation gate chooses step by step is labelled "auto"
+        arm = self.labeller.arm(AUTO if seq.follows_gate else seq.drafter, speculation.tree, speculation.max_nodes)
         live = _Live(request_id, self._queue(), seq.drafter is not None, arm, record)
         if record and self.auditor is not None and self.auditor.wants(live.is_speculative, sampling):
             live.audit = (list(prompt_ids), sampling, [])

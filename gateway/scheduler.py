@@ -72,7 +72,8 @@ class Scheduler:
         self.priors = DrafterPriors()  # each drafter's acceptance so far: where a new request's estimate starts
         budget = config.budget
         # speculation against plain decoding, end to end (the engine reports every step); None: the caps alone
-        self.gate = SpecGate(budget.gate_block, budget.gate_explore) if budget.gate and budget.cost_aware else None
+        self.gate = (SpecGate(budget.gate_block, budget.gate_explore, budget.gate_drafters or ())
+                     if budget.gate and budget.cost_aware else None)
         self._gate_open = True  # this plan's: whether adaptive requests may draft at all
         self.num_schedules = 0  # probes fall on every interval-th plan (see gateway/budget.py)
         self._intervals: dict[str | None, int] = {}  # this plan's probe interval per drafter

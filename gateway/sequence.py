@@ -141,6 +141,9 @@ class Sequence:
     # (tree template, may the budget cut it): fixed for the request's life; the engine's template_of fills it on
     # first use, since the scheduler asks for it every step for every decoding sequence
     template: tuple[tuple[int, ...], bool] | None = None
+    # An adaptive request that named no drafter, under a gate that chooses drafters: ``drafter`` follows the
+    # gate's choice step by step (Engine._follow_gate)
+    follows_gate: bool = False
     stop_ids: frozenset[int] = frozenset()  # tokens that end the request (its stop ids, EOS unless ignored)
     # A sibling with the same prompt (a choice of the same n > 1 request): this one is admitted only once
     # the leader's prompt is in the prefix cache, and then prefills only what the cache does not hold.

@@ -52,6 +52,9 @@ def tree_label(tree: tuple[int, ...] | None, max_nodes: int | None) -> str:
     return "adaptive" if max_nodes is None else f"max_nodes={max_nodes}"
 
 
+AUTO = "auto"  # the drafter label of requests whose drafter the speculation gate chooses (SpecGate.drafters)
+
+
 class ArmLabeller:
     """Arms with bounded label cardinality: drafter names come from the loaded set, and past ``max_trees``
     distinct tree labels a new one reads "other" (clients choose trees, so they could flood the series)."""
@@ -153,7 +156,8 @@ class StatsStore:
 
     def observe_load(self, waiting: int, running: int, kv_used: int, kv_total: int, now: float,
                      gate: tuple = ()) -> None:
-        """``gate``: the speculation gate's (bucket, speculates, spec tok/s, plain tok/s) per batch bucket."""
+        """``gate``: the speculation gate's (bucket, speculates, spec tok/s, plain tok/s, drafter) per batch
+        bucket (drafter: the one it prefers, where it chooses drafters)."""
         with self._lock:
             self._waiting, self._running, self._kv_used, self._kv_total = waiting, running, kv_used, kv_total
             self._gate = gate
@@ -228,7 +232,7 @@ class StatsStore:
                     "queue": {"waiting": self._waiting, "running": self._running},
                     # per batch bucket: whether adaptive requests speculate, and each arm's measured tokens/s
                     "speculation_gate": {str(b): {"speculate": on, "spec_tok_s": a, "plain_tok_s": z}
-                                         for b, on, a, z in self._gate}}
+                                         | ({} if d is None else {"drafter": d}) for b, on, a, z, d in self._gate}}
 
 
     def _load_series(self, secs: range) -> list[tuple[float, int] | None]:

@@ -51,12 +51,18 @@ def test_greedy_speculation_with_the_shipped_draft_matches_the_target(embedded_m
     llm = LLM.load(LoadConfig(), log=lambda m: None)
     # the shipped draft is loaded; the default is the n-gram drafter, which measured faster on this pair
     assert llm.engine.config.default_drafter == "ngram" and {"draft", "hybrid"} <= set(llm.engine.drafters)
+    # ... and the speculation gate chooses between the shipped draft and n-grams by measured throughput
+    assert llm.engine.config.scheduler.budget.gate_drafters == ("draft", "ngram")
+    assert llm.engine.scheduler.gate.arms == ("draft", "ngram", "plain")
     assert llm.engine.drafters["draft"].model.logits_width == DEFAULT_HEAD_VOCAB  # the cut head (FR-Spec)
     prompts = ["What is the capital of France?", "Write a short poem about rivers.", "List three prime numbers."]
     greedy = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
     off = llm.generate(prompts, greedy, SpeculationParams(enabled=False))
     # the n-gram drafter drafts from the embedded target's shipped table too (draft/ngram.py)
     assert llm.engine.drafters["ngram"].table.entries == NgramTable.find(EMBEDDED_NGRAM).entries
+    auto = llm.generate(prompts, greedy, SpeculationParams())  # the gate's drafter: the shipped draft first
+    assert [g.token_ids for g in auto] == [g.token_ids for g in off]
+    assert llm.engine.drafters["draft"].cache.pool.num_free == llm.engine.drafters["draft"].cache.pool.num_blocks
     for drafter in ("draft", "hybrid", "ngram"):
         on = llm.generate(prompts, greedy, SpeculationParams(drafter=drafter, tree=(2, 2, 2, 1)))
         assert [g.token_ids for g in on] == [g.token_ids for g in off], drafter

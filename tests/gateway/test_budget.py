@@ -287,13 +287,80 @@ def test_a_new_bucket_inherits_a_loss_from_a_smaller_one() -> None:
     assert fresh.allows(16) and fresh.interval(16) == fresh.explore
 
 
+def run_arms(gate: SpecGate, rates: dict[str, float], steps: int, batch: int = 1) -> tuple[float, dict[str, int]]:
+    """Steps through a drafter-choosing ``gate`` where a step emits one token and lasts 1 / the rate of its
+    arm; the tokens per second it kept and the steps each arm ran."""
+    counts = dict.fromkeys(rates, 0)
+    seconds = 0.0
+    for _ in range(steps):
+        arm = gate.arm(batch)
+        assert gate.allows(batch) is (arm != "plain") and gate.drafter(batch) == (None if arm == "plain" else arm)
+        counts[arm] += 1
+        seconds += 1.0 / rates[arm]
+        gate.observe(batch, 1, 1.0 / rates[arm])
+    return steps / seconds, counts
+
+
+def test_gate_picks_the_faster_drafter_and_explores_each_other_arm() -> None:
+    """Drafters as arms: each is measured once in order of preference, then plain decoding; the fastest runs,
+    and each loser one block in as many as its own shortfall allows (here 21% and 29%: one in 32)."""
+    gate = SpecGate(block=8, explore=4, drafters=("draft", "ngram"))
+    assert gate.arms == ("draft", "ngram", "plain")
+    rates = {"draft": 1.4, "ngram": 1.1, "plain": 1.0}
+    first = []
+    for _ in range(3):
+        first.append(gate.arm(1))
+        run_arms(gate, rates, 8)
+    assert first == ["draft", "ngram", "plain"]
+    tok_s, counts = run_arms(gate, rates, 8 * 32 * 8)
+    assert gate.summary()["1"] | {} == {"spec_tok_s": 1.4, "plain_tok_s": 1.0, "speculate": True, "drafter": "draft",
+                                       "arms": {"draft": 1.4, "ngram": 1.1, "plain": 1.0}}
+    assert gate.interval(1, "ngram") == gate.interval(1, "plain") == 32
+    assert counts["ngram"] == counts["plain"] == 8 * 8  # one block in 32 each
+    assert tok_s >= 1.4 * 0.97
+    assert gate.state() == ((1, True, 1, 1, "draft"),)
+    assert gate.rate(1, True) == gate.rate(1, "draft") == 1.4 and gate.rate(1, False) == 1.0
+
+
+def test_gate_moves_to_another_drafter_when_its_drafter_stops_paying() -> None:
+    gate = SpecGate(block=8, explore=4, drafters=("draft", "ngram"))
+    run_arms(gate, {"draft": 1.4, "ngram": 1.1, "plain": 1.0}, 8 * 40)
+    assert gate.drafter(1) == "draft"
+    _, counts = run_arms(gate, {"draft": 0.7, "ngram": 1.1, "plain": 1.0}, 8 * 3 * gate.max_explore)
+    assert gate.summary()["1"]["drafter"] == "ngram" and gate.drafter(1) == "ngram"
+    _, counts = run_arms(gate, {"draft": 0.7, "ngram": 0.9, "plain": 1.0}, 8 * 3 * gate.max_explore)
+    assert not gate.allows(1) and gate.drafter(1) is None and gate.summary()["1"]["speculate"] is False
+    assert gate.summary()["1"]["drafter"] == "ngram"  # the best speculating arm, though plain decoding runs
+
+
+def test_each_drafter_inherits_its_own_loss() -> None:
+    """At batch 1 the model draft lost and n-grams won: bucket 2 measures n-grams and plain decoding first,
+    and explores the model draft one block in as many as its loss at batch 1 allows."""
+    gate = SpecGate(block=4, explore=4, drafters=("draft", "ngram"))
+    run_arms(gate, {"draft": 0.5, "ngram": 1.2, "plain": 1.0}, 4 * 12)
+    k = gate.interval(2, "draft")
+    assert k == gate.max_explore and gate.interval(2, "ngram") == gate.explore
+    arms = []
+    for _ in range(k):
+        arms.append(gate.arm(2))
+        run_arms(gate, {"draft": 0.5, "ngram": 1.2, "plain": 1.0}, 4, batch=2)
+    assert arms[:2] == ["ngram", "plain"] and arms.index("draft") == k - 1
+    assert gate.summary()["2"]["drafter"] == "ngram" and gate.rate(2, "draft") == 0.5
+
+
+def test_gate_drafters_must_be_distinct_names() -> None:
+    for bad in (("draft", "draft"), ("plain",), ("spec", "ngram")):
+        with pytest.raises(ValueError, match="distinct drafter names"):
+            SpecGate(drafters=bad)
+
+
 def test_gate_keeps_buckets_apart_and_skips_prefill_steps() -> None:
     gate = SpecGate(block=8, explore=4)
     run_gate(gate, 0.5, 1.0, 8 * 12, batch=16)  # at batch 16 speculation loses
     run_gate(gate, 2.0, 1.0, 8 * 12, batch=1)  # at batch 1 it wins
     assert gate.summary()["16"]["speculate"] is False and gate.summary()["1"]["speculate"] is True
     assert not gate.allows(16) and gate.allows(1)
-    state = dict((b, (on, a, z)) for b, on, a, z in gate.state())
+    state = dict((b, (on, a, z)) for b, on, a, z, drafter in gate.state() if drafter is None)
     assert state[1][0] and state[1][1] > state[1][2] and not state[16][0] and state[16][1] < state[16][2]
     kept = gate.state()
     run_gate(gate, 2.0, 1.0, 8 * 4, batch=4)  # a new bucket's blocks: the state follows

@@ -349,3 +349,58 @@ def test_an_ngram_table_of_the_targets_own_text_drafts_losslessly_and_is_accepte
         assert [got[str(i)] for i in range(len(ps))] == want, arm
         assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
     assert kept["table"] > 2 * kept["alone"], kept
+
+
+def test_the_gate_chooses_the_drafter_of_requests_that_name_none() -> None:
+    """A gate with drafters measures each in order (here 'draft', a noisy copy slowed to 40 ms a proposal,
+    then 'exact', the target itself), settles on the faster, and moves the adaptive requests that named no
+    drafter to it mid-stream: their output stays the target's, and the drafter they leave keeps none of their
+    K/V blocks. A request that named its drafter, and one that fixed its tree, keep theirs. The target's
+    forward takes 10 ms more, so that the arms' order does not hang on this machine's speed."""
+    import time
+
+    from gateway.budget import SpecGate
+
+    eng = tiny_engine(cost_aware=True)
+    forward = eng.target.forward
+    eng.target.forward = lambda *a, **k: (time.sleep(0.01), forward(*a, **k))[1]
+    gate = eng.scheduler.gate = SpecGate(block=4, explore=4, drafters=("draft", "exact"), max_explore=4)
+    proposed: dict[str, set[str]] = {"draft": set(), "exact": set()}
+    for name in proposed:
+        drafter, propose = eng.drafters[name], eng.drafters[name].propose
+
+        def spy(reqs, name=name, propose=propose):
+            proposed[name].update(r.seq_id for r in reqs)
+            if name == "draft":
+                time.sleep(0.04)
+            return propose(reqs)
+
+        drafter.propose = spy
+    greedy = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    ref = run_all(tiny_engine(), [("ref", [1, 2, 3], greedy, SpeculationParams(enabled=False))])["ref"]
+    out = run_all(eng, [("auto", [1, 2, 3], greedy, SpeculationParams())])
+    assert out["auto"] == ref
+    assert proposed["draft"] == {"auto"} and proposed["exact"] == {"auto"}  # measured with both
+    assert gate.summary()["1"]["drafter"] == "exact" and gate.summary()["1"]["speculate"], gate.summary()
+    for name in ("draft", "exact"):
+        pool = eng.drafters[name].cache.pool
+        assert pool.num_free == pool.num_blocks and not eng.drafters[name]._tables
+    assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+    proposed = {"draft": set(), "exact": set()}
+    short = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    out = run_all(eng, [("named", [1, 2, 3], short, SpeculationParams(drafter="draft")),
+                        ("fixed", [1, 2, 4], short, SpeculationParams(tree=(1, 1))),
+                        ("auto2", [1, 2, 5], short, SpeculationParams())])
+    assert proposed["draft"] == {"named", "fixed"} and proposed["exact"] == {"auto2"}
+    assert out["named"] == ref[:40]
+
+
+def test_the_gate_chooses_only_among_loaded_drafters() -> None:
+    from dataclasses import replace
+
+    eng = tiny_engine(cost_aware=True)
+    cfg = eng.config
+    bad = replace(cfg, scheduler=replace(cfg.scheduler, budget=replace(cfg.scheduler.budget,
+                                                                       gate_drafters=("draft", "eagle"))))
+    with pytest.raises(ValueError, match="cannot choose drafter 'eagle'"):
+        type(eng)(eng.target, eng.drafters, bad)

@@ -61,11 +61,22 @@ def test_per_token_gaps_count_every_token_of_an_event_with_inclusive_bounds() ->
 
 def test_the_speculation_gate_shows_per_bucket_and_moves_with_it() -> None:
     m = Metrics()
-    m.observe_engine(0, 1, 4, 60, gate=((1, True, 900, 800), (16, False, None, 5000)))
+    m.observe_engine(0, 1, 4, 60, gate=((1, True, 900, 800, None), (16, False, None, 5000, None)))
     got = lines(m)
     assert {'specgate_speculation_gate{bucket="1"} 1.0', 'specgate_speculation_gate{bucket="16"} 0.0',
             'specgate_speculation_gate_tokens_per_second{arm="spec",bucket="1"} 900.0',
             'specgate_speculation_gate_tokens_per_second{arm="plain",bucket="16"} 5000.0'} <= got
     assert not any('arm="spec",bucket="16"' in line for line in got)  # never measured: no series
-    m.observe_engine(0, 1, 4, 60, gate=((1, False, 700, 800), (16, False, None, 5000)))
+    m.observe_engine(0, 1, 4, 60, gate=((1, False, 700, 800, None), (16, False, None, 5000, None)))
     assert 'specgate_speculation_gate{bucket="1"} 0.0' in lines(m)
+    assert not any("speculation_gate_drafter" in line and "{" in line for line in lines(m))
+
+
+def test_the_drafter_the_gate_prefers_shows_per_bucket_and_moves_with_it() -> None:
+    m = Metrics()
+    m.observe_engine(0, 1, 4, 60, gate=((1, True, 900, 800, "draft"),))
+    assert 'specgate_speculation_gate_drafter{bucket="1",drafter="draft"} 1.0' in lines(m)
+    m.observe_engine(0, 1, 4, 60, gate=((1, True, 950, 800, "ngram"),))
+    got = lines(m)
+    assert {'specgate_speculation_gate_drafter{bucket="1",drafter="draft"} 0.0',
+            'specgate_speculation_gate_drafter{bucket="1",drafter="ngram"} 1.0'} <= got

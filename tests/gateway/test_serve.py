@@ -128,6 +128,20 @@ def test_overlap_and_gate_flags_reach_the_engine_config(flags: list[str], overla
     assert cfg.overlap is overlap and cfg.scheduler.budget.gate is gate
 
 
+@pytest.mark.parametrize("flags, drafters", [([], None), (["--gate-drafters", "draft, ngram"], ("draft", "ngram")),
+                                             (["--gate-drafters", "none"], ())])
+def test_gate_drafters_flag_reaches_the_budget(flags: list[str], drafters) -> None:
+    """None leaves the choice to the loader (a loaded draft model, then n-grams); none turns it off."""
+    from gateway.cli import engine_config
+
+    assert engine_config(serve_options().parse_args(flags)).scheduler.budget.gate_drafters == drafters
+
+
+def test_gate_drafters_flag_refuses_an_empty_list() -> None:
+    with pytest.raises(SystemExit):
+        serve_options().parse_args(["--gate-drafters", ","])
+
+
 def test_a_config_file_turns_the_overlap_and_the_gate_off(tmp_path: Path) -> None:
     from gateway.cli import engine_config
 

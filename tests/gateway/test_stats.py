@@ -87,10 +87,11 @@ def test_store_summarises_arms_and_buckets_seconds_on_a_fake_clock() -> None:
     store.observe_request(ON, False)
     store.observe_load(waiting=2, running=1, kv_used=16, kv_total=64, now=1000.5)
     store.observe_load(waiting=0, running=1, kv_used=8, kv_total=64, now=1000.9,
-                       gate=((1, True, 900, 800), (16, False, None, 5000)))
+                       gate=((1, True, 900, 800, "draft"), (16, False, None, 5000, None)))
     clock.now = 1004.5
     snap = store.snapshot()
-    assert snap["speculation_gate"] == {"1": {"speculate": True, "spec_tok_s": 900, "plain_tok_s": 800},
+    assert snap["speculation_gate"] == {"1": {"speculate": True, "spec_tok_s": 900, "plain_tok_s": 800,
+                                              "drafter": "draft"},
                                         "16": {"speculate": False, "spec_tok_s": None, "plain_tok_s": 5000}}
     on = snap["arms"]["on/draft/adaptive"]
     assert (on["requests"], on["errors"], on["tokens"], on["steps"], on["accepted_tokens"]) == (2, 1, 6, 3, 3)
