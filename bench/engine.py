@@ -34,6 +34,7 @@ import provenance  # noqa: E402  (bench/, this script's own folder)
 from drafters import NGRAM_ALONE, select_arm  # noqa: E402  (the ngram-alone arm, as bench/drafters.py runs it)
 from bench.kernels.bench_int4_matmul import copy_tbps  # noqa: E402  (the same probe as the kernel bench)
 from draft.params import SpeculationParams  # noqa: E402
+from gateway.budget import SpecGate  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
 from gateway.llm import LLM, LoadConfig, resolve_draft, resolve_model_path  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
@@ -64,6 +65,10 @@ AHEAD_ARMS = {"ngram-chain4-ahead": SpeculationParams(drafter="ngram", tree=(1, 
 # The default speculation with the budget's acceptance cut at another BudgetConfig.min_gain ("on-gain0.2": the
 # default before 2026-12-07), the default's A/B within one run
 GAIN_ARM = "on-gain"
+# The default speculation under a gate that chooses no drafter (the default before 1645c02: requests draft with the
+# default drafter, n-grams for the embedded pair, and the gate runs that against plain decoding), its own gate
+# fresh for the arm, within one run of the default's
+GATE_NGRAM = "on-gate-ngram"
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                  intermediate_size=14336, tie_word_embeddings=False)
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -368,8 +373,8 @@ def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, 
         counts["steps_ahead"] = eng.num_ahead - steps_before[1]
         # the host's wait on overlapped steps' picks: a call whose steps wait near nothing is bound by the host
         counts["wait_ms"] = round(1e3 * (eng.wait_s - steps_before[2]), 1)
-        if sched.gate is not None:  # the speculation gate's arms after the call: (bucket, speculate, tok/s on, off)
-            counts["gate"] = [list(s) for s in sched.gate.state()]
+        if sched.gate is not None:  # the speculation gate's arms after the call, per bucket (SpecGate.summary)
+            counts["gate"] = sched.gate.summary()
     if tokens is not None:
         tokens += [list(g.token_ids) for g in gens]
     steps = sum(g.stats.steps for g in gens)
@@ -482,11 +487,18 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                "runs_tok_s": {k: [round(t, 1) for t, _ in v] for k, v in runs.items()}, "later_runs": later}
         table = llm.engine.drafters["ngram"].table
         for name in [a for a in arms if (a in llm.engine.drafters or a in (NGRAM_ALONE, PER_TOKEN, *STEPPED_ARMS, *FIXED_ARMS,
-                                                                                     *AHEAD_ARMS) or a.startswith(GAIN_ARM))
+                                                                                     *AHEAD_ARMS, GATE_NGRAM)
+                                            or a.startswith(GAIN_ARM))
                      and a != llm.engine.config.default_drafter]:
             default_config, sched_config = llm.engine.config, llm.engine.scheduler.config
+            default_gate = llm.engine.scheduler.gate
             reselect = False  # the arm picked the drafter: the default's is put back after it
-            if name.startswith(GAIN_ARM):
+            if name == GATE_NGRAM:
+                if default_gate is None:
+                    continue
+                spec = SpeculationParams()
+                llm.engine.scheduler.gate = SpecGate(default_gate.block, default_gate.explore)
+            elif name.startswith(GAIN_ARM):
                 spec = SpeculationParams()
                 llm.engine.scheduler.config = replace(sched_config, budget=replace(
                     sched_config.budget, min_gain=float(name[len(GAIN_ARM):])))
@@ -508,6 +520,7 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                                        tokens=outputs.setdefault(name, []) if rep == 0 else None)
                         for rep in range(repeats)]
             llm.engine.config, llm.engine.scheduler.config = default_config, sched_config
+            llm.engine.scheduler.gate = default_gate
             if reselect:
                 select_arm(llm, "ngram", table)
             tok_s, arm_mal = max(arm_runs)
