@@ -265,35 +265,39 @@ class Engine:
         gate = self.scheduler.gate
         # the batch the step plans with (the gate's bucket and arm are that batch's), before it ends any request
         decoding = [s for s in self.scheduler.running if not s.is_prefilling] if gate is not None else []
-        if gate is not None and gate.drafters:
-            self._follow_gate(gate.drafter(len(decoding)), decoding)
+        # a step whose sequences changed drafter pays the new drafter's catch-up on their whole text: a cost of
+        # the switch, not of the arm, so the gate does not count it (as it does not count prefill steps)
+        switched = gate is not None and bool(gate.drafters) and self._follow_gate(gate.drafter(len(decoding)), decoding)
         chunks = self.num_prefill_chunks
         outputs = self._step()
         end = time.perf_counter()
         if gate is not None:  # speculation's end-to-end A/B (gateway/budget.py SpecGate): the time since the
             # last step ended, so the host work between steps counts where it ran
-            counted = (self.num_prefill_chunks == chunks and any(s.drafter for s in decoding)
+            counted = (not switched and self.num_prefill_chunks == chunks and any(s.drafter for s in decoding)
                        and not self.scheduler.roots_fill_cap(len(decoding)))
             gate.observe(len(decoding), sum(len(o.new_token_ids) for o in outputs),
                          end - (start if self._step_end is None else self._step_end), counted)
         self._step_end = end if self.has_work() else None  # idle time between requests is nobody's step
         return outputs
 
-    def _follow_gate(self, choice: str | None, decoding: list[Sequence]) -> None:
+    def _follow_gate(self, choice: str | None, decoding: list[Sequence]) -> bool:
         """This step's drafter for the adaptive requests that named none, as the speculation gate chose it
         (``SpecGate.drafters``; None: its plain arm, where they keep their drafter and draft nothing). A
         sequence whose drafter changes leaves the old one's state (its draft K/V freed: the new drafter catches
         up from the sequence's tokens, as after a preemption) and starts its acceptance estimate from the new
         drafter's. A step still pending for it (an overlapped plain step, a chain step) commits to the new
-        drafter, which holds nothing of the sequence yet and keeps nothing of that commit."""
+        drafter, which holds nothing of the sequence yet and keeps nothing of that commit. Whether any changed."""
         if choice is None:
-            return
+            return False
+        switched = False
         for seq in decoding:
             if seq.follows_gate and seq.drafter != choice:
                 self.drafters[seq.drafter].release(seq.request_id)
                 seq.drafter = choice
                 seq.acceptance = self.scheduler.priors.start(choice)
                 seq.template = None
+                switched = True
+        return switched
 
     def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:

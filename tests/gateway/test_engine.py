@@ -361,10 +361,17 @@ def test_the_gate_chooses_the_drafter_of_requests_that_name_none() -> None:
 
     from gateway.budget import SpecGate
 
+    steps: list[list] = []  # per step: whether a sequence changed drafter, then whether the gate counted it
+
+    class Spy(SpecGate):
+        def observe(self, batch: int, tokens: int, seconds: float, counted: bool = True) -> None:
+            steps[-1].append(counted)
+            super().observe(batch, tokens, seconds, counted)
+
     eng = tiny_engine(cost_aware=True)
     forward = eng.target.forward
     eng.target.forward = lambda *a, **k: (time.sleep(0.01), forward(*a, **k))[1]
-    gate = eng.scheduler.gate = SpecGate(block=4, explore=4, drafters=("draft", "exact"), max_explore=4)
+    gate = eng.scheduler.gate = Spy(block=4, explore=4, drafters=("draft", "exact"), max_explore=4)
     proposed: dict[str, set[str]] = {"draft": set(), "exact": set()}
     for name in proposed:
         drafter, propose = eng.drafters[name], eng.drafters[name].propose
@@ -376,10 +383,15 @@ def test_the_gate_chooses_the_drafter_of_requests_that_name_none() -> None:
             return propose(reqs)
 
         drafter.propose = spy
+    # a step where a sequence changed drafter pays the new one's catch-up: the gate does not count it
+    follow = eng._follow_gate
+    eng._follow_gate = lambda *a: (steps.append([follow(*a)]), steps[-1][0])[1]
     greedy = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
     ref = run_all(tiny_engine(), [("ref", [1, 2, 3], greedy, SpeculationParams(enabled=False))])["ref"]
     out = run_all(eng, [("auto", [1, 2, 3], greedy, SpeculationParams())])
     assert out["auto"] == ref
+    switches = [counted for switched, counted in steps if switched]
+    assert len(switches) >= 2 and not any(switches)  # to 'draft' at the first decode step, then to 'exact'
     assert proposed["draft"] == {"auto"} and proposed["exact"] == {"auto"}  # measured with both
     assert gate.summary()["1"]["drafter"] == "exact" and gate.summary()["1"]["speculate"], gate.summary()
     for name in ("draft", "exact"):
