@@ -69,6 +69,9 @@ GAIN_ARM = "on-gain"
 # default drafter, n-grams for the embedded pair, and the gate runs that against plain decoding), its own gate
 # fresh for the arm, within one run of the default's
 GATE_NGRAM = "on-gate-ngram"
+# The default speculation with EngineConfig.chain_ahead on under a fresh gate of the default's drafters: the gate
+# measures n-grams as overlapped chains, from the arm's first step (its learning cost inside the timed calls)
+AHEAD_FRESH = "on-ahead-fresh"
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
                  intermediate_size=14336, tie_word_embeddings=False)
 LLAMA32_1B = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -487,17 +490,19 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
                "runs_tok_s": {k: [round(t, 1) for t, _ in v] for k, v in runs.items()}, "later_runs": later}
         table = llm.engine.drafters["ngram"].table
         for name in [a for a in arms if (a in llm.engine.drafters or a in (NGRAM_ALONE, PER_TOKEN, *STEPPED_ARMS, *FIXED_ARMS,
-                                                                                     *AHEAD_ARMS, GATE_NGRAM)
+                                                                                     *AHEAD_ARMS, GATE_NGRAM, AHEAD_FRESH)
                                             or a.startswith(GAIN_ARM))
                      and a != llm.engine.config.default_drafter]:
             default_config, sched_config = llm.engine.config, llm.engine.scheduler.config
             default_gate = llm.engine.scheduler.gate
             reselect = False  # the arm picked the drafter: the default's is put back after it
-            if name == GATE_NGRAM:
+            if name in (GATE_NGRAM, AHEAD_FRESH):
                 if default_gate is None:
                     continue
                 spec = SpeculationParams()
-                llm.engine.scheduler.gate = SpecGate(default_gate.block, default_gate.explore)
+                llm.engine.scheduler.gate = SpecGate(default_gate.block, default_gate.explore,
+                                                     () if name == GATE_NGRAM else default_gate.drafters)
+                llm.engine.config = replace(llm.engine.config, chain_ahead=name == AHEAD_FRESH)
             elif name.startswith(GAIN_ARM):
                 spec = SpeculationParams()
                 llm.engine.scheduler.config = replace(sched_config, budget=replace(
