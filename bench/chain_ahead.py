@@ -153,7 +153,7 @@ def main() -> None:
     prompts = [p * (60 // len(p)) for p in phrases]
     res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "date": datetime.date.today().isoformat(), "commit": provenance.commit(), "torch": torch.__version__,
-           "depth": args.depth, "tokens": args.tokens, "reps": args.reps, "notes": __doc__.split("\n\n")[1].strip(),
+           "depth": args.depth, "tokens": args.tokens, "reps": args.reps, "notes": __doc__.split("\n\n")[2].strip(),
            "rows": []}
     for batch in batches:
         for arm in ARMS:  # warm-up: kernels built and tuned for every row count the arms use
