@@ -312,7 +312,7 @@ class SpecGate:
     batch 1 under the depth caps alone. So the scheduler runs the arms in blocks of ``block`` steps --
     speculation as the budget plans it, or every adaptive request plain with no probes -- measures each
     block's tokens per second, and runs the arm with the better EMA, each other one a block in ``explore`` so
-    that a change in any is seen. That share doubles, up to one block in ``max_explore``, until the losing
+    that a change in any is seen. Once an arm has run ``confirm`` blocks that share doubles, up to one block in ``max_explore``, until the losing
     arm's measured shortfall spread over it is at most ``overhead`` of the better arm's time (as probes are
     priced, ``probe_interval``): a loser by 15% is run one block in 16, by 50% one in 64. A bucket not yet
     measured inherits an arm's loss at a smaller one (``_inherited_loss``). Requests that fixed their own
@@ -338,7 +338,10 @@ class SpecGate:
     decay: float = 0.7
     max_explore: int = 64
     overhead: float = 0.01
+    confirm: int = 3  # an arm measured in fewer blocks than this comes back every ``explore`` blocks
     _rates: dict[tuple[int, str], float] = field(default_factory=dict)  # (bucket, arm) -> EMA tokens / s
+    _sums: dict[tuple[int, str], float] = field(default_factory=dict)  # the EMA before its start correction
+    _counts: dict[tuple[int, str], int] = field(default_factory=dict)  # blocks measured per (bucket, arm)
     _blocks: dict[int, int] = field(default_factory=dict)  # blocks completed per bucket
     _last: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, arm) -> the last block it ran
     _open: dict[int, _Block] = field(default_factory=dict)  # the running block per bucket
@@ -391,8 +394,13 @@ class SpecGate:
             if running.seconds > 0:
                 key = (b, running.arm)
                 rate = running.tokens / running.seconds
-                old = self._rates.get(key)
-                self._rates[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+                # an EMA corrected for its start at zero (as Adam corrects its moments): after n blocks the first
+                # weighs decay ** (n - 1) * (1 - decay) / (1 - decay ** n), 0.41 after two blocks, not 0.7 -- a
+                # first block is the least typical (the acceptance estimate restarting, the step costs exploring)
+                n = self._counts.get(key, 0) + 1
+                self._sums[key] = self.decay * self._sums.get(key, 0.0) + (1 - self.decay) * rate
+                self._counts[key] = n
+                self._rates[key] = self._sums[key] / (1 - self.decay ** n)
             self._state = None
 
     def rate(self, batch: int, arm: bool | str) -> float | None:
@@ -480,6 +488,8 @@ class SpecGate:
             loss = self._inherited_loss(b, arm) if arm != PLAIN else None
             return self.explore if loss is None else doubled_interval(self.explore, self.max_explore, loss,
                                                                       self.overhead)
+        if self._counts[(b, arm)] < self.confirm:  # one block's figure is not yet a verdict
+            return self.explore
         best = max(self._rates.get((b, a), 0.0) for a in self.arms)
         return doubled_interval(self.explore, self.max_explore, 1.0 - rate / best, self.overhead)
 

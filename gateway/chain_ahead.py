@@ -33,7 +33,8 @@ and join the run once their prompt is cached. The run ends -- the pending step r
 usual -- when a sequence that is not eligible is decoding, the gate leaves adaptive requests plain, a
 sequence nears its context limit, the pool cannot hold the next step's blocks, a prompt chunk scores its
 prompt, no sequence drafts any more, or after ``MAX_RUN_STEPS`` steps. ``EngineConfig.chain_ahead`` turns
-it on; off by default (on an H100 a chain step still costs 1.5-1.6x a plain one: ARCHITECTURE.md).
+it on; off by default (under the budget's adaptive depths the gate measured n-gram chains below plain
+decoding on an H100, though fixed four-token chains ran 1.15-1.27x of it at batch 1: ARCHITECTURE.md).
 One-process targets only: a tensor-parallel target's ranks take the batch from the host.
 
 A sequence that a step ends (a stop token, its length) or that is aborted was already fed into the next step:

@@ -83,7 +83,8 @@ class EngineConfig:
     # nothing to overlap; a tensor-parallel target's steps have not been run overlapped on GPUs).
     overlap: bool | None = None
     # Greedy n-gram chains drafted and verified with each step launched before the last one's tokens reach the
-    # host (gateway/chain_ahead.py). Off: on an H100 a chain step still costs 1.5-1.6x a plain one (ARCHITECTURE.md).
+    # host (gateway/chain_ahead.py). Off: under the budget's adaptive depths the gate measured n-gram chains below
+    # plain decoding on an H100, though fixed four-token chains ran 1.15-1.27x of it at batch 1 (ARCHITECTURE.md).
     chain_ahead: bool = False
 
 
@@ -117,11 +118,11 @@ class Engine:
                                           hidden=bool(self._feature_drafters), shared_logits=True)
         if config.capture_at_start:
             self.capture_graphs()
-        gate_drafters = config.scheduler.budget.gate_drafters or ()
-        for name in gate_drafters:
-            if name not in drafters or name in self._feature_drafters:
+        choosable = sorted(set(drafters) - self._feature_drafters)
+        for name in config.scheduler.budget.gate_drafters or ():
+            if name not in choosable:
                 raise ValueError(f"the speculation gate cannot choose drafter {name!r}: it chooses among loaded "
-                                 f"drafters that read no target features, here {sorted(set(drafters) - self._feature_drafters)}")
+                                 f"drafters that read no target features, here {choosable}")
         chain_ahead.prepare(self)
         self._seqs: dict[str, Sequence] = {}
         # this step's sequences whose verified tree is not their drafter's own (a grammar-forced chain grafted in,

@@ -312,6 +312,8 @@ def test_gate_picks_the_faster_drafter_and_explores_each_other_arm() -> None:
         first.append(gate.arm(1))
         run_arms(gate, rates, 8)
     assert first == ["draft", "ngram", "plain"]
+    _, counts = run_arms(gate, rates, 8 * 8)  # each loser comes back every 4 blocks until it ran 3
+    assert counts["ngram"] == counts["plain"] == 2 * 8 and gate._counts[(1, "ngram")] == gate.confirm
     tok_s, counts = run_arms(gate, rates, 8 * 32 * 8)
     assert gate.summary()["1"] | {} == {"spec_tok_s": 1.4, "plain_tok_s": 1.0, "speculate": True, "drafter": "draft",
                                        "arms": {"draft": 1.4, "ngram": 1.1, "plain": 1.0}}
@@ -319,7 +321,7 @@ def test_gate_picks_the_faster_drafter_and_explores_each_other_arm() -> None:
     assert counts["ngram"] == counts["plain"] == 8 * 8  # one block in 32 each
     assert tok_s >= 1.4 * 0.97
     assert gate.state() == ((1, True, 1, 1, "draft"),)
-    assert gate.rate(1, True) == gate.rate(1, "draft") == 1.4 and gate.rate(1, False) == 1.0
+    assert gate.rate(1, True) == gate.rate(1, "draft") == pytest.approx(1.4) and gate.rate(1, False) == pytest.approx(1.0)
 
 
 def test_gate_moves_to_another_drafter_when_its_drafter_stops_paying() -> None:
@@ -372,3 +374,20 @@ def test_gate_keeps_buckets_apart_and_skips_prefill_steps() -> None:
     for _ in range(20):
         gate.observe(1, 0, 100.0, counted=False)  # prompt chunks, or nobody speculating: the arms alike
     assert gate.rate(1, True) == before
+
+
+def test_gate_rates_are_start_corrected_emas_and_young_arms_come_back_soon() -> None:
+    """A first block weighs 0.41 once a second one is in (an EMA corrected for its start at zero), not 0.7; and
+    an arm measured fewer than ``confirm`` times comes back every ``explore`` blocks, however far it trails."""
+    gate = SpecGate(block=1, explore=4)
+    arms = []
+    for spec_rate in (1.0, None, None, None, 2.0):
+        arms.append(gate.arm(1))
+        gate.observe(1, 1, 1.0 / (spec_rate if gate.allows(1) else 10.0))
+    assert arms == ["spec", "plain", "plain", "plain", "spec"]  # a 90% loser, back after 4 blocks
+    assert gate.rate(1, "spec") == pytest.approx((0.21 * 1.0 + 0.3 * 2.0) / 0.51)
+    assert gate.interval(1, "spec") == gate.explore  # two blocks of 3
+    gate.observe(1, 1, 1.0 / 10.0)  # plain
+    for _ in range(3):
+        gate.observe(1, 1, 1.0)  # the exploring block falls here: spec's third
+    assert gate._counts[(1, "spec")] == 3 and gate.interval(1, "spec") == gate.max_explore
