@@ -152,12 +152,13 @@ def drafter_set(names) -> tuple[str, ...]:
 
 
 def adaptive_widths(template: tuple[int, ...], alpha: float, cfg: BudgetConfig,
-                    probe: bool | Callable[[], bool] = False) -> tuple[int, ...]:
+                    probe: bool | Callable[[], bool] = False, min_gain: float | None = None) -> tuple[int, ...]:
     """The template cut to the depths that pay at this acceptance, or a one-token probe when none does
     and ``probe`` (``probe_due``) says one is due. ``probe`` may be a function, asked only then: the
-    scheduler runs this for every decoding sequence every step."""
+    scheduler runs this for every decoding sequence every step. ``min_gain``: in place of the config's."""
+    gain = cfg.min_gain if min_gain is None else min_gain
     depth = 0
-    while depth < len(template) and alpha ** (depth + 1) >= cfg.min_gain:
+    while depth < len(template) and alpha ** (depth + 1) >= gain:
         depth += 1
     if depth == 0 and template and (probe() if callable(probe) else probe):
         return (1,)

@@ -25,9 +25,10 @@ drafted step's inputs on the device the same way.)
 A run starts from a plan where some decoding sequence drafts with an n-gram drafter and every one is greedy or
 sampled without min-p, with no logit processing, logprobs, grammar or held stop token, drafting with that
 drafter or not at all (a plain request, or one the budget leaves plain, rides as a one-token chain). Each
-step's depths are planned anew while the last step runs (``Scheduler.chain_depths``: the budget's cut at each
-request's acceptance, or a probe, the cost cap and the verify cap, as a plan sets them), so a chain deepens
-and shallows with its acceptance within a run; the step reserves slots for the pending step's reach (its
+step's depths are planned anew while the last step runs (``Scheduler.chain_depths``: the cost cap over each
+request's acceptance, or a probe, and the verify cap, as a plan sets them, but with no cut by ``min_gain``:
+looked-up levels cost nothing to draft, and each depth's overlapped step is timed), so a chain deepens and
+shallows with its acceptance within a run; the step reserves slots for the pending step's reach (its
 depth there + 1) plus its own chain. Requests the scheduler admits meanwhile ride along as prompt chunks,
 and join the run once their prompt is cached. The run ends -- the pending step resolved, the next planned as
 usual -- when a sequence that is not eligible is decoding, the gate leaves adaptive requests plain, a

@@ -388,3 +388,28 @@ def test_the_gates_plain_arm_leaves_adaptive_requests_plain_without_probes() -> 
     assert not sched.plans_plain([(seqs[0], False), (seqs[1], False)], fixed, 2)  # one that drafts: not all plain
     off = Scheduler(SchedulerConfig(budget=BudgetConfig(gate=False)), BlockPool(64, 4), Clock())
     assert off.gate is None
+
+
+def test_chain_runs_cut_their_free_levels_by_measured_cost_alone() -> None:
+    """An overlapped chain run's depths (``chain_depths``) skip the acceptance cut: at alpha 0.37 the cut of
+    ``min_gain`` 0.2 leaves one level, but where each chain depth's step is measured at 1.25x a plain one, four
+    levels bring the most tokens per second (1.58 against 1.37 expected tokens for the same price). Where levels
+    are dear the costs still cut them all. A regular plan keeps the cut."""
+    sched = Scheduler(SchedulerConfig(max_running=4), BlockPool(64, 4), Clock())
+    seq = Sequence("0", [1] * 4, SamplingParams(max_tokens=50), SpeculationParams(), None, "ngram", 0)
+    sched.add(seq)
+    seq.acceptance.successes, seq.acceptance.trials = 3.7, 10.0
+    chain = lambda s: ((1, 1, 1, 1), True)  # noqa: E731
+    for s, n in sched.schedule(chain).prefills:
+        s.table.ensure(s.num_cached + n)
+        s.num_cached += n
+    for depth in (0, 0, 1, 1, 2, 2, 3, 3, 4, 4):  # a key's first figure is a warm-up's, not kept
+        sched.costs.observe(1, depth, 1.0 if depth == 0 else 1.25, ("ngram",) if depth else ())
+    (_, widths), = sched.schedule(chain).decodes
+    assert widths == (1,)
+    assert sched.chain_depths([seq], chain) == [4]
+    for depth in range(1, 5):
+        for _ in range(20):  # the EMA forgets: levels now cost 0.6 of a plain step each
+            sched.costs.observe(1, depth, 1.0 + 0.6 * depth, ("ngram",))
+    seq.steps_without_draft = 0  # no probe due
+    assert sched.chain_depths([seq], chain) == [0]
