@@ -151,8 +151,8 @@ class Scheduler:
         return plan
 
     def chain_depths(self, decoding: list[Sequence], template_of: TemplateOf) -> list[int]:
-        """The draft depth a plan would give each of ``decoding`` now -- the budget's cut at its acceptance (or
-        a probe), the cost cap, the verify cap -- admitting, preempting and reserving nothing: an overlapped
+        """The draft depth a plan would give each of ``decoding`` now -- the cost cap over its acceptance (or a
+        probe), the verify cap -- admitting, preempting and reserving nothing: an overlapped
         chain run's next step (gateway/chain_ahead.py), planned while the last one runs. Counts as a plan for
         the probes' schedule.
 
