@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 import provenance  # noqa: E402  (bench/, this script's own folder)
 from draft.ngram import NgramDrafter  # noqa: E402
 from draft.params import SpeculationParams  # noqa: E402
-from gateway.budget import BudgetConfig  # noqa: E402
+from gateway.budget import BudgetConfig, SpecGate  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
 from step_profile import random_model  # noqa: E402
@@ -44,6 +44,10 @@ from verify_profile import exposed  # noqa: E402
 from verify.sampling import SamplingParams  # noqa: E402
 
 ARMS = ("plain overlapped", "chain stepped", "chain ahead")
+# ``--adaptive``: n-gram chains overlapped at the depths the budget plans (no tree in the request; the measured
+# step costs cut them: Scheduler.chain_depths), under a speculation gate of the arm's own
+ADAPTIVE = "chain ahead adaptive"
+_GATES: dict[str, SpecGate] = {}
 
 
 def log(msg: str) -> None:
@@ -52,9 +56,12 @@ def log(msg: str) -> None:
 
 def run_arm(engine: Engine, arm: str, batch: int, depth: int, tokens: int, prompts: list[list[int]]) -> dict:
     """One timed generation of ``batch`` requests under ``arm``; its figures and the tokens it emitted."""
-    engine.config = replace(engine.config, overlap=True, chain_ahead=arm == "chain ahead")
+    engine.config = replace(engine.config, overlap=True, chain_ahead=arm in ("chain ahead", ADAPTIVE))
     spec = SpeculationParams(enabled=False) if arm.startswith("plain") else SpeculationParams(
-        drafter="ngram", tree=(1,) * depth)
+        drafter="ngram", tree=None if arm == ADAPTIVE else (1,) * depth)
+    shared = engine.scheduler.gate  # the fixed arms' steps feed one gate; the adaptive arm keeps its own
+    if arm == ADAPTIVE and shared is not None:
+        engine.scheduler.gate = _GATES.setdefault(arm, SpecGate(shared.block, shared.explore))
     greedy = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     out: dict[str, list[int]] = {}
     stats = {}
@@ -79,6 +86,7 @@ def run_arm(engine: Engine, arm: str, batch: int, depth: int, tokens: int, promp
     emitted = sum(len(v) for v in out.values()) - emitted0
     verify_steps = sum(s.steps for s in stats.values())
     accepted = sum(s.accepted_tokens for s in stats.values())
+    engine.scheduler.gate = shared
     return {"tok_s": emitted / seconds, "ms_per_step": 1e3 * seconds / max(steps, 1),
             "tokens_per_step": emitted / max(steps, 1), "steps_ahead": engine.num_ahead - ahead0, "steps": steps,
             # the host's wait on a step launched ahead: near 0 where the host bounds the step, near the step's
@@ -135,6 +143,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--target-layers", type=int, default=30)
     ap.add_argument("--out", default=str(HERE / "results" / "chain_ahead.json"))
+    ap.add_argument("--adaptive", action="store_true", help=f"add the arm {ADAPTIVE!r} (see ADAPTIVE)")
     ap.add_argument("--profile", action="store_true", help="CUDA: a torch.profiler run of each arm (see the docstring)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="activations (default: bfloat16 on CUDA, float32 on the CPU)")
@@ -142,6 +151,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if args.device == "cuda" else torch.float32
     target = random_model(args.target_layers, args.device, dtype, 0).quantize(128)
     batches = [int(b) for b in args.batches.split(",")]
+    arms = ARMS + ((ADAPTIVE,) if args.adaptive else ())
     ecfg = EngineConfig(num_blocks=4096, page_size=16,
                         scheduler=SchedulerConfig(max_running=max(batches), max_waiting=512, max_model_len=2048,
                                                   budget=BudgetConfig(max_verify_tokens=1024)))
@@ -156,35 +166,37 @@ def main() -> None:
            "depth": args.depth, "tokens": args.tokens, "reps": args.reps, "notes": __doc__.split("\n\n")[2].strip(),
            "rows": []}
     for batch in batches:
-        for arm in ARMS:  # warm-up: kernels built and tuned for every row count the arms use
+        for arm in arms:  # warm-up: kernels built and tuned for every row count the arms use
             run_arm(engine, arm, batch, args.depth, 16, prompts)
         best: dict[str, dict] = {}
         for _ in range(args.reps):
-            for arm in ARMS:
+            for arm in arms:
                 r = run_arm(engine, arm, batch, args.depth, args.tokens, prompts)
                 if arm not in best or r["tok_s"] > best[arm]["tok_s"]:
                     best[arm] = r
         def same(a: str, b: str) -> str:
             return f"{sum(x == y for x, y in zip(best[a]['tokens'], best[b]['tokens']))}/{batch}"
 
-        for arm in ARMS:
-            row = {"batch": batch, "arm": arm, **{k: (round(v, 4) if isinstance(v, float) else v)
-                                                  for k, v in best[arm].items() if k != "tokens"}}
+        rows = {}
+        for arm in arms:
+            row = rows[arm] = {"batch": batch, "arm": arm, **{k: (round(v, 4) if isinstance(v, float) else v)
+                                                             for k, v in best[arm].items() if k != "tokens"}}
             row["tok_s_over_plain"] = round(best[arm]["tok_s"] / best["plain overlapped"]["tok_s"], 3)
             row["tok_s_over_chain_stepped"] = round(best[arm]["tok_s"] / best["chain stepped"]["tok_s"], 3)
             res["rows"].append(row)
-            log(json.dumps(row))
         # greedy in every arm: a request whose tokens differ met a near-tie that two arms' computations rounded
         # apart (different row counts, or a causal chain segment against a masked tree), or a defect. Both chain
         # arms against plain decoding tell the two apart: numerics flip the stepped chains about as often.
-        res["rows"][-1]["requests_same_tokens_as_stepped"] = same("chain ahead", "chain stepped")
-        res["rows"][-1]["requests_same_tokens_as_plain"] = same("chain ahead", "plain overlapped")
-        res["rows"][-2]["requests_same_tokens_as_plain"] = same("chain stepped", "plain overlapped")
+        rows["chain ahead"]["requests_same_tokens_as_stepped"] = same("chain ahead", "chain stepped")
+        for arm in arms[1:]:
+            rows[arm]["requests_same_tokens_as_plain"] = same(arm, "plain overlapped")
+        for row in rows.values():
+            log(json.dumps(row))
     # last: after a profiler session every graph launch in the process costs more (verify_profile's note)
     if args.profile and args.device == "cuda":
         res["profile"] = []
         for batch in batches:
-            for arm in ARMS:
+            for arm in arms:
                 res["profile"].append(profile_arm(engine, arm, batch, args.depth, min(args.tokens, 64), prompts))
                 log(json.dumps({k: v for k, v in res["profile"][-1].items() if k != "kernels"}))
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
@@ -202,8 +214,9 @@ def plot(res: dict, path: Path) -> None:
 
     batches = sorted({r["batch"] for r in res["rows"]})
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    w = 0.8 / len(ARMS)
-    for k, arm in enumerate(ARMS):
+    arms = list(dict.fromkeys(r["arm"] for r in res["rows"]))
+    w = 0.8 / len(arms)
+    for k, arm in enumerate(arms):
         rows = {r["batch"]: r for r in res["rows"] if r["arm"] == arm}
         xs = [i + k * w for i in range(len(batches))]
         axes[0].bar(xs, [rows[b]["tok_s"] for b in batches], w, label=arm)
