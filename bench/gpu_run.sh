@@ -51,7 +51,8 @@
 #                                    draft arm, the device loops' gain within one run, greedy and sampled)
 #   bash bench/gpu_run.sh chain_ahead bench/chain_ahead.py: n-gram chains overlapped (EngineConfig.chain_ahead) vs stepped vs
 #                                    plain overlapped, SmolLM2's shape with random weights, batch 1 and 16
-#                                    (CHAIN_ARGS="--profile": then each arm under torch.profiler, device busy/idle a step)
+#                                    (CHAIN_ARGS="--profile": then each arm under torch.profiler, device busy/idle a step;
+#                                    "--adaptive": an arm whose chains the budget plans, the measured costs cutting them)
 #   bash bench/gpu_run.sh identity   bench/greedy_identity.py: greedy speculative output against plain decoding per
 #                                    prompt, bfloat16 and float32, with each flip's logit gap (random weights: no model;
 #                                    IDENTITY_ARGS=--embedded after `model`: SmolLM2, n-grams and the shipped draft)
