@@ -14,12 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_chain_ahead_bench_smoke_run_on_cpu(tmp_path):
     out = tmp_path / "chain_ahead.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "chain_ahead.py"), "--device", "cpu",
-                           "--target-layers", "1", "--batches", "1,3", "--tokens", "12", "--reps", "1",
+                           "--target-layers", "1", "--batches", "1,3", "--tokens", "12", "--reps", "1", "--adaptive",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = {(r["batch"], r["arm"]): r for r in res["rows"]}
-    assert set(rows) == {(b, a) for b in (1, 3) for a in ("plain overlapped", "chain stepped", "chain ahead")}
+    arms = ("plain overlapped", "chain stepped", "chain ahead", "chain ahead adaptive")
+    assert set(rows) == {(b, a) for b in (1, 3) for a in arms}
     for b in (1, 3):
         plain, stepped, ahead = (rows[b, a] for a in ("plain overlapped", "chain stepped", "chain ahead"))
         assert plain["mean_accepted_length"] == 1.0 and plain["tok_s_over_plain"] == 1.0
@@ -28,3 +29,4 @@ def test_chain_ahead_bench_smoke_run_on_cpu(tmp_path):
         # float32 on the CPU: both chain arms emit plain decoding's tokens, request for request
         assert ahead["requests_same_tokens_as_stepped"] == f"{b}/{b}"
         assert ahead["requests_same_tokens_as_plain"] == stepped["requests_same_tokens_as_plain"] == f"{b}/{b}"
+        assert rows[b, "chain ahead adaptive"]["requests_same_tokens_as_plain"] == f"{b}/{b}"
