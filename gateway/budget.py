@@ -313,17 +313,18 @@ class SpecGate:
     batch 1 under the depth caps alone. So the scheduler runs the arms in blocks of ``block`` steps --
     speculation as the budget plans it, or every adaptive request plain with no probes -- measures each
     block's tokens per second, and runs the arm with the better EMA, each other one a block in ``explore`` so
-    that a change in any is seen. Once an arm has run ``confirm`` blocks that share doubles, up to one block in ``max_explore``, until the losing
-    arm's measured shortfall spread over it is at most ``overhead`` of the better arm's time (as probes are
-    priced, ``probe_interval``): a loser by 15% is run one block in 16, by 50% one in 64. A bucket not yet
-    measured inherits an arm's loss at a smaller one (``_inherited_loss``). Requests that fixed their own
-    tree keep it in every arm: an A/B experiment's shape is not the gate's to change.
+    that a change in any is seen. Once an arm has run ``confirm`` blocks that share doubles, up to one block in
+    ``max_explore``, until the losing arm's measured shortfall spread over it is at most ``overhead`` of the
+    better arm's time (as probes are priced, ``probe_interval``): a loser by 15% is run one block in 16, by 50%
+    one in 64. A bucket not yet measured inherits an arm's loss at a smaller one (``_inherited_loss``). Requests
+    that fixed their own tree keep it in every arm: an A/B experiment's shape is not the gate's to change.
 
     With ``drafters`` the gate also picks the drafter: each one is a speculating arm of its own (in order of
     preference: the first is measured first), run for the adaptive requests that named no drafter
     (``Engine._follow_gate``). A drafter that pays on one machine need not on another: in this project's CPU
-    runs the embedded pair's distilled draft paid 1.38x at batch 1 where n-grams paid 1.07x, while on a lent
-    H100 a model-draft step cost 3.1x a plain one and neither paid. Without ``drafters`` the speculating arm
+    run the embedded pair's distilled draft paid 1.326x at batch 1 where n-grams paid 1.106x
+    (``engine_real_cpu_gate_drafters.json``), while on a lent H100 the draft ran at 0.92-0.98x of plain decoding
+    (``engine_real_h100_2d5125e.json``) and neither paid. Without ``drafters`` the speculating arm
     is ``SPEC``: every request drafts with its own drafter.
 
     The engine reports each step's decoding batch, emitted tokens and seconds (from the previous step's

@@ -205,9 +205,10 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
     if budget.gate_drafters is None:
         # With a draft model loaded the gate chooses the drafter of adaptive requests by measured throughput:
         # the model first, then n-grams (and plain decoding, as always). On this project's CPU the embedded
-        # pair's shipped draft paid 1.38x at batch 1 where n-grams paid 1.07x; on a lent H100 neither paid
-        # (ARCHITECTURE.md), so no fixed default suits both. A feature draft is not chosen mid-stream: it reads
-        # the target's features of every position, which a sequence that drafted otherwise never gave it.
+        # pair's shipped draft paid 1.326x at batch 1 where n-grams paid 1.106x
+        # (engine_real_cpu_gate_drafters.json); on a lent H100 neither paid (ARCHITECTURE.md), so no fixed
+        # default suits both. A feature draft is not chosen mid-stream: it reads the target's features of every
+        # position, which a sequence that drafted otherwise never gave it.
         model_drafter = next((d for d in (default, "draft") if d in drafters and d != "ngram"
                               and not getattr(drafters[d], "wants_features", False)), None)
         picks = (model_drafter, "ngram") if model_drafter is not None else ()
