@@ -184,15 +184,17 @@ def _rope_cache_kernel(
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, k_layer: torch.Tensor,
                    v_layer: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, *,
-                   use_triton: bool | None = None) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere. See the reference."""
+                   use_triton: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere. See the reference.
+    ``out``: a contiguous buffer of ``T * num_heads * D`` elements the rotated q is written into."""
     D = inv_freq.shape[0] * 2
     usable = (qkv.stride(-1) == 1 and k_layer.stride() == v_layer.stride() and k_layer.stride(-1) == 1
               and k_layer.dtype == qkv.dtype and D & (D - 1) == 0 and D >= 16)
-    if not (qkv.is_cuda if use_triton is None else use_triton) or not usable:
-        return rope_and_cache_ref(qkv, positions, inv_freq, k_layer, v_layer, slot_mapping, num_heads, num_kv_heads)
     T = qkv.shape[0]
-    q = qkv.new_empty(T, num_heads, D)
+    if not (qkv.is_cuda if use_triton is None else use_triton) or not usable:
+        q = rope_and_cache_ref(qkv, positions, inv_freq, k_layer, v_layer, slot_mapping, num_heads, num_kv_heads)
+        return q if out is None else out.view(T, num_heads, D).copy_(q)
+    q = qkv.new_empty(T, num_heads, D) if out is None else out.view(T, num_heads, D)
     if T:
         _rope_cache_kernel[(T,)](
             qkv, positions, inv_freq, slot_mapping, q, k_layer, v_layer,

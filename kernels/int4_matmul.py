@@ -11,7 +11,8 @@ Layout (the project's one INT4 format; loaders and quantizers repack into it onc
 
 The Triton kernels (``kernels/int4_matmul_triton.py``) read this layout as is: no GPU repack. On CUDA
 they tune once per (M bucket, shape) on the first eager call, so call each shape once before capturing
-a CUDA graph. Fused epilogues: ``bias``, ``residual=`` and ``int4_matmul_silu_mul`` (SwiGLU's gate).
+a CUDA graph. Fused epilogues: ``bias``, ``residual=``, ``int4_matmul_silu_mul`` (SwiGLU's gate) and
+``int4_qkv_rope_cache`` (RoPE and the KV-cache write of a fused qkv projection).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.int4_matmul_triton import int4_matmul_triton
+from kernels import int4_matmul_triton as _triton
+from kernels.fused_norm_rope import rope_and_cache
+from kernels.int4_matmul_triton import Rope, int4_matmul_triton
 
 
 @dataclass(slots=True)
@@ -183,3 +186,30 @@ def int4_matmul_silu_mul(x: torch.Tensor, w_gate_up: Int4Weight, *, use_triton: 
     y = int4_matmul_triton(_rows(x), w_gate_up.qweight, w_gate_up.scales, w_gate_up.zeros, w_gate_up.group_size,
                            silu=True, whole_zeros=w_gate_up.zeros_are_whole())
     return y.reshape(*x.shape[:-1], w_gate_up.out_features // 2)
+
+
+def int4_qkv_rope_cache(x: torch.Tensor, w_qkv: Int4Weight, bias: torch.Tensor | None, positions: torch.Tensor,
+                        inv_freq: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                        slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, *,
+                        use_triton: bool | None = None, fused: bool | None = None) -> torch.Tensor:
+    """``rope_and_cache(int4_matmul(x, w_qkv, bias), ...)``: a fused qkv projection ([H | Hkv | Hkv] heads of D
+    columns), q and k rotated, k and v written into the cache layers at ``slot_mapping``; returns q [T, H, D].
+
+    ``fused`` (default: ``SPECGATE_INT4_ROPE``): on the Triton path the matmul's epilogue does all of it in one
+    launch (``Rope``), where the cache layers are contiguous in x's dtype and D is a power of two from 16 to 256;
+    otherwise, and on the reference path, the projection and ``rope_and_cache`` run one after the other."""
+    triton_path = x.is_cuda if use_triton is None else use_triton
+    D = 2 * inv_freq.shape[0]
+    fusable = (triton_path and (_triton.ROPE if fused is None else fused) and x.dim() == 2
+               and D in (16, 32, 64, 128, 256) and w_qkv.out_features == (num_heads + 2 * num_kv_heads) * D
+               and k_layer.is_contiguous() and v_layer.is_contiguous() and k_layer.shape == v_layer.shape
+               and tuple(k_layer.shape[2:]) == (num_kv_heads, D)
+               and k_layer.dtype == x.dtype and v_layer.dtype == x.dtype)
+    if not fusable:
+        qkv = int4_matmul(x, w_qkv, bias, use_triton=use_triton)
+        return rope_and_cache(qkv, positions, inv_freq, k_layer, v_layer, slot_mapping, num_heads, num_kv_heads,
+                              use_triton=use_triton)
+    rope = Rope(positions, inv_freq, k_layer, v_layer, slot_mapping, num_heads, num_kv_heads)
+    q = int4_matmul_triton(_rows(x), w_qkv.qweight, w_qkv.scales, w_qkv.zeros, w_qkv.group_size, bias=bias,
+                           whole_zeros=w_qkv.zeros_are_whole(), rope=rope)
+    return q.view(x.shape[0], num_heads, D)

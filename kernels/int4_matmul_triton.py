@@ -35,6 +35,7 @@ from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
+from kernels.fused_norm_rope import rope_and_cache
 from kernels.pdl import pdl_ok
 
 log = logging.getLogger("specgate.int4")
@@ -105,28 +106,76 @@ def _nibble(q, j: tl.constexpr, one_bits):
 @triton.jit
 def _epilogue(acc, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
               HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc: [BLOCK_M, BLOCK_N] fp32 over weight columns ``cols``. Adds bias, gates, adds residual, stores."""
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE: tl.constexpr, R_H: tl.constexpr,
+              R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr):
+    """acc: [BLOCK_M, BLOCK_N] fp32 over weight columns ``cols``. Adds bias, gates, adds residual, stores;
+    with ROPE, rotates and places a fused qkv projection's tile instead (``_rope_store``)."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    if SILU:  # columns [gate half | up half] -> [BLOCK_M, BLOCK_N // 2]
-        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
-        out = gate * tl.sigmoid(gate) * up
-        out_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        mask = (offs_m < M)[:, None] & (out_cols < N // 2)[None, :]
+    if ROPE:
+        _rope_store(acc, offs_m, cols, n_mask, M, y_ptr, stride_ym, pid_n, BLOCK_M, BLOCK_N,
+                    pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, R_H, R_HKV, R_HALF, R_PAGE)
     else:
-        out, out_cols = acc, cols
-        mask = (offs_m < M)[:, None] & n_mask[None, :]
-    if HAS_RES:
-        out += tl.load(res_ptr + offs_m[:, None] * stride_rm + out_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + out_cols[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
+        if SILU:  # columns [gate half | up half] -> [BLOCK_M, BLOCK_N // 2]
+            gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
+            out = gate * tl.sigmoid(gate) * up
+            out_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            mask = (offs_m < M)[:, None] & (out_cols < N // 2)[None, :]
+        else:
+            out, out_cols = acc, cols
+            mask = (offs_m < M)[:, None] & n_mask[None, :]
+        if HAS_RES:
+            out += tl.load(res_ptr + offs_m[:, None] * stride_rm + out_cols[None, :], mask=mask,
+                           other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + out_cols[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_store(acc, offs_m, cols, n_mask, M, q_ptr, stride_qm, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, R_H: tl.constexpr, R_HKV: tl.constexpr,
+                R_HALF: tl.constexpr, R_PAGE: tl.constexpr):
+    """The qkv projection's epilogue with RoPE and the KV-cache write fused in (what ``rope_and_cache``
+    does as a kernel of its own; kernels/fused_norm_rope.py). The tile holds whole heads (BLOCK_N a multiple
+    of the head dim D): q heads are rotated and stored to ``q`` ([M, R_H * D]); k heads are rotated and v heads
+    copied into their cache slots (``kc`` / ``vc``: contiguous [blocks, R_PAGE, R_HKV, D], row m's slot
+    ``slot[m]``). Rotate-half convention, fp32 math on the projection rounded to the activation dtype and on
+    cos / sin rounded alike, as the separate kernel computes them: the same values, one launch fewer."""
+    dtype = q_ptr.dtype.element_ty
+    D: tl.constexpr = 2 * R_HALF
+    NH: tl.constexpr = BLOCK_N // D  # heads in the tile
+    m_ok = offs_m < M
+    v = acc.to(dtype).to(tl.float32)  # the unfused path rotates the projection's stored (rounded) values
+    x1, x2 = tl.split(tl.permute(tl.reshape(v, [BLOCK_M, NH, 2, R_HALF]), [0, 1, 3, 2]))  # [BLOCK_M, NH, R_HALF]
+    pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.float32)
+    ang = pos[:, None, None] * tl.load(freq_ptr + tl.arange(0, R_HALF))[None, None, :]  # [BLOCK_M, 1, R_HALF]
+    c = tl.cos(ang).to(dtype).to(tl.float32)
+    s = tl.sin(ang).to(dtype).to(tl.float32)
+    rot = ((pid_n * NH + tl.arange(0, NH)) < R_H + R_HKV)[None, :, None]  # q and k heads; v heads pass through
+    y1 = tl.where(rot, x1 * c - x2 * s, x1)
+    y2 = tl.where(rot, x2 * c + x1 * s, x2)
+    out = tl.reshape(tl.permute(tl.join(y1, y2), [0, 1, 3, 2]), [BLOCK_M, BLOCK_N]).to(dtype)
+    HD: tl.constexpr = R_H * D
+    KVD: tl.constexpr = R_HKV * D
+    tl.store(q_ptr + offs_m[:, None] * stride_qm + cols[None, :], out, mask=m_ok[:, None] & (cols < HD)[None, :])
+    slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
+    row = (slot // R_PAGE) * (R_PAGE * KVD) + (slot % R_PAGE) * KVD  # [BLOCK_M]: the slot's first element
+    kv = cols - HD  # column within [k | v]
+    is_v = kv >= KVD
+    kv = tl.where(is_v, kv - KVD, kv)
+    dst = row[:, None] + kv[None, :]  # a slot's heads are contiguous: column h D + d is element h D + d
+    kv_ok = m_ok[:, None] & (n_mask & (cols >= HD))[None, :]
+    tl.store(kc_ptr + dst, out, mask=kv_ok & ~is_v[None, :])
+    tl.store(vc_ptr + dst, out, mask=kv_ok & is_v[None, :])
 
 
 @triton.jit
 def _finish(acc, tile, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
             HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SILU: tl.constexpr, USE_SPLIT: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FIX_R: tl.constexpr, ATOMIC: tl.constexpr = False):
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FIX_R: tl.constexpr, ATOMIC: tl.constexpr,
+            pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr,
+            R_HALF: tl.constexpr, R_PAGE: tl.constexpr):
     """Store directly, or as one of split_k partials; the last partial to land reduces and stores.
     ``tile`` indexes this output tile's counter.
 
@@ -135,7 +184,8 @@ def _finish(acc, tile, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
     arrival order, so results may differ in the last bits between launches."""
     if not USE_SPLIT:
         _epilogue(acc, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
-                  HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N)
+                  HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N,
+                  pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE, R_H, R_HKV, R_HALF, R_PAGE)
     elif ATOMIC:
         mask = (offs_m < M)[:, None] & n_mask[None, :]
         sum_ptrs = part_ptr + offs_m[:, None] * N + cols[None, :]  # part: [M, N] fp32
@@ -145,7 +195,8 @@ def _finish(acc, tile, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
         if arrived == split_k - 1:
             total = tl.load(sum_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             _epilogue(total, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
-                      HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N)
+                      HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N,
+                  pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE, R_H, R_HKV, R_HALF, R_PAGE)
             # Zeroed for the next launch, but only once every thread holds its sums: the zeros' layout need not
             # be the load's (an MMA tile's is not), so without the barrier one thread could zero a sum another
             # has yet to read (on an H100 without it, the bench's check after graph replays failed across the
@@ -169,7 +220,8 @@ def _finish(acc, tile, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
                             other=0.0, cache_modifier=".cg")  # [FIX_R, BLOCK_M, BLOCK_N]
                 total += tl.sum(p, axis=0)
             _epilogue(total, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, stride_ym, stride_rm, pid_n,
-                      HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N)
+                      HAS_BIAS, HAS_RES, SILU, BLOCK_M, BLOCK_N,
+                  pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE, R_H, R_HKV, R_HALF, R_PAGE)
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (and graph replay)
 
 
@@ -202,10 +254,12 @@ def _int4_gemv_kernel(
     # strides (qweight, scales, zeros, bias, workspace are contiguous)
     stride_xm, stride_ym, stride_rm,
     split_k, K_ITERS, one_bits,  # K splits; K blocks per split; fp32 bits of 1.0
+    pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr,  # ROPE: positions, inv_freq, slots, the k and v cache layers
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr,
+    ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr,
 ):
     """One program: all M <= BLOCK_M <= 4 rows, BLOCK_N weight columns, one K split.
 
@@ -246,7 +300,8 @@ def _int4_gemv_kernel(
         out = tl.where(offs_m[:, None] == 3, tl.sum(acc3, axis=0)[None, :], out)
     _finish(out, pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
-            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R)
+            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R, False,
+            pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE, R_H, R_HKV, R_HALF, R_PAGE)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -387,11 +442,12 @@ def _int4_gemv_f16_kernel(
     # strides (qweight, scales, zeros, bias, workspace are contiguous)
     stride_xm, stride_ym, stride_rm,
     split_k, K_ITERS,  # K splits; K blocks per split (splits cover K exactly: BLOCK_K divides K)
+    pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr,  # ROPE: positions, inv_freq, slots, the k and v cache layers
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
     FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr, DEPTH: tl.constexpr, USE_PDL: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    ATOMIC: tl.constexpr,    ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr,
 ):
     """One program: row 0 of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows (BLOCK_K
     divides G, so every tile sits in one group).
@@ -448,7 +504,8 @@ def _int4_gemv_f16_kernel(
     offs_m = tl.arange(0, 1)
     _finish(acc[None, :], pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
-            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, 1, BLOCK_N, FIX_R, ATOMIC)
+            HAS_BIAS, HAS_RES, SILU, USE_SPLIT, 1, BLOCK_N, FIX_R, ATOMIC,
+            pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE, R_H, R_HKV, R_HALF, R_PAGE)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -607,12 +664,13 @@ def _int4_matmul_kernel(
     # strides
     stride_xm, stride_ym, stride_rm,
     split_k, K_ITERS, one_bits,  # K splits; K blocks per split; fp32 bits of 1.0
+    pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr,  # ROPE: positions, inv_freq, slots, the k and v cache layers
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, SCALE_DOT: tl.constexpr, ZDEC: tl.constexpr,
-    PREFETCH: tl.constexpr, ATOMIC: tl.constexpr,
+    PREFETCH: tl.constexpr, ATOMIC: tl.constexpr,    ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split (see ``_mma_tile``).
 
@@ -702,7 +760,8 @@ def _int4_matmul_kernel(
     if USE_PDL:
         gdc_launch_dependents()
     _finish(acc, pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, part_ptr,
-            count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R, ATOMIC)
+            count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R, ATOMIC,
+            pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE, R_H, R_HKV, R_HALF, R_PAGE)
 
 
 @triton.jit
@@ -714,12 +773,13 @@ def _int4_matmul_t_kernel(
     # strides
     stride_xm, stride_ym, stride_rm,
     split_k, K_ITERS, one_bits,  # K splits; K blocks per split; fp32 bits of 1.0
+    pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr,  # ROPE: positions, inv_freq, slots, the k and v cache layers
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr, FACTORED: tl.constexpr, USE_ASM: tl.constexpr,
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ZDEC: tl.constexpr, PREFETCH: tl.constexpr,
-    ATOMIC: tl.constexpr,
+    ATOMIC: tl.constexpr,    ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr,
 ):
     """The MMA path with its operands swapped: y^T = W x^T, so the decoded weights are the MMA's A
     operand (rows = weight columns) and the tokens its N dimension (Machete's swap-AB idea).
@@ -788,7 +848,7 @@ def _int4_matmul_t_kernel(
         gdc_launch_dependents()
     _finish(tl.trans(acc), pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr,
             part_ptr, count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R,
-            ATOMIC)
+            ATOMIC, pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE, R_H, R_HKV, R_HALF, R_PAGE)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -832,6 +892,24 @@ class KernelConfig:
     num_stages: int = 3  # software pipeline stages (mma); weight tiles in flight (hgemv)
 
 
+@dataclass(frozen=True, slots=True)
+class Rope:
+    """What a fused qkv projection's epilogue needs to rotate q and k and write k and v into the cache
+    (``_rope_store``; the separate kernel is ``rope_and_cache`` in kernels/fused_norm_rope.py)."""
+
+    positions: torch.Tensor  # [M] int64
+    inv_freq: torch.Tensor  # [D // 2] fp32
+    k_layer: torch.Tensor  # [num_blocks, page, num_kv_heads, D], contiguous
+    v_layer: torch.Tensor  # the same shape
+    slot_mapping: torch.Tensor  # [M] int64: each row's cache slot
+    num_heads: int
+    num_kv_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+
 # Programmatic dependent launch (sm_90, kernels/pdl.py): hgemv and mma launches may start while the previous
 # kernel in the stream finishes; they prefetch weights (which no kernel writes) and wait (griddepcontrol.wait)
 # before touching x or any buffer. Hides the launch gap and the tail of the kernel before.
@@ -866,6 +944,10 @@ MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 # matmuls did not: on an H100 the prefetch took 3-4% off SmolLM2-shape verify steps, where every program's
 # K split is one block (bench/results/verify_prefetch_ab_h100.json). Not yet timed on the 8B shapes.
 PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
+# SPECGATE_INT4_ROPE=1: the qkv projection's epilogue rotates q and k and writes k and v into the KV cache
+# (_rope_store), so a layer launches no rope_and_cache kernel (issue: fewer launches in a launch-bound step).
+# Off by default until run on a GPU; the interpreter tests check it against the separate kernels.
+ROPE = os.environ.get("SPECGATE_INT4_ROPE", "0") == "1"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _SUMS: dict[torch.device, torch.Tensor] = {}
@@ -908,8 +990,10 @@ def _splits(tiles: int, k_blocks: int, num_sms: int) -> list[int]:
     return sorted(set(picks))
 
 
-def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, x16: bool = True) -> list[KernelConfig]:
-    """Configs worth timing for this M bucket, the untuned default first. ``x16``: 16-bit activations."""
+def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, x16: bool = True,
+                head_dim: int = 0) -> list[KernelConfig]:
+    """Configs worth timing for this M bucket, the untuned default first. ``x16``: 16-bit activations.
+    ``head_dim``: a RoPE epilogue's (``Rope``): only tiles that hold whole heads."""
     n_out = N // 2 if silu else N
     out: list[KernelConfig] = []
     if M >= 128 and not silu:  # compute-bound: cuBLAS on a dequantized copy wins from here (H200)
@@ -922,6 +1006,8 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
         if x16:
             shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES] + shapes
         shapes += [("gemv", 1, bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
+    if head_dim:
+        shapes = [sh for sh in shapes if sh[2] % head_dim == 0]
     for kind, bm, bn, bk, warps, stages in shapes:
         tiles = triton.cdiv(n_out, bn // 2 if silu else bn) * (1 if "gemv" in kind else triton.cdiv(M, bm))
         for split in _splits(tiles, triton.cdiv(K, bk), num_sms):
@@ -1008,17 +1094,22 @@ def _is_16bit(x: torch.Tensor) -> bool:
 
 def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, G: int, bias: torch.Tensor | None, residual: torch.Tensor | None,
-            silu: bool, y: torch.Tensor, whole_zeros: bool = False) -> None:
-    """x: [M, K]; qweight: [K // 8, N]; y: [M, N] or [M, N // 2] with silu; residual like y."""
+            silu: bool, y: torch.Tensor, whole_zeros: bool = False, rope: Rope | None = None) -> None:
+    """x: [M, K]; qweight: [K // 8, N]; y: [M, N], [M, N // 2] with silu, [M, H D] (q) with rope;
+    residual like y."""
     M, K = x.shape
     N = qweight.shape[1]
     if cfg.kind == "dequant":  # compute-bound M: one dequantized copy, then cuBLAS
         w = dequantize_triton(qweight, scales, zeros, G, x.dtype)  # [K, N]
-        torch.matmul(x, w, out=y)
+        out = y if rope is None else torch.empty((M, N), dtype=x.dtype, device=x.device)
+        torch.matmul(x, w, out=out)
         if bias is not None:
-            y += bias
+            out += bias
         if residual is not None:
-            y += residual
+            out += residual
+        if rope is not None:  # the separate kernel, as the unfused path runs it
+            rope_and_cache(out, rope.positions, rope.inv_freq, rope.k_layer, rope.v_layer, rope.slot_mapping,
+                           rope.num_heads, rope.num_kv_heads, use_triton=True, out=y)
         return
     grid_n = triton.cdiv(N // 2, cfg.block_n // 2) if silu else triton.cdiv(N, cfg.block_n)
     grid_m = 1 if "gemv" in cfg.kind else triton.cdiv(M, cfg.block_m)
@@ -1036,9 +1127,18 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
             y if residual is None else residual, y, part, counts]
     sizes = [M, N, K, x.stride(0), y.stride(0), y.stride(0) if residual is None else residual.stride(0),
              cfg.split_k, k_iters]
+    if rope is None:
+        sizes += [y] * 5  # unread pointers
+        rope_meta = dict(ROPE=False, R_H=1, R_HKV=1, R_HALF=1, R_PAGE=1)
+    else:
+        if cfg.block_n % rope.head_dim:
+            raise ValueError(f"{cfg}: a RoPE epilogue needs tiles of whole heads (head dim {rope.head_dim})")
+        sizes += [rope.positions, rope.inv_freq, rope.slot_mapping, rope.k_layer, rope.v_layer]
+        rope_meta = dict(ROPE=True, R_H=rope.num_heads, R_HKV=rope.num_kv_heads, R_HALF=rope.head_dim // 2,
+                         R_PAGE=rope.k_layer.shape[1])
     meta = dict(G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU=silu,
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps,
-                **extra, **({"launch_pdl": True} if extra.get("USE_PDL") else {}))
+                **rope_meta, **extra, **({"launch_pdl": True} if extra.get("USE_PDL") else {}))
     if cfg.kind == "hgemv":
         if M != 1 or G % cfg.block_k or K % cfg.block_k or not _is_16bit(x):
             raise ValueError(f"hgemv needs one 16-bit row and block_k dividing G and K: {tuple(x.shape)} {x.dtype}, "
@@ -1049,17 +1149,17 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
         # num_stages: hgemv's DEPTH is its own (tiles in flight); Triton's pipeliner has nothing to do
         kernel[(grid_n, cfg.split_k)](*args, scratch, *sizes, num_stages=1, **meta)
     else:
-        kernel[(grid_m * grid_n, cfg.split_k)](*args, *sizes, ONE_BITS, BLOCK_M=cfg.block_m,
+        kernel[(grid_m * grid_n, cfg.split_k)](*args, *sizes[:8], ONE_BITS, *sizes[8:], BLOCK_M=cfg.block_m,
                                                 num_stages=cfg.num_stages, **meta)
 
 
-def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run) -> KernelConfig:
+def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim: int = 0) -> KernelConfig:
     """The cached config for ``key``, else the fastest candidate (timed once, eagerly, on CUDA)."""
     if key in _CONFIG_CACHE:
         return _CONFIG_CACHE[key]
     M, K = x.shape
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    cands = _candidates(M, N, K, silu, num_sms, G, _is_16bit(x))
+    cands = _candidates(M, N, K, silu, num_sms, G, _is_16bit(x), head_dim)
     if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
     times = _time_configs(run, cands, x.device)
@@ -1114,19 +1214,35 @@ def _time_configs(run, cands: list[KernelConfig], device: torch.device) -> list[
 def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                        group_size: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                        silu: bool = False, config: KernelConfig | None = None,
-                       out: torch.Tensor | None = None, whole_zeros: bool = False) -> torch.Tensor:
+                       out: torch.Tensor | None = None, whole_zeros: bool = False,
+                       rope: Rope | None = None) -> torch.Tensor:
     """x: [M, K], unit stride along K -> [M, N] (or [M, N // 2] = silu(gate) * up with ``silu``) in x's dtype.
 
     On CPU tensors this needs ``TRITON_INTERPRET=1`` before Triton is imported (tests). ``config``
     skips the choice (benchmarks); ``out`` receives the result. ``whole_zeros``: every zero point is a
-    whole number (the caller knows; checking here would cost a device sync per call).
+    whole number (the caller knows; checking here would cost a device sync per call). ``rope``: the weight
+    is a fused qkv projection, [H | Hkv | Hkv] heads of D columns; returns the rotated q ``[M, H D]`` and
+    writes the rotated k and the v into ``rope``'s cache layers (a bias is added before the rotation; no residual
+    or silu).
     """
     M, K = x.shape
     N = qweight.shape[1]
     if qweight.shape[0] * 8 != K or scales.shape != (K // group_size, N) or (silu and N % 2):
         raise ValueError(f"x {tuple(x.shape)} does not match qweight {tuple(qweight.shape)} "
                          f"/ scales {tuple(scales.shape)}")
-    shape = (M, N // 2 if silu else N)
+    if rope is not None:
+        D = rope.head_dim
+        if silu or residual is not None or N != (rope.num_heads + 2 * rope.num_kv_heads) * D:
+            raise ValueError(f"a RoPE epilogue takes a qkv projection of {rope.num_heads} + 2 x {rope.num_kv_heads} "
+                             f"heads of {D} ({(rope.num_heads + 2 * rope.num_kv_heads) * D} columns), no residual "
+                             f"or silu: got N {N}")
+        kv_shape = (rope.num_kv_heads, D)
+        if (rope.k_layer.shape != rope.v_layer.shape or tuple(rope.k_layer.shape[2:]) != kv_shape
+                or not (rope.k_layer.is_contiguous() and rope.v_layer.is_contiguous())
+                or rope.k_layer.dtype != x.dtype or rope.v_layer.dtype != x.dtype):
+            raise ValueError(f"RoPE cache layers must be contiguous {x.dtype} [blocks, page, {kv_shape[0]}, {D}]: "
+                             f"{tuple(rope.k_layer.shape)} {rope.k_layer.dtype}, {tuple(rope.v_layer.shape)}")
+    shape = (M, N // 2 if silu else N if rope is None else rope.num_heads * rope.head_dim)
     y = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
     if y.shape != shape or y.dtype != x.dtype or not y.is_contiguous():
         raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape}, not {tuple(y.shape)} {y.dtype}")
@@ -1134,12 +1250,14 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         return y
     whole_zeros = whole_zeros or zeros is None  # symmetric codes: the zero point 8 is whole
     run = lambda c: _launch(c, x, qweight, scales, zeros, group_size, bias, residual, silu, y,  # noqa: E731
-                            whole_zeros)
-    key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, whole_zeros, silu, x.device)
+                            whole_zeros, rope)
+    head_dim = 0 if rope is None else rope.head_dim
+    key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, whole_zeros, silu, head_dim,
+           x.device)
     if config is not None and config.kind != "dequant" and triton.cdiv(K, config.block_k) % config.split_k:
         # k_iters = blocks // split_k: a split count that does not divide them would drop the last blocks
         raise ValueError(f"{config}: split_k must divide the {triton.cdiv(K, config.block_k)} K blocks of K={K}")
-    run(config or _pick(x, N, group_size, key, silu, run))
+    run(config or _pick(x, N, group_size, key, silu, run, head_dim))
     return y
 
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from kernels.fused_norm_rope import rms_norm as fused_rms_norm
 from kernels.fused_norm_rope import rope_and_cache
 from kernels.fused_norm_rope import silu_mul as fused_silu_mul
-from kernels.int4_matmul import CpuInt4, Int4Weight, dequantize, int4_matmul, int4_matmul_silu_mul, quantize_rtn
+from kernels.int4_matmul import (CpuInt4, Int4Weight, dequantize, int4_matmul, int4_matmul_silu_mul, int4_qkv_rope_cache,
+                                 quantize_rtn)
 from kernels.tree_attention import tree_attention
 from target.batch import ForwardBatch
 from target.config import FC_NAME, ModelConfig
@@ -96,6 +97,18 @@ class Linear:
             gate, up = self(x, permuted=permuted).chunk(2, dim=-1)
             return F.silu(gate) * up
         return fused_silu_mul(self(x, permuted=permuted))
+
+    def qkv_rope_cache(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, k_layer: torch.Tensor,
+                       v_layer: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                       permuted: bool = False) -> torch.Tensor:
+        """A fused qkv projection, then RoPE and the KV-cache write (``rope_and_cache``): q ``[T, H, D]``. INT4
+        weights may take both in the matmul's epilogue, one launch (``int4_qkv_rope_cache``)."""
+        if self.dequantized is None and isinstance(self.weight, Int4Weight):
+            xp = x if self.perm is None or permuted else x[..., self.perm]
+            return int4_qkv_rope_cache(xp, self.weight, self.bias, positions, inv_freq, k_layer, v_layer, slot_mapping,
+                                       num_heads, num_kv_heads)
+        return rope_and_cache(self(x, permuted=permuted), positions, inv_freq, k_layer, v_layer, slot_mapping,
+                              num_heads, num_kv_heads)
 
     def quantized(self, group_size: int, use_zero_point: bool) -> "Linear":
         if isinstance(self.weight, Int4Weight):
@@ -327,8 +340,8 @@ class Transformer:
             # an act-order projection's input gather rides the norm before it (rms_norm's perm)
             x = fused_rms_norm(h, layer.input_norm, c.rms_norm_eps, perm=layer.qkv.perm)
             k_layer, v_layer = cache.k[i], cache.v[i]  # [num_blocks, P, Hkv, D]
-            q = rope_and_cache(layer.qkv(x, permuted=True), batch.positions, self.inv_freq, k_layer, v_layer,
-                               batch.slot_mapping, H, Hkv)  # [T, H, D]; K/V written into the cache
+            q = layer.qkv.qkv_rope_cache(x, batch.positions, self.inv_freq, k_layer, v_layer, batch.slot_mapping, H,
+                                         Hkv, permuted=True)  # [T, H, D]; K/V written into the cache
             attn = tree_attention(q, k_layer, v_layer, batch.block_tables, batch.context_lens,
                                   batch.query_start, batch.mask_bits, scale, is_decode=batch.is_decode)  # [T, H, D]
             h = layer.o(attn.reshape(T, H * D), residual=h)

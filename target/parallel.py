@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from kernels.int4_matmul import Int4Weight
 from kernels.tree_attention import tree_attention
-from kernels.fused_norm_rope import rms_norm, rope_and_cache
+from kernels.fused_norm_rope import rms_norm
 from target.batch import ForwardBatch
 from target.config import ModelConfig
 from target.kv_cache import KVCache
@@ -156,8 +156,8 @@ class ShardedTransformer(Transformer):
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.input_norm, c.rms_norm_eps, perm=layer.qkv.perm)  # act-order: gathered here
             k_layer, v_layer = cache.k[i], cache.v[i]  # [num_blocks, P, Hkv/N, D]
-            q = rope_and_cache(layer.qkv(x, permuted=True), batch.positions, self.inv_freq, k_layer, v_layer,
-                               batch.slot_mapping, H, Hkv)  # [T, H/N, D]; local K/V written into the cache
+            q = layer.qkv.qkv_rope_cache(x, batch.positions, self.inv_freq, k_layer, v_layer, batch.slot_mapping, H,
+                                         Hkv, permuted=True)  # [T, H/N, D]; local K/V written into the cache
             attn = tree_attention(q, k_layer, v_layer, batch.block_tables, batch.context_lens, batch.query_start,
                                   batch.mask_bits, 1.0 / math.sqrt(D), is_decode=batch.is_decode)  # [T, H/N, D]
             h = self._reduce(layer.o(attn.reshape(T, H * D), residual=h if first else None))  # [T, hidden]

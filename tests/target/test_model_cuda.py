@@ -52,6 +52,24 @@ def test_int4_cuda_matches_cpu_reference(group: int) -> None:
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_epilogue_leaves_the_forward_as_it_was(monkeypatch, dtype: torch.dtype) -> None:
+    """SPECGATE_INT4_ROPE (the qkv projection rotates and writes the cache in its epilogue) against the
+    separate rope_and_cache launch: the same logits (to bf16 rounding of the rotated q/k, which both compute
+    alike) and the same argmax, over prefill chunks, a decode row and a tree."""
+    from kernels import int4_matmul_triton as T
+
+    cfg = tiny_config(**CFG)
+    gpu = Transformer.from_weights(cfg, random_weights(cfg, scale=0.05), dtype, "cuda").quantize(128)
+    monkeypatch.setattr(T, "ROPE", False)
+    ref = mixed_forward(gpu).float()
+    monkeypatch.setattr(T, "ROPE", True)
+    out = mixed_forward(gpu).float()
+    err = (out - ref).abs().max() / ref.abs().max()
+    assert err < (1e-4 if dtype == torch.float32 else 2e-2), f"relative error {err:.5f}"
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+
+
 def test_act_order_model_on_cuda_matches_cpu_reference() -> None:
     """A true act-order GPTQ model (``Linear.perm`` on qkv and gate_up): on CUDA the norm before each writes
     its output in the projection's input order (``rms_norm(perm=)``) instead of a gather; logits match the
