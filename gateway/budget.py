@@ -324,8 +324,10 @@ class SpecGate:
     (``Engine._follow_gate``). A drafter that pays on one machine need not on another: in this project's CPU
     run the embedded pair's distilled draft paid 1.326x at batch 1 where n-grams paid 1.106x
     (``engine_real_cpu_gate_drafters.json``), while on a lent H100 the draft ran at 0.92-0.98x of plain decoding
-    (``engine_real_h100_2d5125e.json``) and neither paid. Without ``drafters`` the speculating arm
-    is ``SPEC``: every request drafts with its own drafter.
+    (``engine_real_h100_2d5125e.json``) and neither paid; there, exploring the draft cost the default 0.709x of
+    speculation off at batch 16 (``engine_real_h100_fa9f052.json``), so the loader leaves CUDA targets without
+    ``drafters`` (``gateway/llm.py default_gate_drafters``). Without ``drafters`` the speculating arm is ``SPEC``:
+    every request drafts with its own drafter.
 
     The engine reports each step's decoding batch, emitted tokens and seconds (from the previous step's
     end: a plain step's overlapped host work counts once, where it ran). Each bucket runs its own block, fed

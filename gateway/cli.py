@@ -78,7 +78,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gate-drafters", type=drafters_arg, default=None,
                    help="with the gate: the drafters it chooses among for requests that name none, by measured "
                         "throughput, in order of preference (e.g. draft,ngram); none: each request keeps the "
-                        "default drafter. Default: a loaded draft model, then ngram")
+                        "default drafter. Default: on the CPU a loaded draft model, then ngram; on CUDA none")
     p.add_argument("--min-gain", type=float, default=BudgetConfig().min_gain,
                    help="an adaptive tree keeps draft level d while its acceptance alpha ** d is at least this "
                         "(0 keeps every level the step costs allow)")

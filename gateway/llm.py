@@ -203,15 +203,7 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
     engine_cfg = replace(engine_cfg, default_drafter=None if default == "none" else default)
     budget = engine_cfg.scheduler.budget
     if budget.gate_drafters is None:
-        # With a draft model loaded the gate chooses the drafter of adaptive requests by measured throughput:
-        # the model first, then n-grams (and plain decoding, as always). On this project's CPU the embedded
-        # pair's shipped draft paid 1.326x at batch 1 where n-grams paid 1.106x
-        # (engine_real_cpu_gate_drafters.json); on a lent H100 neither paid (ARCHITECTURE.md), so no fixed
-        # default suits both. A feature draft is not chosen mid-stream: it reads the target's features of every
-        # position, which a sequence that drafted otherwise never gave it.
-        model_drafter = next((d for d in (default, "draft") if d in drafters and d != "ngram"
-                              and not getattr(drafters[d], "wants_features", False)), None)
-        picks = (model_drafter, "ngram") if model_drafter is not None else ()
+        picks = default_gate_drafters(drafters, default, device)
         engine_cfg = replace(engine_cfg, scheduler=replace(engine_cfg.scheduler, budget=replace(
             budget, gate_drafters=picks)))
     if tp == 1:
@@ -219,6 +211,27 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
     engine = _tensor_parallel_engine(cfg, dtype, device, target, drafters, engine_cfg, log)
     engine.tokenizer = ckpt.tokenizer
     return Loaded(engine, ckpt, name)
+
+
+def default_gate_drafters(drafters: dict[str, Drafter], default: str, device: torch.device) -> tuple[str, ...]:
+    """The drafters the speculation gate chooses among for adaptive requests that name none, where the
+    configuration leaves it to the loader (``BudgetConfig.gate_drafters`` None); empty: each request keeps the
+    default drafter, which the gate runs against plain decoding.
+
+    On the CPU, with a draft model loaded: the model first, then n-grams. There the embedded pair's shipped
+    draft paid 1.326x at batch 1 where n-grams paid 1.106x (engine_real_cpu_gate_drafters.json). On CUDA the
+    gate keeps to the default drafter: on a lent H100 the draft arm ran at 670 tokens/s against plain
+    decoding's 1,206 at batch 1, and exploring it cost the default what the n-gram gate did not -- 0.984 /
+    0.709 / 0.996x of speculation off at batch 1 / 16 / 64 against 1.005 / 1.003 / 1.004x
+    (engine_real_h100_fa9f052.json), and 0.97-0.92x of a server's throughput under load (server_ratio,
+    load_gpu_h100_fa9f052.json). Requests that name "draft" still get it, and ``--gate-drafters draft,ngram``
+    brings the drafter-choosing gate back. A feature draft is never chosen mid-stream: it reads the target's
+    features of every position, which a sequence that drafted otherwise never gave it."""
+    if device.type == "cuda":
+        return ()
+    model_drafter = next((d for d in (default, "draft") if d in drafters and d != "ngram"
+                          and not getattr(drafters[d], "wants_features", False)), None)
+    return (model_drafter, "ngram") if model_drafter is not None else ()
 
 
 def _tensor_parallel_engine(cfg: LoadConfig, dtype: torch.dtype, device: torch.device, full: Transformer,
