@@ -285,7 +285,10 @@ for stage in "$@"; do
       python bench/load_merge.py --mixed "$OUT/load_gpu_low.json" "$OUT/load_gpu_high.json" \
         --on-only "$OUT/load_gpu_on_low.json" "$OUT/load_gpu_on_high.json" \
         --off-only "$OUT/load_gpu_off_low.json" "$OUT/load_gpu_off_high.json" \
-        --stats "$OUT/load_stats.json" --out "$OUT/load_gpu" 2>&1 | tail -5 ;;
+        --stats "$OUT/load_stats.json" --out "$OUT/load_gpu" 2>&1 | tail -5
+      # the merged load_gpu.json holds every part: only it, its plot, the logs and the stats come back (the device
+      # tool returns at most 8 files, and the parts' dozen crowded out serve.log)
+      rm -f "$OUT"/load_gpu_low* "$OUT"/load_gpu_high* "$OUT"/load_gpu_on_* "$OUT"/load_gpu_off_* ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
