@@ -20,8 +20,8 @@
 #   bash bench/gpu_run.sh int4       the INT4 matmul: CUDA tests, then bench/results/int4_matmul.json
 #                                    (INT4_ARGS="--ms 16,64" for a subset; AB_A=SPECGATE_INT4_MMAT=0
 #                                    AB_B=SPECGATE_INT4_MMAT=1 ... ab: the swap-AB path inside the 8B verify step)
-#   bash bench/gpu_run.sh rope       SPECGATE_INT4_ROPE's CUDA tests (RoPE and the cache write in the qkv epilogue), then
-#                                    bench/verify_profile.py with it off and on, alternated twice (SmolLM2 shape)
+#   bash bench/gpu_run.sh rope       bench/rope_ab.py: SPECGATE_INT4_ROPE (RoPE and the cache write in the qkv epilogue)
+#                                    off against on, SmolLM2-shape verify steps in one process, then its CUDA tests
 #   bash bench/gpu_run.sh int4_atomic  SPECGATE_INT4_FIX_ATOMIC's CUDA tests, then bench_int4_matmul.py with it on and
 #                                    off, alternated twice (INT4_ARGS: the rows; INT4_TIMEOUT: seconds a run, default 90)
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
@@ -162,15 +162,12 @@ for stage in "$@"; do
       # SIGINT, not SIGTERM: the bench writes the rows it has timed on the way out
       timeout -s INT "${INT4_TIMEOUT:-420}" python bench/kernels/bench_int4_matmul.py --out "$OUT" \
         --commit "${BENCH_COMMIT:-unknown}" ${INT4_ARGS:-} 2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
-    rope)  # SPECGATE_INT4_ROPE (RoPE and the KV-cache write in the qkv projection's epilogue): its CUDA tests, then
-           # verify_profile's SmolLM2-shape steps with it off and on, alternated (first pair with the kernel profile)
+    rope)  # SPECGATE_INT4_ROPE (RoPE and the KV-cache write in the qkv projection's epilogue): off against on in one
+           # process, SmolLM2-shape verify steps (bench/rope_ab.py), then its CUDA tests
+      timeout "${ROPE_TIMEOUT:-240}" python bench/rope_ab.py --batches "${ROPE_BATCHES:-1,16}" --nodes 1,4 \
+        --commit "${BENCH_COMMIT:-unknown}" --out "$OUT/rope_ab.json" 2>&1 | grep -v Warn | tail -12
       timeout "${ROPE_TEST_TIMEOUT:-240}" python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_rope.py \
-        tests/target/test_model_cuda.py -k "rope or dispatch or candidates or split_k" 2>&1 | tail -4
-      for r in 1 2; do for a in 0 1; do
-        echo "--- SPECGATE_INT4_ROPE=$a run $r $(date +%T)"
-        SPECGATE_INT4_ROPE=$a timeout "${ROPE_TIMEOUT:-150}" python bench/verify_profile.py --batches 1,16 --nodes 1,4 \
-          $([ $r = 2 ] && echo --no-kernels) --out "$OUT/rope${a}_run$r.json" 2>&1 | grep -v Warn | tail -9
-      done; done ;;
+        tests/target/test_model_cuda.py -k "${ROPE_TEST_K:-rope or dispatch or candidates or split_k}" 2>&1 | tail -4 ;;
     int4_atomic)  # the atomic split-K fix-up: its CUDA tests, then the bench under both fix-ups, alternated twice
       timeout "${INT4_TEST_TIMEOUT:-170}" python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py \
         -k "atomic or fix_up or graph" 2>&1 | tail -4

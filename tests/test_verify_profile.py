@@ -58,3 +58,17 @@ def test_graph_census_counts_nodes_edges_and_kernels():
     assert out["nodes"] == {"KERNEL": 3, "MEMCPY": 1}
     assert out["edges"] == {"plain": 2, "programmatic": 1}
     assert out["kernels"] == {"_int4_gemv_kernel": 2, "_rms_norm_kernel_0d1": 1}
+
+
+def test_rope_ab_cpu_smoke_run(tmp_path):
+    """bench/rope_ab.py on the CPU (the reference path under both arms): every row timed, both arms' logits
+    equal, a summary per shape."""
+    out = tmp_path / "rope.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "rope_ab.py"), "--device", "cpu", "--layers", "1",
+                    "--batches", "1,2", "--nodes", "1,2", "--rounds", "1", "--context", "32", "--out", str(out)],
+                   check=True, capture_output=True, cwd=ROOT)
+    res = json.loads(out.read_text())
+    assert [(r["rope"], r["batch"], r["nodes"]) for r in res["rows"]] == [
+        (arm, b, n) for arm in (False, True) for b in (1, 2) for n in (1, 2)]
+    assert all(c["max_rel_diff"] == 0 and c["argmax_agree"] == 1 for c in res["check"])
+    assert len(res["summary"]) == 4 and all(s["off_us"] > 0 and s["on_us"] > 0 for s in res["summary"])

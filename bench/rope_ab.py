@@ -1,0 +1,79 @@
+"""SPECGATE_INT4_ROPE off against on in one process: RoPE and the KV-cache write as their own launch per layer, or
+in the INT4 qkv projection's epilogue (kernels/int4_matmul_triton.py ``_rope_store``).
+
+SmolLM2-135M's shape with random INT4 weights (bench/verify_profile.py's model and steps): for each batch B and
+tree size N a verify step is captured into a CUDA graph under each arm, its logits compared with the other arm's
+on the same inputs, and its synchronised wall time taken; the arms alternate over ``--rounds`` rounds (the first
+round pays the Triton builds and the tuner), and each figure is the arm's best round. Writes the JSON as it goes.
+
+    python bench/rope_ab.py --batches 1,16 --nodes 1,4 --rounds 2 --out $OUT/rope_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+import provenance  # noqa: E402  (bench/, this script's own folder)
+import verify_profile as vp  # noqa: E402
+from kernels import int4_matmul_triton as T  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--nodes", default="1,4")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=vp.SMOLLM2["num_layers"])
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    vp.DEVICE = args.device
+    vp.SMOLLM2["num_layers"] = args.layers
+    model = vp.smollm2_int4()
+    res = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "date": datetime.date.today().isoformat(), "commit": args.commit or provenance.commit(),
+           "torch": torch.__version__, "context": args.context, "rows": [], "check": []}
+    shapes = [(int(b), int(n)) for b in args.batches.split(",") for n in args.nodes.split(",")]
+    for r in range(args.rounds):
+        logits = {}
+        for arm in (False, True):
+            T.ROPE = arm
+            for B, n in shapes:
+                run, parts, _ = vp.verify_step(model, B, n, args.context)
+                logits[(arm, B, n)] = run().float().clone()
+                t = vp.timing(run, parts, args.reps) if args.device == "cuda" else {"wall_us": vp._median_us(run, 3)}
+                res["rows"].append({"round": r, "rope": arm, "batch": B, "nodes": n, "wall_us": t["wall_us"]})
+                print(f"round {r} rope {int(arm)} B={B:3d} N={n:2d} wall {t['wall_us']:8.1f} us", flush=True)
+                Path(args.out).write_text(json.dumps(res, indent=1))
+        for B, n in shapes:  # the same inputs under both arms: the same logits, to rounding
+            a, b = logits[(False, B, n)], logits[(True, B, n)]
+            res["check"].append({"round": r, "batch": B, "nodes": n,
+                                 "max_rel_diff": round(((a - b).abs().max() / a.abs().max()).item(), 6),
+                                 "argmax_agree": round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 4)})
+    best = {}
+    for row in res["rows"]:
+        key = (row["rope"], row["batch"], row["nodes"])
+        best[key] = min(best.get(key, float("inf")), row["wall_us"])
+    res["summary"] = [{"batch": B, "nodes": n, "off_us": best[(False, B, n)], "on_us": best[(True, B, n)],
+                       "on_over_off": round(best[(True, B, n)] / best[(False, B, n)], 4)} for B, n in shapes]
+    res["int4_configs"] = {str(k[:3] + k[7:9]): str(v) for k, v in T._CONFIG_CACHE.items()}
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print("\nbest round per arm (us per verify step)   check: max relative logit difference, argmax agreement")
+    for s, c in zip(res["summary"], res["check"][-len(shapes):]):
+        print(f"B={s['batch']:3d} N={s['nodes']:2d}  off {s['off_us']:8.1f}  on {s['on_us']:8.1f}  on/off "
+              f"{s['on_over_off']:.4f}   {c['max_rel_diff']:.2e} {c['argmax_agree']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
