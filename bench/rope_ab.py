@@ -26,6 +26,28 @@ import verify_profile as vp  # noqa: E402
 from kernels import int4_matmul_triton as T  # noqa: E402
 
 
+def plot(res: dict, out: Path) -> None:
+    """Each shape's best verify step under both arms, and their ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["summary"]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.bar([i - 0.2 for i in x], [r["off_us"] for r in rows], 0.4, label="separate rope_and_cache")
+    ax.bar([i + 0.2 for i in x], [r["on_us"] for r in rows], 0.4, label="RoPE in the qkv epilogue")
+    for i, r in zip(x, rows):
+        ax.annotate(f"{r['on_over_off']:.3f}x", (i + 0.2, r["on_us"]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [f"B={r['batch']} N={r['nodes']}" for r in rows])
+    ax.set_ylabel("us per verify step (best round)")
+    ax.set_title(f"SPECGATE_INT4_ROPE, SmolLM2 shape, {res['device']}, {res['commit']}, {res['date']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16")
@@ -69,6 +91,7 @@ def main() -> None:
                        "on_over_off": round(best[(True, B, n)] / best[(False, B, n)], 4)} for B, n in shapes]
     res["int4_configs"] = {str(k[:3] + k[7:9]): str(v) for k, v in T._CONFIG_CACHE.items()}
     Path(args.out).write_text(json.dumps(res, indent=1))
+    plot(res, Path(args.out).with_suffix(".png"))
     print("\nbest round per arm (us per verify step)   check: max relative logit difference, argmax agreement")
     for s, c in zip(res["summary"], res["check"][-len(shapes):]):
         print(f"B={s['batch']:3d} N={s['nodes']:2d}  off {s['off_us']:8.1f}  on {s['on_us']:8.1f}  on/off "
