@@ -341,6 +341,7 @@ def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, 
     before = first_use_counts(llm) if counts is not None else {}
     eng = llm.engine
     steps_before = (eng.num_steps, eng.num_ahead, eng.wait_s)
+    blocks_before = eng.scheduler.gate.completed_blocks if eng.scheduler.gate is not None else 0
     sched = llm.engine.scheduler
     costs = sched.costs
     by_depth: dict[int, list[float]] = {}  # decode-only steps of the call: draft depth -> step seconds
@@ -378,6 +379,9 @@ def generate_tok_s(llm: LLM, groups: list[list[str]], sampling: SamplingParams, 
         counts["wait_ms"] = round(1e3 * (eng.wait_s - steps_before[2]), 1)
         if sched.gate is not None:  # the speculation gate's arms after the call, per bucket (SpecGate.summary)
             counts["gate"] = sched.gate.summary()
+            # and the blocks the call completed: each one's bucket, arm, overlapped steps and rate
+            added = sched.gate.completed_blocks - blocks_before
+            counts["gate_blocks"] = sched.gate.history(last=added) if added else []
     if tokens is not None:
         tokens += [list(g.token_ids) for g in gens]
     steps = sum(g.stats.steps for g in gens)

@@ -28,6 +28,7 @@ per layer at M=16, 116 at 32, 192 at 64), so the marginal node costs more than i
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -298,6 +299,8 @@ class _Block:
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    ahead: int = 0  # steps that launched the next one before resolving their own (overlapped)
+    bucket: int = 0
 
 
 @dataclass(slots=True)
@@ -350,6 +353,9 @@ class SpecGate:
     _last: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket, arm) -> the last block it ran
     _open: dict[int, _Block] = field(default_factory=dict)  # the running block per bucket
     _state: tuple | None = None  # ``state()`` until the next block completes (it is read after every step)
+    # the last HISTORY completed blocks, oldest first (``history``): what each arm's rate was made of
+    _history: deque = field(default_factory=lambda: deque(maxlen=SpecGate.HISTORY))
+    HISTORY = 256
 
     def __post_init__(self) -> None:
         self.drafters = tuple(self.drafters)
@@ -378,20 +384,23 @@ class SpecGate:
         arm = self.arm(batch)
         return arm if arm in self.drafters else None
 
-    def observe(self, batch: int, tokens: int, seconds: float, counted: bool = True) -> None:
+    def observe(self, batch: int, tokens: int, seconds: float, counted: bool = True, ahead: bool = False) -> None:
         """One engine step: ``batch`` decoding sequences, ``tokens`` emitted, ``seconds`` since the last step;
-        ``counted`` False for a step the arms do not tell apart (see the class's docstring)."""
+        ``counted`` False for a step the arms do not tell apart (see the class's docstring); ``ahead``: the step
+        launched the next one before resolving its own (an overlapped step; recorded in ``history``)."""
         if batch <= 0 or not counted:
             return
         b = batch_bucket(batch)
         running = self._open.get(b)
         if running is None:
-            running = self._open[b] = _Block(self._arm(b))
+            running = self._open[b] = _Block(self._arm(b), bucket=b)
         running.steps += 1
         running.tokens += tokens
         running.seconds += seconds
+        running.ahead += ahead
         if running.steps >= self.block:
             del self._open[b]
+            self._history.append(running)
             n = self._blocks.get(b, 0)
             self._last[(b, running.arm)] = n
             self._blocks[b] = n + 1
@@ -423,6 +432,20 @@ class SpecGate:
                                  None if v["plain_tok_s"] is None else round(v["plain_tok_s"]), v.get("drafter"))
                                 for b, v in self.summary().items())
         return self._state
+
+    @property
+    def completed_blocks(self) -> int:
+        """Blocks completed so far over every bucket (``history`` keeps the last ``HISTORY`` of them)."""
+        return sum(self._blocks.values())
+
+    def history(self, last: int | None = None) -> list[dict]:
+        """The completed blocks, oldest first (the last ``last``; at most ``HISTORY`` are kept): each one's bucket,
+        arm, steps, overlapped steps, tokens, seconds and tokens per second -- what the arms' rates were made of
+        (a plain block whose steps were not overlapped reads slower than plain decoding runs)."""
+        blocks = list(self._history)[-last:] if last else list(self._history)
+        return [{"bucket": k.bucket, "arm": k.arm, "steps": k.steps, "ahead": k.ahead, "tokens": k.tokens,
+                 "seconds": round(k.seconds, 6), "tok_s": round(k.tokens / k.seconds, 1) if k.seconds > 0 else None}
+                for k in blocks]
 
     def summary(self) -> dict[str, dict]:
         """Per bucket: the best speculating arm's and plain decoding's tokens per second and whether the gate

@@ -269,7 +269,7 @@ class Engine:
         # a step whose sequences changed drafter pays the new drafter's catch-up on their whole text: a cost of
         # the switch, not of the arm, so the gate does not count it (as it does not count prefill steps)
         switched = gate is not None and bool(gate.drafters) and self._follow_gate(gate.drafter(len(decoding)), decoding)
-        chunks = self.num_prefill_chunks
+        chunks, launched = self.num_prefill_chunks, self.num_ahead
         outputs = self._step()
         end = time.perf_counter()
         if gate is not None:  # speculation's end-to-end A/B (gateway/budget.py SpecGate): the time since the
@@ -277,7 +277,8 @@ class Engine:
             counted = (not switched and self.num_prefill_chunks == chunks and any(s.drafter for s in decoding)
                        and not self.scheduler.roots_fill_cap(len(decoding)))
             gate.observe(len(decoding), sum(len(o.new_token_ids) for o in outputs),
-                         end - (start if self._step_end is None else self._step_end), counted)
+                         end - (start if self._step_end is None else self._step_end), counted,
+                         ahead=self.num_ahead > launched)
         self._step_end = end if self.has_work() else None  # idle time between requests is nobody's step
         return outputs
 

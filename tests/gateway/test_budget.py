@@ -391,3 +391,22 @@ def test_gate_rates_are_start_corrected_emas_and_young_arms_come_back_soon() -> 
     for _ in range(3):
         gate.observe(1, 1, 1.0)  # the exploring block falls here: spec's third
     assert gate._counts[(1, "spec")] == 3 and gate.interval(1, "spec") == gate.max_explore
+
+
+def test_gate_history_records_each_completed_block() -> None:
+    """``SpecGate.history``: every completed block, oldest first, with its bucket, arm, overlapped steps and rate;
+    running blocks and uncounted steps stay out, and only the last ``HISTORY`` blocks are kept."""
+    gate = SpecGate(block=4, explore=8)
+    for i in range(8):  # the speculating arm's block, then plain's; odd steps overlapped
+        gate.observe(1, 2, 0.5, ahead=bool(i % 2))
+    gate.observe(16, 1, 1.0)  # a running block at another bucket: not yet history
+    gate.observe(1, 5, 9.0, counted=False)  # a prefill step: not counted
+    hist = gate.history()
+    assert [(h["bucket"], h["arm"], h["steps"], h["ahead"], h["tokens"]) for h in hist] == [
+        (1, "spec", 4, 2, 8), (1, "plain", 4, 2, 8)]
+    assert hist[0]["seconds"] == 2.0 and hist[0]["tok_s"] == 4.0
+    assert gate.completed_blocks == 2 and gate.history(last=1) == hist[-1:]
+    small = SpecGate(block=1, explore=2)
+    for _ in range(SpecGate.HISTORY + 10):
+        small.observe(1, 1, 1.0)
+    assert len(small.history()) == SpecGate.HISTORY and small.completed_blocks == SpecGate.HISTORY + 10

@@ -313,3 +313,23 @@ def test_speculating_requests_go_ahead_while_the_gate_runs_plain_decoding() -> N
     assert got == want
     assert on.num_ahead > 0.8 * 40  # nearly every step went ahead: none drafted
     assert on.cache.pool.num_free == on.config.num_blocks
+
+
+def test_gate_history_counts_the_overlapped_steps_of_each_block() -> None:
+    """The engine tells the gate which steps launched the next one ahead (``SpecGate.history``'s ``ahead``):
+    in plain blocks nearly all of them; in speculating blocks the steps the budget left plain (tree steps run
+    one by one)."""
+    from gateway.budget import SpecGate
+
+    on = engine(True)
+    on.scheduler.gate = SpecGate(block=4, explore=2)
+    reqs = [(str(i), p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), SpeculationParams())
+            for i, p in enumerate(prompts(2))]
+    run_all(on, reqs)
+    hist = on.scheduler.gate.history()
+    plain = [h for h in hist if h["arm"] == "plain"]
+    spec = [h for h in hist if h["arm"] == "spec"]
+    assert plain and spec
+    assert sum(h["ahead"] for h in plain) >= 0.7 * sum(h["steps"] for h in plain)
+    assert all(0 <= h["ahead"] <= h["steps"] for h in hist)
+    assert sum(h["ahead"] for h in hist) <= on.num_ahead
