@@ -166,8 +166,9 @@ for stage in "$@"; do
            # process, SmolLM2-shape verify steps (bench/rope_ab.py), then its CUDA tests
       timeout "${ROPE_TIMEOUT:-240}" python bench/rope_ab.py --batches "${ROPE_BATCHES:-1,16}" --nodes 1,4 \
         --commit "${BENCH_COMMIT:-unknown}" --out "$OUT/rope_ab.json" 2>&1 | grep -v Warn | tail -12
-      timeout "${ROPE_TEST_TIMEOUT:-240}" python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_rope.py \
-        tests/target/test_model_cuda.py -k "${ROPE_TEST_K:-rope or dispatch or candidates or split_k}" 2>&1 | tail -4 ;;
+      timeout "${ROPE_TEST_TIMEOUT:-240}" python -m pytest -q --noconftest -p no:cacheprovider \
+        tests/kernels/test_int4_rope.py tests/target/test_model_cuda.py \
+        -k "${ROPE_TEST_K:-rope or dispatch or candidates or split_k}" 2>&1 | tail -4 ;;
     int4_atomic)  # the atomic split-K fix-up: its CUDA tests, then the bench under both fix-ups, alternated twice
       timeout "${INT4_TEST_TIMEOUT:-170}" python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py \
         -k "atomic or fix_up or graph" 2>&1 | tail -4

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from kernels.fused_norm_rope import rms_norm as fused_rms_norm
 from kernels.fused_norm_rope import rope_and_cache
 from kernels.fused_norm_rope import silu_mul as fused_silu_mul
-from kernels.int4_matmul import (CpuInt4, Int4Weight, dequantize, int4_matmul, int4_matmul_silu_mul, int4_qkv_rope_cache,
-                                 quantize_rtn)
+from kernels.int4_matmul import (CpuInt4, Int4Weight, dequantize, int4_matmul, int4_matmul_silu_mul,
+                                 int4_qkv_rope_cache, quantize_rtn)
 from kernels.tree_attention import tree_attention
 from target.batch import ForwardBatch
 from target.config import FC_NAME, ModelConfig

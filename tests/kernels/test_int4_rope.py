@@ -88,11 +88,13 @@ def test_rope_epilogue_matches_the_separate_kernel(M, H, HKV, D, K, G, zero_poin
 def test_rope_epilogue_with_split_k_fix_ups(monkeypatch):
     """Serial and atomic split-K fix-ups both end in the RoPE epilogue (the last program to arrive stores)."""
     H, HKV, D, K, G = 2, 1, 32, 1024, 128
-    for M, gemv in ((1, T.KernelConfig("hgemv", 1, 256, 64, 4, 4, 2)), (2, T.KernelConfig("gemv", 2, 128, 64, 4, 4, 1))):
+    gemvs = ((1, T.KernelConfig("hgemv", 1, 256, 64, 4, 4, 2)), (2, T.KernelConfig("gemv", 2, 128, 64, 4, 4, 1)))
+    for M, gemv in gemvs:
         w, x, b, positions, inv_freq, slots, blocks = _case(M, H, HKV, D, K, G, True, False, seed=M)
         for atomic in (False, True):
             monkeypatch.setattr(T, "FIX_ATOMIC", atomic)
-            for cfg in (gemv, T.KernelConfig("mma", 16, 128, 128, 4, 4, 2), T.KernelConfig("mmat", 16, 128, 128, 8, 4, 2)):
+            mmas = (T.KernelConfig("mma", 16, 128, 128, 4, 4, 2), T.KernelConfig("mmat", 16, 128, 128, 8, 4, 2))
+            for cfg in (gemv, *mmas):
                 kf, vf, ks, vs = _caches(blocks, 4, HKV, D, x.dtype, 4)
                 q = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, config=cfg,
                                          rope=T.Rope(positions, inv_freq, kf, vf, slots, H, HKV))
