@@ -364,9 +364,9 @@ def test_the_gate_chooses_the_drafter_of_requests_that_name_none() -> None:
     steps: list[list] = []  # per step: whether a sequence changed drafter, then whether the gate counted it
 
     class Spy(SpecGate):
-        def observe(self, batch: int, tokens: int, seconds: float, counted: bool = True) -> None:
+        def observe(self, batch: int, tokens: int, seconds: float, counted: bool = True, ahead: bool = False) -> None:
             steps[-1].append(counted)
-            super().observe(batch, tokens, seconds, counted)
+            super().observe(batch, tokens, seconds, counted, ahead)
 
     eng = tiny_engine(cost_aware=True)
     forward = eng.target.forward
