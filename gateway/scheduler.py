@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from gateway.budget import (BudgetConfig, DrafterPriors, SpecGate, StepCosts, adaptive_widths, cap_total,
@@ -204,9 +205,38 @@ class Scheduler:
         top = max((len(widths[i]) for i in cut), default=0)
         if top <= floor:
             return widths
-        alphas = [s.acceptance.alpha for s in decoding]
-        adaptive = set(cut)
         pays = self._shortens_batch(decoding, top) if self.batch_completion and not self.waiting else None
+        kinds = drafter_set(s.drafter for s, (w, _) in zip(decoding, asked) if w)
+        max_ratio = self._max_ratio(any(not s.drafter for s in decoding))
+        c = self._best_cap(len(decoding), [s.acceptance.alpha for s in decoding], widths, cut, floor, pays, kinds,
+                           max_ratio)
+        # A probe is a draft level like any other for the plain requests riding along: where the bound rules
+        # depth 1 out, a probe would cost them its price and could not return the batch to speculation.
+        # (H100, 2485e10: a one-level n-gram step cost 1.4x a plain one at batch 16 in
+        # engine_real_h100_2485e10.json, so the mixed server's drafting at 16 streams could only be probes: one
+        # every 16 steps, about 2.5% of its plain requests' time. They ran 6% slower a token than an all-plain
+        # server's, load_gpu_h100_2485e10.json.)
+        may_probe = c == 0 and self.costs.within(len(decoding), 1, kinds, max_ratio)
+        for i in cut:
+            # A sequence the cap keeps from drafting never updates its acceptance, so a cap set on a low
+            # early estimate would hold for good: every probe interval it drafts one level anyway (on the
+            # scheduler's probe steps, with every other due sequence).
+            stale = may_probe and (pays is None or pays[i]) and self._probe_due(decoding[i])
+            widths[i] = widths[i][:1] if stale else widths[i][:c]
+        return widths
+
+    def _max_ratio(self, plain_riders: bool) -> float | None:
+        """The bound on a step's cost over a plain step's while requests that do not speculate ride along
+        (``BudgetConfig.plain_penalty``); None without such requests or without the bound."""
+        penalty = self.config.budget.plain_penalty
+        return 1.0 + penalty if penalty is not None and plain_riders else None
+
+    def _best_cap(self, batch: int, alphas: list[float], widths: list[tuple[int, ...]], cut: list[int], floor: int,
+                  pays: list[bool] | None, kinds: tuple[str, ...], max_ratio: float | None) -> int:
+        """The depth cap on the adaptive trees ``cut`` (indices into ``widths``) with the most expected tokens
+        per measured second, at least ``floor``; ``pays`` (if given): the sequences whose tokens count."""
+        top = max((len(widths[i]) for i in cut), default=0)
+        adaptive = set(cut)
         fixed = sum(expected_tokens(alphas[i], len(w)) for i, w in enumerate(widths) if i not in adaptive)
         # gains[c]: the step's expected tokens with the adaptive trees cut to depth c (under batch_completion,
         # only those of the sequences the batch's end waits on). Per tree, one running sum of alpha ** d: this
@@ -222,25 +252,7 @@ class Scheduler:
                 if c < depth:
                     term *= a
                     tokens += term
-        kinds = drafter_set(s.drafter for s, (w, _) in zip(decoding, asked) if w)
-        penalty = self.config.budget.plain_penalty
-        bounded = penalty is not None and any(not s.drafter for s in decoding)  # a speculation-off request rides along
-        max_ratio = 1.0 + penalty if bounded else None
-        c = self.costs.best_depth(len(decoding), gains, floor, kinds, max_ratio)
-        # A probe is a draft level like any other for the plain requests riding along: where the bound rules
-        # depth 1 out, a probe would cost them its price and could not return the batch to speculation.
-        # (H100, 2485e10: a one-level n-gram step cost 1.4x a plain one at batch 16 in
-        # engine_real_h100_2485e10.json, so the mixed server's drafting at 16 streams could only be probes: one
-        # every 16 steps, about 2.5% of its plain requests' time. They ran 6% slower a token than an all-plain
-        # server's, load_gpu_h100_2485e10.json.)
-        may_probe = c == 0 and self.costs.within(len(decoding), 1, kinds, max_ratio)
-        for i in cut:
-            # A sequence the cap keeps from drafting never updates its acceptance, so a cap set on a low
-            # early estimate would hold for good: every probe interval it drafts one level anyway (on the
-            # scheduler's probe steps, with every other due sequence).
-            stale = may_probe and (pays is None or pays[i]) and self._probe_due(decoding[i])
-            widths[i] = widths[i][:1] if stale else widths[i][:c]
-        return widths
+        return self.costs.best_depth(batch, gains, floor, kinds, max_ratio)
 
     def _shortens_batch(self, decoding: list[Sequence], top: int) -> list[bool]:
         """Which decoding sequences' drafted tokens can bring the batch's end closer: those within one step's
@@ -272,17 +284,27 @@ class Scheduler:
     def plans_plain(self, seqs: Iterable[tuple[Sequence, bool]], template_of: TemplateOf, batch: int) -> bool:
         """Whether the next plan leaves every one of ``seqs`` plain, asked before the step ahead of them is
         committed (each with ``pending``: a plain step of it is in flight and will count toward its probe) and
-        changing nothing: an overlapped step's test for speculating requests (gateway/overlap.py). False where
-        unsure: a tree template fixed by the request, or one the budget may still keep. The depth and verify
-        caps only cut trees, so a sequence its own budget leaves plain stays plain in the plan. What holds for
-        the whole batch -- the roots filling the verify cap, the gate's plain arm -- is asked once, not per
-        sequence: 64 n-gram streams under a gate held plain cost an overlapped step 0.638 ms of host time
-        against 0.608 for plain requests, and 0.615 against 0.600 so (``bench/host_step.py``, CPU,
-        ``host_step_gated_cpu.json``)."""
+        changing nothing: an overlapped step's test for speculating requests (gateway/overlap.py). ``seqs`` are
+        the batch's sequences with a drafter; the other ``batch - len(seqs)`` ride plainly. False where unsure:
+        a tree template fixed by the request, or one the plan may still keep. What holds for the whole batch --
+        the roots filling the verify cap, the gate's plain arm -- is asked once, not per sequence: 64 n-gram
+        streams under a gate held plain cost an overlapped step 0.638 ms of host time against 0.608 for plain
+        requests, and 0.615 against 0.600 so (``bench/host_step.py``, CPU, ``host_step_gated_cpu.json``).
+
+        With a cost-aware budget the trees the acceptance keeps go through the plan's depth cap as well
+        (``_best_cap``, and its probe rule): where the measured step costs leave every one plain, the plan
+        will, and the step goes ahead. Without that, a batch whose acceptance kept a level that its costs cut
+        drained the overlap at every step -- the plan ran plain, one step was launched ahead, and the next
+        step's test, blind to the costs, stopped the pipeline again -- so its plain steps ran at the speed of
+        steps taken one by one. On an H100 the n-gram arm measured 10,768 tokens/s at batch 16 where plain
+        decoding runs at 15,532, with 12 of 129 steps launched ahead (engine_real_h100_fa9f052.json), which fits
+        that pattern; the fix has not yet run on a GPU."""
         if self.roots_fill_cap(batch):
             return True
+        seqs = list(seqs)
         gated = self.gate is not None and not self.gate.allows(batch)
         intervals: dict[str | None, int] = {}
+        asked: list[tuple[Sequence, tuple[int, ...], Callable[[], bool]]] = []
         for seq, pending in seqs:
             template, adapt = template_of(seq)
             if not template:
@@ -293,11 +315,27 @@ class Scheduler:
                 continue
             if seq.drafter not in intervals:
                 intervals[seq.drafter] = self._interval(seq.drafter, batch)
-            due = lambda: probe_due(seq.steps_without_draft + pending, self.num_schedules + 1,  # noqa: E731
-                                    intervals[seq.drafter])
-            if adaptive_widths(template, seq.acceptance.alpha, self.config.budget, due):
-                return False
-        return True
+            due = partial(probe_due, seq.steps_without_draft + pending, self.num_schedules + 1, intervals[seq.drafter])
+            widths = adaptive_widths(template, seq.acceptance.alpha, self.config.budget, due)
+            if widths:
+                asked.append((seq, widths, due))
+        if not asked:
+            return True
+        if not self.config.budget.cost_aware:
+            return False
+        others = batch - len(asked)  # their roots: one expected token each, whatever the cap
+        trees = [s for s, _, _ in asked]
+        widths = [w for _, w, _ in asked] + [()] * others
+        alphas = [s.acceptance.alpha for s in trees] + [1.0] * others
+        top = max(len(w) for _, w, _ in asked)
+        pays = self._shortens_batch(trees, top) if self.batch_completion and not self.waiting else None
+        kinds = drafter_set(s.drafter for s in trees)
+        max_ratio = self._max_ratio(batch > len(seqs))  # requests without a drafter ride along
+        if self._best_cap(batch, alphas, widths, list(range(len(trees))), 0, pays, kinds, max_ratio):
+            return False
+        if not self.costs.within(batch, 1, kinds, max_ratio):
+            return True
+        return not any((pays is None or pays[i]) and due() for i, (_, _, due) in enumerate(asked))
 
     @staticmethod
     def _fit_budget(widths: tuple[int, ...], budget: int) -> tuple[int, ...]:

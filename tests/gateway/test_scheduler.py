@@ -413,3 +413,38 @@ def test_chain_runs_cut_their_free_levels_by_measured_cost_alone() -> None:
             sched.costs.observe(1, depth, 1.0 + 0.6 * depth, ("ngram",))
     seq.steps_without_draft = 0  # no probe due
     assert sched.chain_depths([seq], chain) == [0]
+
+
+def test_plans_plain_follows_the_plans_cost_cut() -> None:
+    """``plans_plain`` (an overlapped step's test) agrees with the plan where the acceptance keeps a tree but the
+    measured step costs cut it: the step goes ahead instead of draining the overlap every step. Where a depth is
+    unmeasured (the plan tries it) or a probe is due, it still says no."""
+    sched, seqs = two_decoding(500)
+    sched.gate = None  # the cut alone
+    adaptive = lambda s: ((2, 2, 1), True)  # noqa: E731
+    pending = [(s, True) for s in seqs]
+    assert sched.plans_plain(pending, adaptive, 2)  # nothing measured: the plan measures a plain step first
+    for _ in range(2):
+        sched.costs.observe(2, 0, 1.0)
+    assert not sched.plans_plain(pending, adaptive, 2)  # depth 1 unmeasured: the plan would try it
+    assert [len(w) for _, w in sched.schedule(adaptive).decodes] == [1, 1]
+    for depth in (3, 3, 2, 2, 1, 1):
+        sched.costs.observe(2, depth, 1.0 + 10 * depth, ("draft",))  # drafting is ruinously slow here
+    assert [w for _, w in sched.schedule(adaptive).decodes] == [(), ()]  # the plan: plain
+    for s in seqs:
+        s.steps_without_draft = 0  # no probe due yet
+    assert sched.plans_plain(pending, adaptive, 2)  # ... and so the overlapped step's test
+    seqs[0].steps_without_draft = 10**6  # long without a draft: a probe falls due on the interval's steps
+    answers = set()
+    for _ in range(sched._interval("draft", 2)):
+        sched.num_schedules += 1
+        answers.add(sched.plans_plain(pending, adaptive, 2))
+    assert answers == {True, False}  # plain between the probes, not on a probe's step
+    seqs[0].steps_without_draft = 0
+    # a request without a drafter rides along: the plain-penalty bound holds too, and the answer stays plain
+    assert sched.plans_plain(pending[:1], adaptive, 2)
+    # cheap drafting: the cut keeps the tree, and the test says so
+    for depth in (3, 2, 1, 0) * 20:
+        sched.costs.observe(2, depth, 1.0 + 0.01 * depth, ("draft",))
+    assert not sched.plans_plain(pending, adaptive, 2)
+    assert [len(w) for _, w in sched.schedule(adaptive).decodes] == [3, 3]
