@@ -27,9 +27,12 @@ from kernels import int4_matmul_triton as T  # noqa: E402
 
 
 def plot(res: dict, out: Path) -> None:
-    """Each shape's best verify step under both arms, and their ratio."""
-    import matplotlib
-
+    """Each shape's best verify step under both arms, and their ratio (none without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
