@@ -38,12 +38,17 @@ from pathlib import Path
 # "gated ngram overlapped": n-gram requests in a batch where the speculation gate (gateway/budget.py SpecGate)
 # holds its plain arm -- the server's state whenever speculation does not pay (every batch size of the
 # H100's real pair, bench/results/engine_real_h100_d32cf22.json) -- against "plain overlapped".
+# "cost-cut ngram overlapped": n-gram requests whose lookups the target confirms, so their acceptance keeps
+# trees, in a batch whose measured step costs (set ruinous for every draft depth) cut them all: the plan runs
+# plain, and the overlapped step's test (Scheduler.plans_plain) decides whether the next step goes ahead. 32
+# streams: at 64 the roots alone fill the default verify cap, and every step is plain whatever the test.
 # "chain": n-gram requests with a fixed four-token chain whose lookups the target confirms (its next token
 # depends on the last alone, so a sequence soon repeats itself), stepped one by one; "chain ahead": the same
 # with EngineConfig.chain_ahead (gateway/chain_ahead.py), the device lookup being its torch reference here.
 CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48), ("plain+penalties", 64),
            ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64), ("plain overlapped", 64), ("plain overlapped 2k", 64),
-           ("gated ngram overlapped", 64), ("chain", 1), ("chain ahead", 1), ("chain", 16), ("chain ahead", 16)]
+           ("gated ngram overlapped", 64), ("cost-cut ngram overlapped", 32), ("chain", 1), ("chain ahead", 1),
+           ("chain", 16), ("chain ahead", 16)]
 VOCAB = 512
 PENALTY_VOCAB = 49152
 
@@ -69,7 +74,7 @@ def measure(steps: int, only: set[str] | None = None) -> dict[str, float]:
         arm, _, penalties = config.partition("+")
         V = PENALTY_VOCAB if penalties else VOCAB
 
-        def rule(batch, cache, V=V, shift=3 if "ngram" in arm else 0):
+        def rule(batch, cache, V=V, shift=3 if "ngram" in arm and not arm.startswith("cost-cut") else 0):
             rows = batch.logits_indices.shape[0]
             out = torch.zeros(rows, V)
             at = batch.logits_indices
@@ -93,12 +98,17 @@ def measure(steps: int, only: set[str] | None = None) -> dict[str, float]:
             engine.scheduler.config = replace(engine.scheduler.config, budget=BudgetConfig(cost_aware=True))
             engine.scheduler.gate = SpecGate()
             allows, SpecGate.allows = SpecGate.allows, lambda self, batch: False
+        cost_cut = arm.startswith("cost-cut")
+        if cost_cut:  # the cost-aware budget without a gate: the costs alone cut the trees
+            engine.scheduler.config = replace(engine.scheduler.config, budget=BudgetConfig(cost_aware=True, gate=False))
+            engine.scheduler.gate = None
         engine.target.forward = rule
         engine.drafters["draft"].model.forward = rule
         named = {"plain": SpeculationParams(enabled=False), "plain overlapped": SpeculationParams(enabled=False),
                  "adaptive": SpeculationParams(),
                  "idle ngram": SpeculationParams(drafter="ngram"),
                  "gated ngram overlapped": SpeculationParams(drafter="ngram"),
+                 "cost-cut ngram overlapped": SpeculationParams(drafter="ngram"),
                  "chain": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)),
                  "chain ahead": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1))}
         spec = named.get(arm, SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)))
@@ -114,6 +124,10 @@ def measure(steps: int, only: set[str] | None = None) -> dict[str, float]:
         # prefill and first drafts (idle: until the budget gives up; long: 128,000 prompt tokens, 4,096 a step)
         for _ in range(40 if long else 30 if "ngram" in arm else 5):
             engine.step()
+        if cost_cut:  # every draft depth measured ruinous, fresh for the timed steps (StepCosts.reprobe)
+            for depth in range(1, 5):
+                for _ in range(2):
+                    engine.scheduler.costs.observe(streams, depth, 1.0, ("ngram",))
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()

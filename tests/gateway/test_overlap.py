@@ -11,6 +11,7 @@ import torch
 
 from draft.params import SpeculationParams
 from engine_util import run_all, tiny_engine
+from gateway.budget import BudgetConfig
 from verify.sampling import SamplingParams
 
 PLAIN = SpeculationParams(enabled=False)
@@ -333,3 +334,37 @@ def test_gate_history_counts_the_overlapped_steps_of_each_block() -> None:
     assert sum(h["ahead"] for h in plain) >= 0.7 * sum(h["steps"] for h in plain)
     assert all(0 <= h["ahead"] <= h["steps"] for h in hist)
     assert sum(h["ahead"] for h in hist) <= on.num_ahead
+
+
+def test_steps_go_ahead_where_measured_costs_cut_the_trees_acceptance_keeps() -> None:
+    """N-gram requests whose lookups the target confirms keep their trees by acceptance, but measured step costs
+    that make every draft depth ruinous cut them in the plan: the overlapped step's test
+    (``Scheduler.plans_plain``) sees the same cut, so steps keep going ahead instead of stopping the pipeline at
+    each one; the tokens stay the step-by-step ones."""
+    V = 64
+
+    def rule(batch, cache):  # next token 7 t + 1: lookups in the repeating text are confirmed
+        rows = batch.logits_indices.shape[0]
+        out = torch.zeros(rows, V)
+        at = batch.logits_indices
+        out[torch.arange(rows), (batch.tokens[at] * 7 + 1) % V] = 5.0
+        return out
+
+    outs = []
+    for overlap in (False, True):
+        eng = engine(overlap, num_blocks=2048, page_size=16, max_running=8, vocab=V)
+        eng.scheduler.config = replace(eng.scheduler.config, budget=BudgetConfig(cost_aware=True, gate=False))
+        eng.scheduler.gate = None
+        eng.target.forward = rule
+        reqs = [(str(i), [(13 * i + j) % V for j in range(12)], SamplingParams(temperature=0, max_tokens=60,
+                 ignore_eos=True), SpeculationParams(drafter="ngram")) for i in range(8)]
+        for depth in range(1, 5):
+            for _ in range(2):
+                eng.scheduler.costs.observe(8, depth, 1.0, ("ngram",))  # every draft depth ruinous, fresh
+        outs.append(run_all(eng, reqs))
+        if overlap:
+            seq_alpha = eng.scheduler.priors.start("ngram").alpha
+            assert seq_alpha >= BudgetConfig().min_gain  # the acceptance alone would keep a level
+            assert eng.num_ahead > 0.8 * 60  # nearly every step went ahead
+            assert eng.cache.pool.num_free == eng.config.num_blocks
+    assert outs[0] == outs[1]
