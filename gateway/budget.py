@@ -152,6 +152,15 @@ def drafter_set(names) -> tuple[str, ...]:
     return tuple(sorted({n for n in names if n}))
 
 
+AHEAD = "(ahead)"  # not a drafter's name: marks the step costs of overlapped chain runs (gateway/chain_ahead.py)
+
+
+def ahead_kinds(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """``StepCosts``' key for an overlapped chain step of these drafters: priced apart from a tree step taken one
+    by one, whose host work between steps the GPU waits out (a chain step's is hidden behind the step ahead)."""
+    return (*kinds, AHEAD) if kinds else kinds
+
+
 def adaptive_widths(template: tuple[int, ...], alpha: float, cfg: BudgetConfig,
                     probe: bool | Callable[[], bool] = False, min_gain: float | None = None) -> tuple[int, ...]:
     """The template cut to the depths that pay at this acceptance, or a one-token probe when none does

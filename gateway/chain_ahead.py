@@ -24,7 +24,13 @@ drafted step's inputs on the device the same way.)
 
 A run starts from a plan where some decoding sequence drafts with an n-gram drafter and every one is greedy or
 sampled without min-p, with no logit processing, logprobs, grammar or held stop token, drafting with that
-drafter or not at all (a plain request, or one the budget leaves plain, rides as a one-token chain). Each
+drafter or not at all (a plain request, or one the budget leaves plain, rides as a one-token chain). Where a
+batch could run so (``could_run``, the scheduler's ``chains``), its regular plan is planned as a run's later
+steps are -- no acceptance cut, each depth priced by the overlapped chain steps measured at it (``ahead_kinds``:
+apart from tree steps taken one by one, whose host work the GPU waits out) -- so a run starts where chains pay.
+Before, a run could start only from a plan that kept a level under the acceptance cut and the stepped steps'
+prices, and on a CPU (bench/chain_ahead.py --adaptive, SmolLM2's shape cut to 4 layers) the planned arm drafted
+little but probes; it now runs chains at depths 1-4 most steps. Each
 step's depths are planned anew while the last step runs (``Scheduler.chain_depths``: the cost cap over each
 request's acceptance, or a probe, and the verify cap, as a plan sets them, but with no cut by ``min_gain``:
 looked-up levels cost nothing to draft, and each depth's overlapped step is timed), so a chain deepens and
@@ -55,7 +61,7 @@ import torch
 
 from draft.ngram import NgramDrafter
 from draft.tree import MAX_TREE_NODES, TokenTree
-from gateway.budget import drafter_set
+from gateway.budget import ahead_kinds, drafter_set
 from gateway.sequence import Sequence, Status
 from target.batch import Segment, build_batch, place_chains
 from target.model import Transformer
@@ -372,6 +378,14 @@ def resolve(engine: Engine, prev: ChainInFlight, successor: ChainInFlight | None
     return engine._settle(seqs, trees, results, offered, {}, keep=1 + successor.run.K if successor else 1)
 
 
-def kinds(run: ChainRun) -> frozenset:
-    """The drafters of the run's steps, as the step-cost model keys them."""
-    return drafter_set(s.drafter for s in run.seqs)
+def kinds(run: ChainRun) -> tuple[str, ...]:
+    """The drafters of the run's steps, as the step-cost model keys an overlapped chain step of them."""
+    return ahead_kinds(drafter_set(s.drafter for s in run.seqs))
+
+
+def could_run(engine: Engine, seqs: list[Sequence]) -> bool:
+    """Whether these decoding sequences could take their next step as an overlapped chain run's (``from_plan``'s
+    test of the sequences, before any depth is planned): the scheduler then prices their draft levels as chain
+    steps and plans them as a run's continuing steps are planned (``Scheduler.chains``)."""
+    return (engine.config.chain_ahead and isinstance(engine.target, Transformer) and bool(seqs)
+            and all(eligible(s, engine) for s in seqs) and len({s.drafter for s in seqs if s.drafter}) == 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -124,6 +125,7 @@ class Engine:
                 raise ValueError(f"the speculation gate cannot choose drafter {name!r}: it chooses among loaded "
                                  f"drafters that read no target features, here {choosable}")
         chain_ahead.prepare(self)
+        self.scheduler.chains = partial(chain_ahead.could_run, self)  # False unless chain_ahead is on
         self._seqs: dict[str, Sequence] = {}
         # this step's sequences whose verified tree is not their drafter's own (a grammar-forced chain grafted in,
         # forbidden nodes dropped): the drafter's tree, each verified node's index in it (-1: not the

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-from gateway.budget import (BudgetConfig, DrafterPriors, SpecGate, StepCosts, adaptive_widths, cap_total,
-                            drafter_set, expected_tokens, probe_due, probe_interval)
+from gateway.budget import (BudgetConfig, DrafterPriors, SpecGate, StepCosts, adaptive_widths, ahead_kinds,
+                            cap_total, drafter_set, expected_tokens, probe_due, probe_interval)
 from gateway.sequence import Sequence, Status
 from target.blocks import BlockPool, BlockTable
 
@@ -82,6 +82,10 @@ class Scheduler:
         # True while a caller waits for every running request to end (``LLM.generate``): with nobody waiting
         # to take a finished request's place, only drafts of the requests furthest from done shorten that.
         self.batch_completion = False
+        # Whether a batch of decoding sequences could run as an overlapped chain (gateway/chain_ahead.py
+        # could_run; set by the engine): its plan then prices draft levels as chain steps and leaves out the
+        # acceptance cut, as chain_depths does for a run's later steps, so that a run can start where chains pay.
+        self.chains: Callable[[list[Sequence]], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.acceptance = self.priors.start(seq.drafter)
@@ -125,7 +129,8 @@ class Scheduler:
         self.num_schedules += 1
         self._intervals.clear()
         decoding = [s for s in self.running if not s.is_prefilling]
-        widths = self._plan_widths(decoding, template_of)
+        chain = self.chains is not None and self.chains(decoding)
+        widths = self._plan_widths(decoding, template_of, free=chain and self.config.budget.cost_aware, chain=chain)
         budget = self.config.max_step_tokens
         reserved = 0  # blocks this plan will allocate
         for seq, w in zip(decoding, widths):
@@ -164,10 +169,11 @@ class Scheduler:
         decoding's 1,225, where fixed four-token chains ran 1.15-1.27x of it (H100, engine_real_h100_b7cf8a0.json)."""
         self.num_schedules += 1
         self._intervals.clear()
-        return [len(w) for w in self._plan_widths(decoding, template_of, free=self.config.budget.cost_aware)]
+        return [len(w) for w in self._plan_widths(decoding, template_of, free=self.config.budget.cost_aware,
+                                                  chain=True)]
 
     def _plan_widths(self, decoding: list[Sequence], template_of: TemplateOf,
-                     free: bool = False) -> list[tuple[int, ...]]:
+                     free: bool = False, chain: bool = False) -> list[tuple[int, ...]]:
         """Each decoding sequence's tree widths this step: the budget's cut at its acceptance (or a probe; not
         where ``free``: the costs alone cut), the cost cap, the verify cap."""
         self._batch = len(decoding)
@@ -177,7 +183,7 @@ class Scheduler:
         asked = [self._widths(s, template_of, free) for s in decoding]
         if not any(w for w, _ in asked):  # nobody drafts this step (the usual case where speculation is off)
             return [()] * len(decoding)
-        widths = self._cap_depth(decoding, asked) if self.config.budget.cost_aware else [w for w, _ in asked]
+        widths = self._cap_depth(decoding, asked, chain) if self.config.budget.cost_aware else [w for w, _ in asked]
         return cap_total(widths, [s.acceptance.alpha for s in decoding], self.config.budget.max_verify_tokens)
 
     def _widths(self, seq: Sequence, template_of: TemplateOf, free: bool = False) -> tuple[tuple[int, ...], bool]:
@@ -195,10 +201,12 @@ class Scheduler:
         depth = min(len(template), seq.remaining_tokens - 1, self.config.max_model_len - seq.num_tokens)
         return template[: max(depth, 0)], adapt
 
-    def _cap_depth(self, decoding: list[Sequence], asked: list[tuple[tuple[int, ...], bool]]) -> list[tuple[int, ...]]:
+    def _cap_depth(self, decoding: list[Sequence], asked: list[tuple[tuple[int, ...], bool]],
+                   chain: bool = False) -> list[tuple[int, ...]]:
         """Cut the adaptive trees to the depth with the most expected tokens per measured second
         (``StepCosts``). Draft levels run one after another for the whole batch, so the step's cost
-        follows its deepest tree; trees a request fixed itself set the floor."""
+        follows its deepest tree; trees a request fixed itself set the floor. ``chain``: priced as an
+        overlapped chain step (``ahead_kinds``)."""
         widths = [w for w, _ in asked]
         cut = [i for i, (w, adapt) in enumerate(asked) if adapt and w]
         floor = max((len(w) for w, adapt in asked if not adapt), default=0)
@@ -207,6 +215,7 @@ class Scheduler:
             return widths
         pays = self._shortens_batch(decoding, top) if self.batch_completion and not self.waiting else None
         kinds = drafter_set(s.drafter for s, (w, _) in zip(decoding, asked) if w)
+        kinds = ahead_kinds(kinds) if chain else kinds
         max_ratio = self._max_ratio(any(not s.drafter for s in decoding))
         c = self._best_cap(len(decoding), [s.acceptance.alpha for s in decoding], widths, cut, floor, pays, kinds,
                            max_ratio)
@@ -281,7 +290,8 @@ class Scheduler:
         away, whatever the budget or the gate's arm (so the gate does not count it: both arms run it plain)."""
         return batch >= self.config.budget.max_verify_tokens
 
-    def plans_plain(self, seqs: Iterable[tuple[Sequence, bool]], template_of: TemplateOf, batch: int) -> bool:
+    def plans_plain(self, seqs: Iterable[tuple[Sequence, bool]], template_of: TemplateOf, batch: int,
+                    chain: bool = False) -> bool:
         """Whether the next plan leaves every one of ``seqs`` plain, asked before the step ahead of them is
         committed (each with ``pending``: a plain step of it is in flight and will count toward its probe) and
         changing nothing: an overlapped step's test for speculating requests (gateway/overlap.py). ``seqs`` are
@@ -298,7 +308,8 @@ class Scheduler:
         step's test, blind to the costs, stopped the pipeline again -- so its plain steps ran at the speed of
         steps taken one by one. On an H100 the n-gram arm measured 10,768 tokens/s at batch 16 where plain
         decoding runs at 15,532, with 12 of 129 steps launched ahead (engine_real_h100_fa9f052.json), which fits
-        that pattern; the fix has not yet run on a GPU."""
+        that pattern; the fix has not yet run on a GPU. ``chain``: the batch could run as an overlapped chain
+        (``chains``), so its trees are planned and priced as a chain run's."""
         if self.roots_fill_cap(batch):
             return True
         seqs = list(seqs)
@@ -316,7 +327,8 @@ class Scheduler:
             if seq.drafter not in intervals:
                 intervals[seq.drafter] = self._interval(seq.drafter, batch)
             due = partial(probe_due, seq.steps_without_draft + pending, self.num_schedules + 1, intervals[seq.drafter])
-            widths = adaptive_widths(template, seq.acceptance.alpha, self.config.budget, due)
+            widths = adaptive_widths(template, seq.acceptance.alpha, self.config.budget, due,
+                                     0.0 if chain and self.config.budget.cost_aware else None)
             if widths:
                 asked.append((seq, widths, due))
         if not asked:
@@ -330,6 +342,7 @@ class Scheduler:
         top = max(len(w) for _, w, _ in asked)
         pays = self._shortens_batch(trees, top) if self.batch_completion and not self.waiting else None
         kinds = drafter_set(s.drafter for s in trees)
+        kinds = ahead_kinds(kinds) if chain else kinds
         max_ratio = self._max_ratio(batch > len(seqs))  # requests without a drafter ride along
         if self._best_cap(batch, alphas, widths, list(range(len(trees))), 0, pays, kinds, max_ratio):
             return False

@@ -40,7 +40,9 @@ def test_real_pair_smoke_run_on_cpu(tmp_path):
     assert (two["batch"], two["prompts_timed"], two["calls_timed"]) == (2, 2, 1)
     for row in (one, two):
         assert row["spec_tok_s"] > 0 and row["nospec_tok_s"] > 0 and row["hf_static_tok_s"] > 0
-        assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["nospec_tok_s"], abs=0.01)  # one run
+        # one run: the ratio of the two rates, up to their rounding to 0.1 tokens/s (large on a loaded CPU's rates)
+        on, off = row["spec_tok_s"], row["nospec_tok_s"]
+        assert row["speedup"] == pytest.approx(on / off, abs=0.005 + on / off * (0.05 / on + 0.05 / off))
         assert set(row["drafter_arms"]) == {"ngram-alone", "off-stepped", "ngram-chain4", "ngram-chain4-ahead", "on-gain0.05"}
         assert all(arm["tok_s"] > 0 for arm in row["drafter_arms"].values())
         # float32 on the CPU: every arm's greedy tokens are speculation off's, sequence for sequence

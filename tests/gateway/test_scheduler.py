@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draft.params import SpeculationParams
-from gateway.budget import BudgetConfig
+from gateway.budget import BudgetConfig, ahead_kinds
 from gateway.scheduler import Scheduler, SchedulerConfig
 from gateway.sequence import Sequence, Status
 from target.blocks import BlockPool
@@ -394,7 +394,8 @@ def test_chain_runs_cut_their_free_levels_by_measured_cost_alone() -> None:
     """An overlapped chain run's depths (``chain_depths``) skip the acceptance cut: at alpha 0.37 the cut of
     ``min_gain`` 0.2 leaves one level, but where each chain depth's step is measured at 1.25x a plain one, four
     levels bring the most tokens per second (1.58 against 1.37 expected tokens for the same price). Where levels
-    are dear the costs still cut them all. A regular plan keeps the cut."""
+    are dear the costs still cut them all. A regular plan keeps the cut. Chain steps are priced apart from tree
+    steps taken one by one (``ahead_kinds``): here those cost 3x a plain step, and do not touch the chains'."""
     sched = Scheduler(SchedulerConfig(max_running=4), BlockPool(64, 4), Clock())
     seq = Sequence("0", [1] * 4, SamplingParams(max_tokens=50), SpeculationParams(), None, "ngram", 0)
     sched.add(seq)
@@ -403,14 +404,22 @@ def test_chain_runs_cut_their_free_levels_by_measured_cost_alone() -> None:
     for s, n in sched.schedule(chain).prefills:
         s.table.ensure(s.num_cached + n)
         s.num_cached += n
+    ahead = ahead_kinds(("ngram",))
     for depth in (0, 0, 1, 1, 2, 2, 3, 3, 4, 4):  # a key's first figure is a warm-up's, not kept
-        sched.costs.observe(1, depth, 1.0 if depth == 0 else 1.25, ("ngram",) if depth else ())
+        sched.costs.observe(1, depth, 1.0 if depth == 0 else 1.25, ahead if depth else ())
+        if depth:
+            sched.costs.observe(1, depth, 3.0, ("ngram",))  # the same depths stepped: dear
+    seq.steps_without_draft = 0  # no probe due
     (_, widths), = sched.schedule(chain).decodes
-    assert widths == (1,)
+    assert widths == ()  # a regular plan: the acceptance cut leaves one level, and stepped it does not pay
     assert sched.chain_depths([seq], chain) == [4]
+    sched.chains = lambda seqs: True  # the batch could run as a chain: its plan is a chain run's first step
+    (_, widths), = sched.schedule(chain).decodes
+    assert widths == (1, 1, 1, 1)
+    sched.chains = None
     for depth in range(1, 5):
         for _ in range(20):  # the EMA forgets: levels now cost 0.6 of a plain step each
-            sched.costs.observe(1, depth, 1.0 + 0.6 * depth, ("ngram",))
+            sched.costs.observe(1, depth, 1.0 + 0.6 * depth, ahead)
     seq.steps_without_draft = 0  # no probe due
     assert sched.chain_depths([seq], chain) == [0]
 
