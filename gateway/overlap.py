@@ -101,8 +101,8 @@ def plan_ahead(engine: Engine, prev: InFlight) -> Ahead | None:
     if not batch or not all(eligible(s, engine) for s in ahead + host):
         return None
     speculating = [(s, id(s) in pending) for s in ahead + host if s.drafter]
-    chain = sched.chains is not None and sched.chains(ahead + host)
-    if speculating and not sched.plans_plain(speculating, engine._template_of, batch, chain):
+    if speculating and not sched.plans_plain(speculating, engine._template_of, batch,
+                                             sched.chains is not None and sched.chains(ahead + host)):
         return None  # the next plan may draft for one of them
     free = engine.cache.pool.num_free - sum(s.table.blocks_needed(s.num_cached + 2) for s in ahead) - sum(
         s.table.blocks_needed(s.num_cached + 1) for s in host)

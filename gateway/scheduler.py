@@ -129,8 +129,7 @@ class Scheduler:
         self.num_schedules += 1
         self._intervals.clear()
         decoding = [s for s in self.running if not s.is_prefilling]
-        chain = self.chains is not None and self.chains(decoding)
-        widths = self._plan_widths(decoding, template_of, free=chain and self.config.budget.cost_aware, chain=chain)
+        widths = self._plan_widths(decoding, template_of, chain=self.chains is not None and self.chains(decoding))
         budget = self.config.max_step_tokens
         reserved = 0  # blocks this plan will allocate
         for seq, w in zip(decoding, widths):
@@ -169,17 +168,18 @@ class Scheduler:
         decoding's 1,225, where fixed four-token chains ran 1.15-1.27x of it (H100, engine_real_h100_b7cf8a0.json)."""
         self.num_schedules += 1
         self._intervals.clear()
-        return [len(w) for w in self._plan_widths(decoding, template_of, free=self.config.budget.cost_aware,
-                                                  chain=True)]
+        return [len(w) for w in self._plan_widths(decoding, template_of, chain=True)]
 
     def _plan_widths(self, decoding: list[Sequence], template_of: TemplateOf,
-                     free: bool = False, chain: bool = False) -> list[tuple[int, ...]]:
-        """Each decoding sequence's tree widths this step: the budget's cut at its acceptance (or a probe; not
-        where ``free``: the costs alone cut), the cost cap, the verify cap."""
+                     chain: bool = False) -> list[tuple[int, ...]]:
+        """Each decoding sequence's tree widths this step: the budget's cut at its acceptance (or a probe), the
+        cost cap, the verify cap. ``chain``: planned as an overlapped chain step (``_free``: no acceptance cut
+        under a cost-aware budget; priced by ``ahead_kinds``)."""
         self._batch = len(decoding)
         self._gate_open = self.gate is None or self.gate.allows(len(decoding))
         if self.roots_fill_cap(len(decoding)):  # every tree would be cut away
             return [()] * len(decoding)
+        free = self._free(chain)
         asked = [self._widths(s, template_of, free) for s in decoding]
         if not any(w for w, _ in asked):  # nobody drafts this step (the usual case where speculation is off)
             return [()] * len(decoding)
@@ -214,8 +214,7 @@ class Scheduler:
         if top <= floor:
             return widths
         pays = self._shortens_batch(decoding, top) if self.batch_completion and not self.waiting else None
-        kinds = drafter_set(s.drafter for s, (w, _) in zip(decoding, asked) if w)
-        kinds = ahead_kinds(kinds) if chain else kinds
+        kinds = self._kinds((s.drafter for s, (w, _) in zip(decoding, asked) if w), chain)
         max_ratio = self._max_ratio(any(not s.drafter for s in decoding))
         c = self._best_cap(len(decoding), [s.acceptance.alpha for s in decoding], widths, cut, floor, pays, kinds,
                            max_ratio)
@@ -234,6 +233,17 @@ class Scheduler:
             widths[i] = widths[i][:1] if stale else widths[i][:c]
         return widths
 
+    def _free(self, chain: bool) -> bool:
+        """Whether a plan leaves out the acceptance cut: a chain step's under a cost-aware budget (its levels are
+        looked up, and each depth's overlapped step is timed, so the measured costs alone cut it)."""
+        return chain and self.config.budget.cost_aware
+
+    @staticmethod
+    def _kinds(drafters: Iterable[str | None], chain: bool) -> tuple[str, ...]:
+        """``StepCosts``' key for a step whose trees these drafters grew: as an overlapped chain step's if ``chain``."""
+        kinds = drafter_set(drafters)
+        return ahead_kinds(kinds) if chain else kinds
+
     def _max_ratio(self, plain_riders: bool) -> float | None:
         """The bound on a step's cost over a plain step's while requests that do not speculate ride along
         (``BudgetConfig.plain_penalty``); None without such requests or without the bound."""
@@ -241,12 +251,13 @@ class Scheduler:
         return 1.0 + penalty if penalty is not None and plain_riders else None
 
     def _best_cap(self, batch: int, alphas: list[float], widths: list[tuple[int, ...]], cut: list[int], floor: int,
-                  pays: list[bool] | None, kinds: tuple[str, ...], max_ratio: float | None) -> int:
+                  pays: list[bool] | None, kinds: tuple[str, ...], max_ratio: float | None, riders: int = 0) -> int:
         """The depth cap on the adaptive trees ``cut`` (indices into ``widths``) with the most expected tokens
-        per measured second, at least ``floor``; ``pays`` (if given): the sequences whose tokens count."""
+        per measured second, at least ``floor``; ``pays`` (if given): the sequences whose tokens count;
+        ``riders``: more sequences in the step, not in ``widths``, each emitting its root alone."""
         top = max((len(widths[i]) for i in cut), default=0)
         adaptive = set(cut)
-        fixed = sum(expected_tokens(alphas[i], len(w)) for i, w in enumerate(widths) if i not in adaptive)
+        fixed = riders + sum(expected_tokens(alphas[i], len(w)) for i, w in enumerate(widths) if i not in adaptive)
         # gains[c]: the step's expected tokens with the adaptive trees cut to depth c (under batch_completion,
         # only those of the sequences the batch's end waits on). Per tree, one running sum of alpha ** d: this
         # runs every step over the whole batch.
@@ -328,23 +339,22 @@ class Scheduler:
                 intervals[seq.drafter] = self._interval(seq.drafter, batch)
             due = partial(probe_due, seq.steps_without_draft + pending, self.num_schedules + 1, intervals[seq.drafter])
             widths = adaptive_widths(template, seq.acceptance.alpha, self.config.budget, due,
-                                     0.0 if chain and self.config.budget.cost_aware else None)
+                                     0.0 if self._free(chain) else None)
             if widths:
                 asked.append((seq, widths, due))
         if not asked:
             return True
         if not self.config.budget.cost_aware:
             return False
-        others = batch - len(asked)  # their roots: one expected token each, whatever the cap
         trees = [s for s, _, _ in asked]
-        widths = [w for _, w, _ in asked] + [()] * others
-        alphas = [s.acceptance.alpha for s in trees] + [1.0] * others
-        top = max(len(w) for _, w, _ in asked)
-        pays = self._shortens_batch(trees, top) if self.batch_completion and not self.waiting else None
-        kinds = drafter_set(s.drafter for s in trees)
-        kinds = ahead_kinds(kinds) if chain else kinds
+        widths = [w for _, w, _ in asked]
+        completing = self.batch_completion and not self.waiting
+        pays = self._shortens_batch(trees, max(map(len, widths))) if completing else None
+        kinds = self._kinds((s.drafter for s in trees), chain)
         max_ratio = self._max_ratio(batch > len(seqs))  # requests without a drafter ride along
-        if self._best_cap(batch, alphas, widths, list(range(len(trees))), 0, pays, kinds, max_ratio):
+        # the batch's other sequences emit their roots alone, whatever the cap
+        if self._best_cap(batch, [s.acceptance.alpha for s in trees], widths, list(range(len(trees))), 0, pays, kinds,
+                          max_ratio, riders=batch - len(trees)):
             return False
         if not self.costs.within(batch, 1, kinds, max_ratio):
             return True
