@@ -24,6 +24,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -81,7 +82,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int, spec: SpeculationParams):
-    out, steps = [], 0
+    """Greedy outputs of ``prompts`` in batches of ``batch``, engine steps, and output tokens per second."""
+    out, steps, t0 = [], 0, time.perf_counter()
     sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(0, len(prompts), batch):
         ids = [f"r{j}" for j in range(i, min(i + batch, len(prompts)))]
@@ -94,7 +96,7 @@ def run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int, s
                 assert o.error is None, o.error
                 toks[o.request_id] += o.new_token_ids
         out += [toks[r] for r in ids]
-    return out, steps
+    return out, steps, round(sum(map(len, out)) / (time.perf_counter() - t0), 1)
 
 
 def main() -> None:
@@ -107,6 +109,9 @@ def main() -> None:
     ap.add_argument("--tree", default="2,2,2,1")
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--small", action="store_true", help="a 4-layer, 64-wide model (a CPU smoke run)")
+    ap.add_argument("--modes", default="default",
+                    help="kernel modes, each its own rows in this run: default, invariant (EngineConfig.batch_invariant:"
+                         " batch-invariant kernels; its trees are --tree's depth as a chain)")
     ap.add_argument("--embedded", action="store_true", help="the embedded SmolLM2 and its shipped draft")
     ap.add_argument("--head-fp32", action="store_true",
                     help="the target's LM head in float32 (Float32Head): what rounding the logits costs")
@@ -137,17 +142,24 @@ def main() -> None:
                "note": ("identical: prompts whose greedy output with that drafter equals plain decoding's, token for "
                         "token. flips: each other prompt's first differing position and the float32 logit gap there "
                         "between plain decoding's token and the speculative one (prefix: plain decoding's). "
-                        "median_top2_gap: the median top-1 minus top-2 logit over every plain position, for scale.")}
+                        "median_top2_gap: the median top-1 minus top-2 logit over every plain position, for scale. "
+                        "mode invariant: EngineConfig.batch_invariant (kernels/invariant.py). tok_s / plain_tok_s: the "
+                        "arm's and plain decoding's output tokens per second over the arm's calls (Python, graphs, "
+                        "no warm-up beyond one 8-token plain call per batch size).")}
         Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
         plot(res, Path(args.out).with_suffix(".png"))
 
-    for dname in args.dtypes.split(","):
+    for dname, mode in ((d, m) for d in args.dtypes.split(",") for m in args.modes.split(",")):
+        if mode not in ("default", "invariant"):
+            raise SystemExit(f"--modes: unknown mode {mode!r} (default, invariant)")
         dtype = getattr(torch, dname)
         widest = max(int(b) for b in args.batches.split(","))
         most = widest * (1 + sum(tree))
+        mode_tree = (1,) * len(tree) if mode == "invariant" else tree
         ecfg = EngineConfig(num_blocks=2048, page_size=16, scheduler=SchedulerConfig(
             max_running=widest, max_model_len=1024, max_step_tokens=max(1024, most),
-            budget=BudgetConfig(min_gain=0.0, max_verify_tokens=max(64, most), cost_aware=False)))
+            budget=BudgetConfig(min_gain=0.0, max_verify_tokens=max(64, most), cost_aware=False)),
+            batch_invariant=mode == "invariant")
         if args.embedded:
             llm = LLM.load(LoadConfig(device=args.device, dtype=dname, draft="auto", draft_vocab=0), ecfg,
                            log=lambda m: None)
@@ -172,10 +184,12 @@ def main() -> None:
             return gap_cache[j]
 
         for b in (int(x) for x in args.batches.split(",")):
-            plain, plain_steps = run(engine, prompts, b, args.max_tokens, SpeculationParams(enabled=False))
+            run(engine, prompts[:b], b, 8, SpeculationParams(enabled=False))  # first-use costs stay out of the rates
+            plain, plain_steps, plain_tok_s = run(engine, prompts, b, args.max_tokens, SpeculationParams(enabled=False))
             top2 = [float(v[0] - v[1]) for j in range(len(prompts)) for v in logits(j, plain[j]).topk(2).values]
             for name in drafters:
-                spec, steps = run(engine, prompts, b, args.max_tokens, SpeculationParams(drafter=name, tree=tree))
+                spec, steps, tok_s = run(engine, prompts, b, args.max_tokens,
+                                         SpeculationParams(drafter=name, tree=mode_tree))
                 flips = []
                 for j, (p, s) in enumerate(zip(plain, spec)):
                     i = first_divergence(p, s)
@@ -183,9 +197,10 @@ def main() -> None:
                         lg = logits(j, p)[i]
                         flips.append({"prompt": j, "position": i, "plain": p[i], "spec": s[i],
                                       "gap": round(float(lg[p[i]] - lg[s[i]]), 5)})
-                rows.append({"dtype": dname, "batch": b, "drafter": name, "tree": list(tree),
+                rows.append({"dtype": dname, "mode": mode, "batch": b, "drafter": name, "tree": list(mode_tree),
                              "identical": len(prompts) - len(flips), "prompts": len(prompts),
-                             "engine_steps": steps, "plain_engine_steps": plain_steps,
+                             "engine_steps": steps, "plain_engine_steps": plain_steps, "tok_s": tok_s,
+                             "plain_tok_s": plain_tok_s,
                              "median_top2_gap": round(statistics.median(top2), 4), "flips": flips})
                 print({k: v for k, v in rows[-1].items() if k != "flips"},
                       [(f["position"], f["gap"]) for f in flips], flush=True)
@@ -204,7 +219,8 @@ def plot(res: dict, path: Path) -> None:
     rows = res["rows"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-    labels = [f"{short.get(r['dtype'], r['dtype'])} b{r['batch']} {r['drafter']}" for r in rows]
+    labels = [f"{short.get(r['dtype'], r['dtype'])}{' inv' if r.get('mode') == 'invariant' else ''} b{r['batch']} "
+              f"{r['drafter']}" for r in rows]
     a.bar(range(len(rows)), [r["identical"] / r["prompts"] for r in rows], color="tab:green")
     a.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
     a.set_ylim(0, 1.05)

@@ -236,7 +236,7 @@ class Gateway:
         card = {"id": self.config.model_name, "object": "model", "created": 0, "owned_by": "specgate",
                 "max_model_len": self.max_model_len,
                 "speculation": {"drafters": sorted(self.engine.drafters), "default_drafter": cfg.default_drafter,
-                                "default_tree": list(cfg.default_tree)}}
+                                "default_tree": list(cfg.default_tree), "batch_invariant": bool(cfg.batch_invariant)}}
         return json_response({"object": "list", "data": [card]})
 
     # --- the tokenizer (vLLM's routes: lm-eval's remote tokenizer uses them) ---------------------------

@@ -93,6 +93,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="launch each plain decoding step before the last one's tokens reach the host (outputs one "
                         "step later; steps where every request decodes plainly, without a grammar). Default: on "
                         "for a one-process CUDA target")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch-invariant kernels: a row's logits do not depend on the rows beside it, so greedy output "
+                        "with speculation equals plain decoding's token for token, and outputs repeat whatever the "
+                        "batch; trees are chains; slower. Default: SPECGATE_BATCH_INVARIANT (off)")
     p.add_argument("--chain-ahead", action="store_true",
                    help="greedy n-gram chains drafted and verified with each step launched before the last one's "
                         "tokens reach the host (drafts looked up on the device; outputs one step later)")
@@ -120,7 +124,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                                                                       cost_aware=args.adapt == "cost",
                                                                       plain_penalty=penalty)),
                         cuda_graphs=args.cuda_graphs, capture_at_start=args.capture_at_start,
-                        overlap=args.overlap, chain_ahead=args.chain_ahead,
+                        overlap=args.overlap, chain_ahead=args.chain_ahead, batch_invariant=args.batch_invariant,
                         **({"default_tree": args.tree} if args.tree else {}))
 
 

@@ -35,6 +35,7 @@ from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 
+from kernels import invariant
 from kernels.fused_norm_rope import rope_and_cache
 from kernels.pdl import pdl_ok
 
@@ -1023,6 +1024,17 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
     return out
 
 
+def invariant_config(N: int, K: int, silu: bool, num_sms: int, head_dim: int = 0) -> KernelConfig:
+    """Batch-invariant mode's one config for a weight shape, at every M (kernels/invariant.py): MMA tiles of
+    ``invariant.QUERY_ROWS`` rows, so a row meets the same instructions at any M, and one split-K factor from the
+    weight's shape alone (the fewest-programs pick of ``_splits`` at a single row tile). The fix-up is the serial
+    one (``kernel_for``), which sums the partials in split order."""
+    block_n = max(128, head_dim)
+    tiles = triton.cdiv(N // 2 if silu else N, block_n // 2 if silu else block_n)
+    split = _splits(tiles, triton.cdiv(K, 128), num_sms)[0]
+    return KernelConfig("mma", invariant.QUERY_ROWS, block_n, 128, split, 4, 3)
+
+
 def _shared_zeros(store: dict, device: torch.device, n: int, dtype: torch.dtype, what: str) -> torch.Tensor:
     """``store``'s zeroed buffer for ``device``, grown to at least ``n`` elements.
 
@@ -1058,11 +1070,12 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
                pdl: bool = False, whole_zeros: bool = False) -> tuple:
     """The kernel of ``cfg``'s path and the compile-time arguments that depend on the call.
     ``whole_zeros``: the zero points are whole numbers (or absent), so a 16-bit decode can subtract them."""
+    atomic = FIX_ATOMIC and not invariant.enabled()  # atomic sums follow the programs' arrival order
     if cfg.kind == "hgemv":
         # partials read per fix-up step: the fix-up's L2 round trips are the tail of a short kernel
         return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(FIX_ROWS, FIX_ROWS * 512 // cfg.block_n)),
                                        "USE_ASM": on_gpu, "CHUNK8": 128, "DEPTH": cfg.num_stages, "USE_PDL": pdl,
-                                       "ATOMIC": FIX_ATOMIC}
+                                       "ATOMIC": atomic}
     if cfg.kind == "gemv":
         # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).
@@ -1071,12 +1084,12 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
     if cfg.kind == "mmat":
         return _int4_matmul_t_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
                                        "USE_PDL": pdl, "ZDEC": factored and whole_zeros and ZDEC,
-                                       "PREFETCH": pdl and on_gpu and PREFETCH, "ATOMIC": FIX_ATOMIC}
+                                       "PREFETCH": pdl and on_gpu and PREFETCH, "ATOMIC": atomic}
     scale_dot = factored and SCALE_DOT and cfg.block_m == 16
     return _int4_matmul_kernel, {"FIX_R": 1, "FACTORED": factored, "USE_ASM": on_gpu, "EVEN_K": even_k,
                                  "USE_PDL": pdl, "SCALE_DOT": scale_dot,
                                  "ZDEC": factored and whole_zeros and ZDEC and not scale_dot,
-                                 "PREFETCH": pdl and on_gpu and PREFETCH, "ATOMIC": FIX_ATOMIC}
+                                 "PREFETCH": pdl and on_gpu and PREFETCH, "ATOMIC": atomic}
 
 
 def sass_configs() -> list[KernelConfig]:
@@ -1255,6 +1268,8 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if M == 0:
         return y
     whole_zeros = whole_zeros or zeros is None  # symmetric codes: the zero point 8 is whole
+    if invariant.enabled():  # one decode for a weight, whether a first call was looked at (eager) or not (a capture)
+        whole_zeros = zeros is None
     run = lambda c: _launch(c, x, qweight, scales, zeros, group_size, bias, residual, silu, y,  # noqa: E731
                             whole_zeros, rope)
     head_dim = 0 if rope is None else rope.head_dim
@@ -1263,6 +1278,9 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if config is not None and config.kind != "dequant" and triton.cdiv(K, config.block_k) % config.split_k:
         # k_iters = blocks // split_k: a split count that does not divide them would drop the last blocks
         raise ValueError(f"{config}: split_k must divide the {triton.cdiv(K, config.block_k)} K blocks of K={K}")
+    if config is None and invariant.enabled():
+        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+        config = invariant_config(N, K, silu, num_sms, head_dim)
     run(config or _pick(x, N, group_size, key, silu, run, head_dim))
     return y
 

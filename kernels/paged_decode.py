@@ -339,12 +339,14 @@ def _merge_splits_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Merge ``o_part`` [S, T, H, D] fp32 and ``lse`` [S, T, H] (log2) into ``out`` [T, H, D]."""
+def merge_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, block_s: int | None = None) -> None:
+    """Merge ``o_part`` [S, T, H, D] fp32 and ``lse`` [S, T, H] (log2) into ``out`` [T, H, D]. ``block_s``: the
+    splits' tile width (at least S), fixed by batch-invariant callers so the sums' order never depends on S."""
     S, T, H, D = o_part.shape
     _merge_splits_kernel[(T, H)](
         o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), S, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(S), **pdl_meta(out.device))
+        out.stride(0), out.stride(1), S, HEAD_DIM=D, BLOCK_S=block_s or triton.next_power_of_2(S),
+        **pdl_meta(out.device))
 
 
 @functools.lru_cache

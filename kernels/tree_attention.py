@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import paged_decode
+from kernels import invariant, paged_decode
 from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _chunked_tiles, _prefetched_tiles, _softmax_step,
                                   chunk_pages, cpu_chunks, gather_kv, merge_splits, paged_decode_attention,
                                   pick_num_splits, use_triton_for)
@@ -237,6 +237,7 @@ def _tree_attention_kernel(
     GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, IS_SPLIT: tl.constexpr,
     HAS_BITS: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr, BT_CHUNK: tl.constexpr = 0,
+    SPLIT_TILES: tl.constexpr = 0,
 ):
     pdl_enter(USE_PDL)
     tile = tl.program_id(0)
@@ -280,10 +281,18 @@ def _tree_attention_kernel(
     # Causal tiles stop at their last token; a bitmask may point anywhere among the n new tokens.
     kv_hi = ctx + tl.where(has_tree, n, tl.minimum(n, (q_tile + 1) * BLOCK_Q))
 
-    tiles_per_split = tl.cdiv(tl.cdiv(kv_hi, BLOCK_N), num_splits)
+    if SPLIT_TILES > 0:
+        # Batch-invariant mode (kernels/invariant.py): splits at fixed positions, and every tile through the
+        # masked code, so a row folds its keys in the same tiles and ops whatever its ctx / n split is.
+        tiles_per_split = SPLIT_TILES
+    else:
+        tiles_per_split = tl.cdiv(tl.cdiv(kv_hi, BLOCK_N), num_splits)
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_hi)
-    full_hi = tl.maximum(lo, tl.minimum(hi, (ctx // BLOCK_N) * BLOCK_N))
+    if SPLIT_TILES > 0:
+        full_hi = lo
+    else:
+        full_hi = tl.maximum(lo, tl.minimum(hi, (ctx // BLOCK_N) * BLOCK_N))
     m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, tl.float32)  # finite: masked rows keep p = 0, not NaN
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
@@ -341,13 +350,14 @@ def tree_attention(
     ``is_decode=True`` promises one new token per sequence (``query_start == arange(B + 1)``) and
     routes to the split-KV decode kernel; the promise is not checked (that would sync).
     """
+    inv = invariant.enabled()
     if not use_triton_for(q, use_triton):
         if is_decode:  # one token a sequence: the whole batch at once
             return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton=False,
                                           len_offset=1)
         cpu = tree_attention_batched if paged_decode.BATCHED_CPU else tree_attention_ref
         return cpu(q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits, scale)
-    if is_decode:
+    if is_decode and not inv:  # (batch-invariant decode rows take the tree kernel, as every other row)
         return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton=True,
                                       len_offset=1)
     (T, H, D), (_, P, Hkv, _), B = q.shape, k_cache.shape, context_lens.shape[0]
@@ -358,8 +368,11 @@ def tree_attention(
     if T == 0:
         return out
     G = H // Hkv
-    prefetch = TREE_PREFETCH if prefetch is None else prefetch
     block_g = triton.next_power_of_2(G)
+    if inv:
+        return _invariant_launch(q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits, scale, out,
+                                 block_g)
+    prefetch = TREE_PREFETCH if prefetch is None else prefetch
     # One query tile per tree (up to 128 rows); chunked prefill takes several.
     block_q = min(triton.next_power_of_2(-(-T // B)), max(1, 128 // block_g))
     block_q = max(block_q, -(-16 // block_g))  # tl.dot needs M >= 16
@@ -391,4 +404,32 @@ def tree_attention(
         **pdl_meta(q.device))
     if S > 1:
         merge_splits(o_part, lse, out)
+    return out
+
+
+def _invariant_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, query_start: torch.Tensor, mask_bits: torch.Tensor | None,
+                      scale: float, out: torch.Tensor, block_g: int) -> torch.Tensor:
+    """Batch-invariant mode's one launch config (kernels/invariant.py): query tiles of ``invariant.QUERY_ROWS``
+    rows (at least one token's query heads), ``invariant.BLOCK_N``-key tiles, splits every
+    ``invariant.SPLIT_TOKENS`` positions -- as many as the block table's width holds, the ones past a row's
+    length empty and weighted 0 -- merged at one fixed width."""
+    (T, H, D), (_, P, Hkv, _), B = q.shape, k_cache.shape, context_lens.shape[0]
+    block_q = max(1, invariant.QUERY_ROWS // block_g)
+    S = -(-block_tables.shape[1] * P // invariant.SPLIT_TOKENS)
+    if S > invariant.MAX_SPLITS:
+        raise ValueError(f"batch-invariant attention covers {invariant.MAX_SPLITS * invariant.SPLIT_TOKENS} "
+                         f"positions; the block table spans {block_tables.shape[1] * P}")
+    o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, T, H, D, dtype=torch.float32)
+    lse = q.new_empty(S, T, H, dtype=torch.float32)
+    _tree_attention_kernel[(-(-T // block_q) + min(B, T), Hkv, S)](
+        q, k_cache, v_cache, block_tables, context_lens, query_start, q if mask_bits is None else mask_bits,
+        o_part, lse, scale * LOG2E, B, S,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        GROUP=H // Hkv, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=invariant.BLOCK_N,
+        BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None, PREFETCH=False,
+        SPLIT_TILES=invariant.SPLIT_TOKENS // invariant.BLOCK_N, num_warps=4, num_stages=2, **pdl_meta(q.device))
+    if S > 1:
+        merge_splits(o_part, lse, out, block_s=invariant.MAX_SPLITS)
     return out

@@ -14,6 +14,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from kernels import invariant
+from kernels.dense_matmul import dense_matmul
 from kernels.fused_norm_rope import rms_norm as fused_rms_norm
 from kernels.fused_norm_rope import rope_and_cache
 from kernels.fused_norm_rope import silu_mul as fused_silu_mul
@@ -42,6 +44,16 @@ CPU_LINEAR_MAX_ROWS = 64
 # else shared its step. Off by default: bfloat16 activations move the logits (0.3% relative on a projection),
 # so greedy output is no longer the float32 path's. Read at load (the form is built then) and at every call.
 CPU_INT4 = os.environ.get("SPECGATE_CPU_INT4", "0") == "1"
+
+
+def batch_invariant(on: bool | None = None) -> bool:
+    """Put batch-invariant kernels (kernels/invariant.py) on or off for this process; None: as the environment
+    says (``SPECGATE_BATCH_INVARIANT``, ``BATCH_INVARIANT_DEFAULT``). Returns the mode now in force."""
+    invariant.set_enabled(BATCH_INVARIANT_DEFAULT if on is None else on)
+    return invariant.enabled()
+
+
+BATCH_INVARIANT_DEFAULT = invariant.FROM_ENV
 
 
 @dataclass(slots=True)
@@ -81,6 +93,8 @@ class Linear:
             y = y if self.bias is None else y + self.bias
             return y if residual is None else y + residual
         w = self.dequantized.to(x.dtype) if self.dequantized is not None else self.weight
+        if x.is_cuda and x.dim() == 2 and invariant.enabled():  # not cuBLAS, whose algorithm follows M
+            return dense_matmul(x, w, self.bias, residual)
         if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2 and DENSE_FUSION:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
         if CPU_LINEAR and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_LINEAR_MAX_ROWS:

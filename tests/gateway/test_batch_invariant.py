@@ -1,0 +1,141 @@
+"""Batch-invariant mode in the engine (EngineConfig.batch_invariant, kernels/invariant.py): chains only, errors
+that name what the mode refuses, and on CUDA greedy output with speculation token for token plain decoding's,
+and every output the same alone or in a batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft.hybrid import HybridDrafter
+from draft.model_drafter import ModelDrafter
+from draft.ngram import NgramDrafter
+from draft.params import SpeculationParams
+from engine_util import random_weights, run_all, tiny_config, tiny_target
+from gateway.budget import BudgetConfig
+from gateway.cli import engine_config, serve_options
+from gateway.engine import Engine, EngineConfig
+from gateway.scheduler import SchedulerConfig
+from kernels import invariant
+from target.model import Transformer
+from verify.sampling import SamplingParams
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def restore_mode():
+    """The mode is the process's: put back what the test found."""
+    was = invariant.enabled()
+    yield
+    invariant.set_enabled(was)
+
+
+def _engine(target: Transformer, batch_invariant: bool | None, default: str | None = "ngram",
+            tree: tuple[int, ...] = (2, 2, 1), num_blocks: int = 128, **cfg) -> Engine:
+    drafters = {"ngram": NgramDrafter(), "self": ModelDrafter("self", target.truncated(2), num_blocks, 16)}
+    drafters["hybrid"] = HybridDrafter("hybrid", drafters["self"])
+    # acceptance alone steers the trees (cost_aware off): the drafting then repeats from run to run
+    sched = SchedulerConfig(max_model_len=512, budget=BudgetConfig(cost_aware=False, gate=False))
+    return Engine(target, drafters, EngineConfig(num_blocks, 16, sched, default, tree,
+                                                 batch_invariant=batch_invariant, **cfg))
+
+
+def test_the_mode_makes_default_trees_chains_and_says_so():
+    target = tiny_target()
+    eng = _engine(target, True)
+    assert eng.batch_invariant and eng.config.batch_invariant and invariant.enabled()
+    assert eng.config.default_tree == (1, 1, 1)
+    off = _engine(target, False)
+    assert not off.batch_invariant and off.config.default_tree == (2, 2, 1) and not invariant.enabled()
+
+
+def test_the_mode_refuses_branches_by_name():
+    target = tiny_target()
+    eng = _engine(target, True)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match=r"speculation.tree \[2, 1\] branches"):
+        eng.add("a", [1, 2, 3], greedy, SpeculationParams(tree=(2, 1)))
+    with pytest.raises(ValueError, match="drafter 'hybrid' grafts branches"):
+        eng.add("b", [1, 2, 3], greedy, SpeculationParams(drafter="hybrid"))
+    eng.add("c", [1, 2, 3], greedy, SpeculationParams(tree=(1, 1)))  # a chain is fine
+    eng.add("d", [1, 2, 3], greedy, SpeculationParams(enabled=False, tree=(3,)))  # and so is no speculation
+    with pytest.raises(ValueError, match=r"drafter\(s\) \['hybrid'\] graft branches"):
+        _engine(target, True, default="hybrid")
+    _engine(target, False, default="hybrid")  # the mode alone refuses it
+
+
+def test_the_mode_keeps_a_run_step_for_step_on_the_cpu():
+    """On the CPU the kernels' float32 reference paths run (the mode changes only the trees): greedy speculation
+    through chains equals plain decoding, and no block stays taken."""
+    target = tiny_target()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (4 + i,), generator=g).tolist() for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    def run(spec: SpeculationParams) -> dict[str, list[int]]:
+        eng = _engine(target, True)
+        out = run_all(eng, [(str(i), p, greedy, spec) for i, p in enumerate(prompts)])
+        assert eng.cache.pool.num_free == 128 and not eng.has_work()
+        return out
+
+    plain = run(SpeculationParams(enabled=False))
+    assert run(SpeculationParams()) == plain
+    assert run(SpeculationParams(drafter="self", tree=(1, 1, 1, 1))) == plain
+
+
+def test_the_flag_reaches_the_engine_config():
+    assert engine_config(serve_options().parse_args(["--batch-invariant"])).batch_invariant is True
+    assert engine_config(serve_options().parse_args(["--no-batch-invariant"])).batch_invariant is False
+    assert engine_config(serve_options().parse_args([])).batch_invariant is None
+
+
+# ------------------------------------------------------------------------------------------------------
+# CUDA: the kernels' fixed configurations
+# ------------------------------------------------------------------------------------------------------
+
+CUDA_CFG = dict(vocab=512, layers=3, hidden_size=256, intermediate_size=512, num_heads=6, num_kv_heads=2, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def bf16_target() -> Transformer:
+    cfg = tiny_config(**CUDA_CFG)
+    # flat logits (small weights): many near-ties, where kernels that round by M flip greedy picks
+    return Transformer.from_weights(cfg, random_weights(cfg, scale=0.08), torch.bfloat16, "cuda").quantize(64)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_cuda_greedy_speculation_equals_plain_decoding_token_for_token(bf16_target: Transformer, graphs: bool):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (5 + 7 * i,), generator=g).tolist() for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+    def run(spec: SpeculationParams, only: int | None = None) -> dict[str, list[int]]:
+        eng = _engine(bf16_target, True, num_blocks=256, cuda_graphs=graphs)
+        reqs = [(str(i), p, greedy, spec) for i, p in enumerate(prompts) if only is None or i == only]
+        out = run_all(eng, reqs)
+        assert eng.cache.pool.num_free == 256 and not eng.has_work()
+        return out
+
+    plain = run(SpeculationParams(enabled=False))
+    assert run(SpeculationParams(tree=(1, 1, 1, 1))) == plain  # n-gram chains
+    assert run(SpeculationParams(drafter="self", tree=(1, 1, 1))) == plain  # a model's chains
+    assert run(SpeculationParams(enabled=False), only=4) == {"4": plain["4"]}  # alone, not in a batch of six
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_seeded_sampling_repeats_alone_and_in_a_batch(bf16_target: Transformer):
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (6 + 5 * i,), generator=g).tolist() for i in range(5)]
+
+    def run(only: int | None = None) -> dict[str, list[int]]:
+        eng = _engine(bf16_target, True, num_blocks=256)
+        return run_all(eng, [(str(i), p, SamplingParams(temperature=0.9, seed=i, max_tokens=32, ignore_eos=True),
+                              SpeculationParams(enabled=False)) for i, p in enumerate(prompts)
+                             if only is None or i == only])
+
+    batched = run()
+    assert all(run(only=i) == {str(i): batched[str(i)]} for i in (0, 3))
