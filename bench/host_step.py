@@ -48,7 +48,7 @@ from pathlib import Path
 CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48), ("plain+penalties", 64),
            ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64), ("plain overlapped", 64), ("plain overlapped 2k", 64),
            ("gated ngram overlapped", 64), ("cost-cut ngram overlapped", 32), ("chain", 1), ("chain ahead", 1),
-           ("chain", 16), ("chain ahead", 16)]
+           ("chain", 16), ("chain ahead", 16), ("chain ahead", 64)]
 VOCAB = 512
 PENALTY_VOCAB = 49152
 
