@@ -65,7 +65,8 @@ def saved_target(path: str) -> Transformer:
 
 def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0.3, self_layers: int = 2,
                 max_running: int = 8, tree: tuple[int, ...] = (2, 2, 1), group_size: int | None = None,
-                target=None, cost_aware: bool = False, cut_vocab: list[int] | None = None, **model_kw) -> Engine:
+                target=None, cost_aware: bool = False, cut_vocab: list[int] | None = None,
+                batch_invariant: bool | None = None, **model_kw) -> Engine:
     """Target + drafters 'self' (first layers), 'ngram', 'exact' (the target itself: always accepted) and
     'draft' (a noisy copy: sometimes accepted). ``target`` replaces the target (a tensor-parallel one);
     the drafters are still built from the full weights. ``cost_aware`` is off by default: tests see tree
@@ -86,7 +87,7 @@ def tiny_engine(num_blocks: int = 64, page_size: int = 4, draft_noise: float = 0
     ecfg = EngineConfig(num_blocks=num_blocks, page_size=page_size,
                         scheduler=SchedulerConfig(max_running=max_running, max_step_tokens=256, max_model_len=512,
                                                   budget=BudgetConfig(max_verify_tokens=1024, cost_aware=cost_aware)),
-                        default_drafter="draft", default_tree=tree)
+                        default_drafter="draft", default_tree=tree, batch_invariant=batch_invariant)
     return Engine(full if target is None else target, drafters, ecfg)
 
 

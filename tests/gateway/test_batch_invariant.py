@@ -11,11 +11,12 @@ from draft.hybrid import HybridDrafter
 from draft.model_drafter import ModelDrafter
 from draft.ngram import NgramDrafter
 from draft.params import SpeculationParams
-from engine_util import random_weights, run_all, tiny_config, tiny_target
+from engine_util import random_weights, run_all, tiny_config, tiny_engine, tiny_target
 from gateway.budget import BudgetConfig
 from gateway.cli import engine_config, serve_options
 from gateway.engine import Engine, EngineConfig
 from gateway.scheduler import SchedulerConfig
+from gateway_util import MODEL, run_app
 from kernels import invariant
 from target.model import Transformer
 from verify.sampling import SamplingParams
@@ -82,6 +83,23 @@ def test_the_mode_keeps_a_run_step_for_step_on_the_cpu():
     plain = run(SpeculationParams(enabled=False))
     assert run(SpeculationParams()) == plain
     assert run(SpeculationParams(drafter="self", tree=(1, 1, 1, 1))) == plain
+
+
+def test_the_api_names_a_refused_tree_and_reports_the_mode(tokenizer):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 4}
+
+    async def go(client, app):
+        refused = await client.post("/v1/chat/completions", json=chat | {"speculation": {"tree": [2, 1]}})
+        chain = await client.post("/v1/chat/completions", json=chat | {"speculation": {"tree": [1, 1]}})
+        return refused, chain, await client.get("/v1/models")
+
+    refused, chain, models = run_app(tokenizer, go, engine=tiny_engine(vocab=len(tokenizer), num_blocks=128,
+                                                                       batch_invariant=True))
+    assert refused.status_code == 400
+    err = refused.json()["error"]
+    assert err["param"] == "speculation.tree" and "chains only" in err["message"]
+    assert chain.status_code == 200
+    assert models.json()["data"][0]["speculation"]["batch_invariant"] is True
 
 
 def test_the_flag_reaches_the_engine_config():
