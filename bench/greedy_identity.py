@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--tree", default="2,2,2,1")
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--small", action="store_true", help="a 4-layer, 64-wide model (a CPU smoke run)")
+    ap.add_argument("--plain-repeats", type=int, default=0,
+                    help="run plain decoding this many more times per batch size and record where a repeat's output "
+                         "differs from the first run's (a determinism check: a race would show here)")
     ap.add_argument("--modes", default="default",
                     help="kernel modes, each its own rows in this run: default, invariant (EngineConfig.batch_invariant:"
                          " batch-invariant kernels; its trees are --tree's depth as a chain)")
@@ -187,6 +190,22 @@ def main() -> None:
             run(engine, prompts[:b], b, 8, SpeculationParams(enabled=False))  # first-use costs stay out of the rates
             plain, plain_steps, plain_tok_s = run(engine, prompts, b, args.max_tokens, SpeculationParams(enabled=False))
             top2 = [float(v[0] - v[1]) for j in range(len(prompts)) for v in logits(j, plain[j]).topk(2).values]
+            for rep in range(args.plain_repeats):
+                again, _, again_tok_s = run(engine, prompts, b, args.max_tokens, SpeculationParams(enabled=False))
+                diffs = []
+                for j, (p, q) in enumerate(zip(plain, again)):
+                    i = first_divergence(p, q)
+                    if i is not None:
+                        lg = logits(j, p)[i]
+                        diffs.append({"prompt": j, "position": i, "first": p[i], "repeat": q[i],
+                                      "gap": round(float(lg[p[i]] - lg[q[i]]), 5)})
+                rows.append({"dtype": dname, "mode": mode, "batch": b, "drafter": None, "plain_repeat": rep + 1,
+                             "identical": len(prompts) - len(diffs), "prompts": len(prompts), "tok_s": again_tok_s,
+                             "plain_tok_s": plain_tok_s, "median_top2_gap": round(statistics.median(top2), 4),
+                             "flips": diffs})
+                print({k: v for k, v in rows[-1].items() if k != "flips"}, [(f["position"], f["gap"]) for f in diffs],
+                      flush=True)
+                save()
             for name in drafters:
                 spec, steps, tok_s = run(engine, prompts, b, args.max_tokens,
                                          SpeculationParams(drafter=name, tree=mode_tree))
@@ -220,7 +239,7 @@ def plot(res: dict, path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
     short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
     labels = [f"{short.get(r['dtype'], r['dtype'])}{' inv' if r.get('mode') == 'invariant' else ''} b{r['batch']} "
-              f"{r['drafter']}" for r in rows]
+              f"{r['drafter'] or 'plain again'}" for r in rows]
     a.bar(range(len(rows)), [r["identical"] / r["prompts"] for r in rows], color="tab:green")
     a.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
     a.set_ylim(0, 1.05)
