@@ -81,6 +81,18 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
+def divergences(plain: list[list[int]], other: list[list[int]], logits, name: str) -> list[dict]:
+    """Each prompt's first position where ``other``'s output leaves plain decoding's: both tokens (``other``'s
+    under ``name``) and the float32 logit gap between them over plain decoding's prefix (``logits(j, plain[j])``)."""
+    out = []
+    for j, (p, o) in enumerate(zip(plain, other)):
+        i = first_divergence(p, o)
+        if i is not None:
+            lg = logits(j, p)[i]
+            out.append({"prompt": j, "position": i, "plain": p[i], name: o[i], "gap": round(float(lg[p[i]] - lg[o[i]]), 5)})
+    return out
+
+
 def run(engine: Engine, prompts: list[list[int]], batch: int, max_tokens: int, spec: SpeculationParams):
     """Greedy outputs of ``prompts`` in batches of ``batch``, engine steps, and output tokens per second."""
     out, steps, t0 = [], 0, time.perf_counter()
@@ -178,13 +190,17 @@ def main() -> None:
         if args.head_fp32:
             target.lm_head = Float32Head(target.lm_head.weight, target.lm_head.bias)
         engine.capture_graphs()
-        gap_cache: dict[int, torch.Tensor] = {}
+        # keyed by the plain output too: each batch size decodes its own plain output (near-ties flip between them),
+        # and a gap read over another batch size's text is no gap at all (before 2026-12-07 the key was the prompt
+        # alone, so every row after the first batch size's held such gaps)
+        gap_cache: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
 
         def logits(j: int, plain: list[int]) -> torch.Tensor:  # float32 logits over prompt j + its plain output
-            if j not in gap_cache:
+            key = (j, tuple(plain))
+            if key not in gap_cache:
                 ids = torch.tensor([prompts[j] + plain], device=args.device)
-                gap_cache[j] = sequence_logits(target, ids)[0, len(prompts[j]) - 1 :].float().cpu()
-            return gap_cache[j]
+                gap_cache[key] = sequence_logits(target, ids)[0, len(prompts[j]) - 1 :].float().cpu()
+            return gap_cache[key]
 
         for b in (int(x) for x in args.batches.split(",")):
             run(engine, prompts[:b], b, 8, SpeculationParams(enabled=False))  # first-use costs stay out of the rates
@@ -192,13 +208,7 @@ def main() -> None:
             top2 = [float(v[0] - v[1]) for j in range(len(prompts)) for v in logits(j, plain[j]).topk(2).values]
             for rep in range(args.plain_repeats):
                 again, _, again_tok_s = run(engine, prompts, b, args.max_tokens, SpeculationParams(enabled=False))
-                diffs = []
-                for j, (p, q) in enumerate(zip(plain, again)):
-                    i = first_divergence(p, q)
-                    if i is not None:
-                        lg = logits(j, p)[i]
-                        diffs.append({"prompt": j, "position": i, "first": p[i], "repeat": q[i],
-                                      "gap": round(float(lg[p[i]] - lg[q[i]]), 5)})
+                diffs = divergences(plain, again, logits, "repeat")
                 rows.append({"dtype": dname, "mode": mode, "batch": b, "drafter": None, "plain_repeat": rep + 1,
                              "identical": len(prompts) - len(diffs), "prompts": len(prompts), "tok_s": again_tok_s,
                              "plain_tok_s": plain_tok_s, "median_top2_gap": round(statistics.median(top2), 4),
@@ -209,13 +219,7 @@ def main() -> None:
             for name in drafters:
                 spec, steps, tok_s = run(engine, prompts, b, args.max_tokens,
                                          SpeculationParams(drafter=name, tree=mode_tree))
-                flips = []
-                for j, (p, s) in enumerate(zip(plain, spec)):
-                    i = first_divergence(p, s)
-                    if i is not None:
-                        lg = logits(j, p)[i]
-                        flips.append({"prompt": j, "position": i, "plain": p[i], "spec": s[i],
-                                      "gap": round(float(lg[p[i]] - lg[s[i]]), 5)})
+                flips = divergences(plain, spec, logits, "spec")
                 rows.append({"dtype": dname, "mode": mode, "batch": b, "drafter": name, "tree": list(mode_tree),
                              "identical": len(prompts) - len(flips), "prompts": len(prompts),
                              "engine_steps": steps, "plain_engine_steps": plain_steps, "tok_s": tok_s,
