@@ -126,7 +126,7 @@ def main() -> None:
                          "differs from the first run's (a determinism check: a race would show here)")
     ap.add_argument("--modes", default="default",
                     help="kernel modes, each its own rows in this run: default, invariant (EngineConfig.batch_invariant:"
-                         " batch-invariant kernels; its trees are --tree's depth as a chain)")
+                         " batch-invariant kernels)")
     ap.add_argument("--embedded", action="store_true", help="the embedded SmolLM2 and its shipped draft")
     ap.add_argument("--head-fp32", action="store_true",
                     help="the target's LM head in float32 (Float32Head): what rounding the logits costs")
@@ -170,7 +170,6 @@ def main() -> None:
         dtype = getattr(torch, dname)
         widest = max(int(b) for b in args.batches.split(","))
         most = widest * (1 + sum(tree))
-        mode_tree = (1,) * len(tree) if mode == "invariant" else tree
         ecfg = EngineConfig(num_blocks=2048, page_size=16, scheduler=SchedulerConfig(
             max_running=widest, max_model_len=1024, max_step_tokens=max(1024, most),
             budget=BudgetConfig(min_gain=0.0, max_verify_tokens=max(64, most), cost_aware=False)),
@@ -218,9 +217,9 @@ def main() -> None:
                 save()
             for name in drafters:
                 spec, steps, tok_s = run(engine, prompts, b, args.max_tokens,
-                                         SpeculationParams(drafter=name, tree=mode_tree))
+                                         SpeculationParams(drafter=name, tree=tree))
                 flips = divergences(plain, spec, logits, "spec")
-                rows.append({"dtype": dname, "mode": mode, "batch": b, "drafter": name, "tree": list(mode_tree),
+                rows.append({"dtype": dname, "mode": mode, "batch": b, "drafter": name, "tree": list(tree),
                              "identical": len(prompts) - len(flips), "prompts": len(prompts),
                              "engine_steps": steps, "plain_engine_steps": plain_steps, "tok_s": tok_s,
                              "plain_tok_s": plain_tok_s,

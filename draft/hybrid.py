@@ -41,8 +41,6 @@ from draft.tree import TokenTree, cut_widths, graft_chains
 
 
 class HybridDrafter:
-    branches = True  # its trees may branch whatever widths it is asked for (the grafted chain)
-
     def __init__(self, name: str, draft: ModelDrafter, lookup: NgramDrafter | None = None,
                  lookup_first: bool = False) -> None:
         self.name = name

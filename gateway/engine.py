@@ -89,8 +89,8 @@ class EngineConfig:
     chain_ahead: bool = False
     # Batch-invariant kernels (kernels/invariant.py): a row's logits do not depend on the rows beside it, so greedy
     # output with speculation equals plain decoding's token for token, and any output repeats whatever the batch.
-    # Trees are then chains (default trees are made chains; a request's branching tree is refused). Slower: MMA
-    # tiles at M = 1, no tuning. None: as SPECGATE_BATCH_INVARIANT sets it (off by default).
+    # Slower: MMA tiles at M = 1, no tuning, branch nodes' attention again over their own paths. None: as
+    # SPECGATE_BATCH_INVARIANT sets it (off by default).
     batch_invariant: bool | None = None
 
 
@@ -102,7 +102,7 @@ class Engine:
         self.batch_invariant = batch_invariant(config.batch_invariant)
         config = replace(config, batch_invariant=self.batch_invariant)  # the mode in force, for reports
         if self.batch_invariant:
-            config = self._invariant_config(target, drafters, config)
+            self._check_invariant(target)
         self.target = target
         self.drafters = drafters
         self.config = config
@@ -197,20 +197,12 @@ class Engine:
         return n
 
     @staticmethod
-    def _invariant_config(target: Transformer, drafters: dict[str, Drafter], config: EngineConfig) -> EngineConfig:
-        """The configuration batch-invariant mode runs: the default tree as a chain of its depth. Refuses what the
-        mode cannot keep invariant: a sharded target (its all-reduce chunks the rows by the batch's size) and a
-        default or gate drafter that grafts branches onto its trees."""
+    def _check_invariant(target: Transformer) -> None:
+        """What batch-invariant mode cannot keep invariant, refused by name: a sharded target (its all-reduce chunks
+        the rows by the batch's size)."""
         if not isinstance(target, Transformer):
             raise ValueError("batch-invariant mode needs a one-process target: a tensor-parallel target's all-reduce "
                              "sums each row in an order that follows the batch's size")
-        branching = {n for n, d in drafters.items() if getattr(d, "branches", False)}
-        named = [config.default_drafter, *(config.scheduler.budget.gate_drafters or ())]
-        bad = sorted({n for n in named if n in branching})
-        if bad:
-            raise ValueError(f"batch-invariant mode verifies chains only, and drafter(s) {bad} graft branches onto "
-                             f"their trees: choose another default or gate drafter ({sorted(set(drafters) - branching)})")
-        return replace(config, default_tree=(1,) * len(config.default_tree))
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -237,13 +229,6 @@ class Engine:
         drafter = speculation.drafter or self.config.default_drafter if speculation.enabled else None
         if drafter is not None and drafter not in self.drafters:
             raise ValueError(f"unknown drafter {drafter!r}: available are {sorted(self.drafters)}")
-        if self.batch_invariant and drafter is not None:
-            if getattr(self.drafters[drafter], "branches", False):
-                raise ValueError(f"drafter {drafter!r} grafts branches onto its trees; this server runs batch-invariant "
-                                 "and verifies chains only")
-            if speculation.tree is not None and max(speculation.tree, default=1) > 1:
-                raise ValueError(f"speculation.tree {list(speculation.tree)} branches; this server runs batch-invariant "
-                                 "and verifies chains only (width 1 at every depth, e.g. [1, 1, 1, 1])")
         if sampling.logit_bias and sampling.logit_bias[-1][0] >= V:  # pairs are sorted by id
             raise ValueError(f"logit_bias names token {sampling.logit_bias[-1][0]}, outside the vocabulary [0, {V})")
         if sampling.allowed_token_ids and sampling.allowed_token_ids[-1] >= V:  # sorted

@@ -30,7 +30,7 @@ from gateway.sequence import SpecStats
 from target.embedded import default_cache_dir
 from target.gptq import TUNE_RECIPES, cached_gptq
 from target.loader import LoadedCheckpoint, attach_shared_embeddings, load_checkpoint
-from target.model import BATCH_INVARIANT_DEFAULT, Transformer
+from target.model import Transformer
 from target.tp_worker import TPConfig, start_tensor_parallel
 from verify.logprobs import TokenLogprob
 from verify.sampling import SamplingParams
@@ -200,8 +200,6 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
             # batch 1, while the hybrid default ran at 0.89x and below (engine_real_871c0a3.json,
             # engine_real.json). Requests that name "draft" or "hybrid" still get the model.
             default = "ngram"
-        if default == "hybrid" and _invariant(engine_cfg):
-            default = "draft"  # batch-invariant mode verifies chains: the model's own chain, no grafted branch
     engine_cfg = replace(engine_cfg, default_drafter=None if default == "none" else default)
     budget = engine_cfg.scheduler.budget
     if budget.gate_drafters is None:
@@ -213,11 +211,6 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
     engine = _tensor_parallel_engine(cfg, dtype, device, target, drafters, engine_cfg, log)
     engine.tokenizer = ckpt.tokenizer
     return Loaded(engine, ckpt, name)
-
-
-def _invariant(engine_cfg: EngineConfig) -> bool:
-    """Whether the engine will run batch-invariant (its own setting, else the environment's)."""
-    return engine_cfg.batch_invariant if engine_cfg.batch_invariant is not None else BATCH_INVARIANT_DEFAULT
 
 
 def default_gate_drafters(drafters: dict[str, Drafter], default: str, device: torch.device) -> tuple[str, ...]:

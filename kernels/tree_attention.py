@@ -430,6 +430,90 @@ def _invariant_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         GROUP=H // Hkv, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=invariant.BLOCK_N,
         BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None, PREFETCH=False,
         SPLIT_TILES=invariant.SPLIT_TOKENS // invariant.BLOCK_N, num_warps=4, num_stages=2, **pdl_meta(q.device))
+    if mask_bits is not None:  # tree nodes off the slot-ordered chain: again, each over its own path
+        _branch_rows_kernel[(T, Hkv, S)](
+            q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits, o_part, lse, scale * LOG2E, B,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+            GROUP=H // Hkv, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=invariant.BLOCK_N,
+            BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1,
+            SPLIT_TILES=invariant.SPLIT_TOKENS // invariant.BLOCK_N, num_warps=4, num_stages=2, **pdl_meta(q.device))
     if S > 1:
         merge_splits(o_part, lse, out, block_s=invariant.MAX_SPLITS)
     return out
+
+
+# Batch-invariant trees. A node whose ancestors are not the new tokens before it (a branch: its bits are not
+# 0..i) sees them at scattered slots, so in the tree kernel's tiles its keys sit in other lanes than plain
+# decoding would put them in, and fold in another order. This kernel computes each such node again, alone in a
+# query tile of the same shape, over its own path: logical position ctx + k holds its depth-k ancestor (the
+# k-th set bit of its mask), read from that node's slot, so every key lands in the lane a plain decoding step
+# at position ctx + depth would give it, through the same masked tile code (_softmax_step). The prefix is read
+# once more per such node: trees cost more attention traffic in this mode.
+@triton.jit(do_not_specialize=["num_seqs"])
+def _branch_rows_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qs_ptr, bits_ptr, o_ptr, lse_ptr,
+    qk_scale, num_seqs,
+    stride_qt, stride_qh,
+    stride_kb, stride_kp, stride_kh,
+    stride_btb,
+    stride_os, stride_ot, stride_oh,
+    stride_ls, stride_lt,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, IS_SPLIT: tl.constexpr, SPLIT_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)  # one new token a program
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_b = tl.arange(0, BLOCK_B)
+    b_mask = offs_b < num_seqs
+    starts = tl.load(qs_ptr + offs_b, mask=b_mask, other=0)
+    b = tl.sum(((starts <= t) & b_mask).to(tl.int32), 0) - 1  # the last sequence starting at or before t
+    seq_start = tl.load(qs_ptr + b)
+    n = tl.load(qs_ptr + b + 1) - seq_start
+    i = (t - seq_start).to(tl.int64)
+    bits = tl.load(bits_ptr + t)
+    chain = tl.where(i >= 63, -1, (tl.full([], 1, tl.int64) << tl.minimum(i + 1, 62)) - 1)  # ancestors 0..i
+    if (t < tl.load(qs_ptr + num_seqs)) & (n <= 64) & (bits != 0) & (bits != chain):
+        ctx = tl.load(ctx_ptr + b)
+        offs64 = tl.arange(0, 64).to(tl.int64)
+        set_bit = (bits >> offs64) & 1  # [64]: node j is on the path
+        rank = tl.cumsum(set_bit, 0) - 1  # [64]: its depth, where it is
+        kv_hi = ctx + tl.sum(set_bit, 0)  # logical positions 0 .. ctx + depth
+        offs_m = tl.arange(0, BLOCK_Q * BLOCK_G)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        g = offs_m % BLOCK_G
+        row_mask = (offs_m // BLOCK_G == 0) & (g < GROUP)  # the tile's first token: this node's query heads
+        head = kv_head * GROUP + g
+        q = tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_mask[:, None],
+                    other=0.0)  # [BLOCK_M, D]
+        lo = split * SPLIT_TILES * BLOCK_N
+        hi = tl.minimum(lo + SPLIT_TILES * BLOCK_N, kv_hi)
+        m_i = tl.full([BLOCK_Q * BLOCK_G], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_Q * BLOCK_G, HEAD_DIM], tl.float32)
+        bt_row = bt_ptr + b * stride_btb
+        kv_head_off = kv_head * stride_kh
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + offs_n  # [BLOCK_N] logical positions
+            valid = pos < kv_hi
+            k_idx = (pos - ctx).to(tl.int64)  # depth along the path; negative in the prefix
+            hit = (set_bit[None, :] == 1) & (rank[None, :] == k_idx[:, None])  # [BLOCK_N, 64]
+            node = tl.sum(tl.where(hit, offs64[None, :], 0), 1)  # the path's node at that depth
+            slot = tl.where(k_idx >= 0, ctx + node, pos)  # where its K/V were written
+            blk = tl.load(bt_row + slot // PAGE, mask=valid, other=0).to(tl.int64)
+            kv_ptrs = (blk * stride_kb + (slot % PAGE) * stride_kp + kv_head_off)[:, None] + offs_d[None, :]
+            k = tl.load(k_ptr + kv_ptrs, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_ptrs, mask=valid[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = o_ptr + split * stride_os + t * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
+        if IS_SPLIT:
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.maximum(l_i, 1e-30)))
+            tl.store(lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_mask)

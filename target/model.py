@@ -48,12 +48,9 @@ CPU_INT4 = os.environ.get("SPECGATE_CPU_INT4", "0") == "1"
 
 def batch_invariant(on: bool | None = None) -> bool:
     """Put batch-invariant kernels (kernels/invariant.py) on or off for this process; None: as the environment
-    says (``SPECGATE_BATCH_INVARIANT``, ``BATCH_INVARIANT_DEFAULT``). Returns the mode now in force."""
-    invariant.set_enabled(BATCH_INVARIANT_DEFAULT if on is None else on)
+    says (``SPECGATE_BATCH_INVARIANT``). Returns the mode now in force."""
+    invariant.set_enabled(invariant.FROM_ENV if on is None else on)
     return invariant.enabled()
-
-
-BATCH_INVARIANT_DEFAULT = invariant.FROM_ENV
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
-"""Batch-invariant mode in the engine (EngineConfig.batch_invariant, kernels/invariant.py): chains only, errors
-that name what the mode refuses, and on CUDA greedy output with speculation token for token plain decoding's,
-and every output the same alone or in a batch."""
+"""Batch-invariant mode in the engine (EngineConfig.batch_invariant, kernels/invariant.py): the mode set and
+reported, a sharded target refused by name, and on CUDA greedy output with speculation (chains and trees) token
+for token plain decoding's, and every output the same alone or in a batch."""
 
 from __future__ import annotations
 
@@ -42,33 +42,26 @@ def _engine(target: Transformer, batch_invariant: bool | None, default: str | No
                                                  batch_invariant=batch_invariant, **cfg))
 
 
-def test_the_mode_makes_default_trees_chains_and_says_so():
+def test_the_mode_is_reported_and_set_for_the_process():
     target = tiny_target()
     eng = _engine(target, True)
     assert eng.batch_invariant and eng.config.batch_invariant and invariant.enabled()
-    assert eng.config.default_tree == (1, 1, 1)
+    assert eng.config.default_tree == (2, 2, 1)  # trees stay trees: branch nodes are computed over their paths
     off = _engine(target, False)
-    assert not off.batch_invariant and off.config.default_tree == (2, 2, 1) and not invariant.enabled()
+    assert not off.batch_invariant and off.config.batch_invariant is False and not invariant.enabled()
 
 
-def test_the_mode_refuses_branches_by_name():
-    target = tiny_target()
-    eng = _engine(target, True)
-    greedy = SamplingParams(temperature=0, max_tokens=4)
-    with pytest.raises(ValueError, match=r"speculation.tree \[2, 1\] branches"):
-        eng.add("a", [1, 2, 3], greedy, SpeculationParams(tree=(2, 1)))
-    with pytest.raises(ValueError, match="drafter 'hybrid' grafts branches"):
-        eng.add("b", [1, 2, 3], greedy, SpeculationParams(drafter="hybrid"))
-    eng.add("c", [1, 2, 3], greedy, SpeculationParams(tree=(1, 1)))  # a chain is fine
-    eng.add("d", [1, 2, 3], greedy, SpeculationParams(enabled=False, tree=(3,)))  # and so is no speculation
-    with pytest.raises(ValueError, match=r"drafter\(s\) \['hybrid'\] graft branches"):
-        _engine(target, True, default="hybrid")
-    _engine(target, False, default="hybrid")  # the mode alone refuses it
+def test_the_mode_refuses_a_sharded_target_by_name():
+    class Sharded:  # anything but a one-process Transformer (a tensor-parallel target)
+        pass
+
+    with pytest.raises(ValueError, match="needs a one-process target"):
+        Engine(Sharded(), {}, EngineConfig(batch_invariant=True))
 
 
 def test_the_mode_keeps_a_run_step_for_step_on_the_cpu():
-    """On the CPU the kernels' float32 reference paths run (the mode changes only the trees): greedy speculation
-    through chains equals plain decoding, and no block stays taken."""
+    """On the CPU the kernels' float32 reference paths run (the mode sets what CUDA launches): greedy speculation
+    equals plain decoding with every drafter, and no block stays taken."""
     target = tiny_target()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (4 + i,), generator=g).tolist() for i in range(4)]
@@ -81,24 +74,20 @@ def test_the_mode_keeps_a_run_step_for_step_on_the_cpu():
         return out
 
     plain = run(SpeculationParams(enabled=False))
-    assert run(SpeculationParams()) == plain
-    assert run(SpeculationParams(drafter="self", tree=(1, 1, 1, 1))) == plain
+    assert run(SpeculationParams()) == plain  # n-gram trees (2, 2, 1)
+    assert run(SpeculationParams(drafter="self", tree=(2, 2, 1))) == plain
+    assert run(SpeculationParams(drafter="hybrid", tree=(1, 1, 1))) == plain  # a chain with a grafted branch
 
 
-def test_the_api_names_a_refused_tree_and_reports_the_mode(tokenizer):
+def test_the_api_reports_the_mode_and_serves_trees(tokenizer):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 4}
 
     async def go(client, app):
-        refused = await client.post("/v1/chat/completions", json=chat | {"speculation": {"tree": [2, 1]}})
-        chain = await client.post("/v1/chat/completions", json=chat | {"speculation": {"tree": [1, 1]}})
-        return refused, chain, await client.get("/v1/models")
+        tree = await client.post("/v1/chat/completions", json=chat | {"speculation": {"tree": [2, 1]}})
+        return tree, await client.get("/v1/models")
 
-    refused, chain, models = run_app(tokenizer, go, engine=tiny_engine(vocab=len(tokenizer), num_blocks=128,
-                                                                       batch_invariant=True))
-    assert refused.status_code == 400
-    err = refused.json()["error"]
-    assert err["param"] == "speculation.tree" and "chains only" in err["message"]
-    assert chain.status_code == 200
+    tree, models = run_app(tokenizer, go, engine=tiny_engine(vocab=len(tokenizer), num_blocks=128, batch_invariant=True))
+    assert tree.status_code == 200 and tree.json()["usage"]["completion_tokens"] == 4
     assert models.json()["data"][0]["speculation"]["batch_invariant"] is True
 
 
@@ -140,6 +129,8 @@ def test_cuda_greedy_speculation_equals_plain_decoding_token_for_token(bf16_targ
     plain = run(SpeculationParams(enabled=False))
     assert run(SpeculationParams(tree=(1, 1, 1, 1))) == plain  # n-gram chains
     assert run(SpeculationParams(drafter="self", tree=(1, 1, 1))) == plain  # a model's chains
+    assert run(SpeculationParams(drafter="self", tree=(3, 2, 2))) == plain  # a model's trees: branch nodes
+    assert run(SpeculationParams(drafter="hybrid", tree=(2, 1, 1))) == plain  # a tree with a grafted chain
     assert run(SpeculationParams(enabled=False), only=4) == {"4": plain["4"]}  # alone, not in a batch of six
 
 

@@ -161,3 +161,65 @@ def test_attention_names_a_table_past_the_fixed_splits(invariant_on):
     q = torch.zeros(1, 1, 16, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="batch-invariant attention covers"):
         tree_attention(q, k, k, tables, _i32(3), _i32(0, 1), None, 0.25, use_triton=True, is_decode=True)
+
+
+BRANCHING = [-1, 0, 0, 1, 1, 2, 4, 4, 3, 5]  # parent of each node (topological order), the root first
+
+
+def _bits(parents: list[int]) -> list[int]:
+    out = []
+    for i, p in enumerate(parents):
+        b = 1 << i
+        while p >= 0:
+            b |= 1 << p
+            p = parents[p]
+        out.append(b)
+    return out
+
+
+def _path(parents: list[int], i: int) -> list[int]:
+    path = [i]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page,H,Hkv,D", [(16, 6, 2, 64), (64, 4, 1, 32)])
+def test_attention_tree_node_is_its_paths_decode_row(invariant_on, dtype, page, H, Hkv, D):
+    """Every node of a branching tree against a plain decode row at position ctx + depth over a cache that holds
+    its path in order (what plain decoding would have written), beside another sequence; the tree crosses the
+    split boundary at invariant.SPLIT_TOKENS."""
+    gen = torch.Generator().manual_seed(7 + page)
+    n = len(BRANCHING)
+    ctx = invariant.SPLIT_TOKENS - 2
+    k, v, tables = _cache(ctx + n + 1, page, Hkv, D, dtype, gen)
+    q = _rand(n, H, D, gen=gen, dtype=dtype)
+    q_other = _rand(2, H, D, gen=gen, dtype=dtype)
+    scale = D**-0.5
+    bits = torch.tensor([0, 0] + _bits(BRANCHING), dtype=torch.int64, device=DEVICE)
+    # sequence 1 (a 2-token chunk at 30 cached tokens) first, then the tree of sequence 0
+    tree = tree_attention(torch.cat([q_other, q]), k, v, tables[[1, 0]], _i32(30, ctx), _i32(0, 2, 2 + n), bits, scale,
+                          use_triton=True)[2:]
+    P = page
+
+    def slots(table: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        pos = torch.tensor(positions, device=DEVICE)
+        return table[pos // P].long() * P + pos % P
+
+    flat_k, flat_v = k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
+    for i in range(n):
+        path = _path(BRANCHING, i)
+        # a fresh cache holding the prefix and then the path's K/V at positions ctx .. ctx + depth
+        k2, v2, tables2 = _cache(ctx + len(path) + 1, page, Hkv, D, dtype, gen)
+        src = slots(tables[0], list(range(ctx)) + [ctx + j for j in path])
+        dst = slots(tables2[0], list(range(ctx + len(path))))
+        k2.reshape(-1, Hkv, D)[dst] = flat_k[src]
+        v2.reshape(-1, Hkv, D)[dst] = flat_v[src]
+        pos = ctx + len(path) - 1
+        alone = tree_attention(q[i : i + 1], k2, v2, tables2[:1], _i32(pos), _i32(0, 1), None, scale, use_triton=True,
+                               is_decode=True)
+        assert torch.equal(alone[0], tree[i]), f"node {i} (path {path})"
+    ref = tree_attention_ref(q, k, v, tables[:1], _i32(ctx), _i32(0, n),
+                             torch.tensor(_bits(BRANCHING), dtype=torch.int64, device=DEVICE), scale)
+    torch.testing.assert_close(tree.float(), ref.float(), rtol=1e-2, atol=1e-2)
