@@ -4,7 +4,7 @@ Greedy speculative decoding keeps exactly the target's argmax path, so its outpu
 far as the target's logits do. On the GPU in bfloat16 they do not by default: a verify step scores M > 1 rows
 where a plain step scores one, and the kernels the launchers pick for different M (a GEMV against an MMA
 tile, split-K factors tuned per M, cuBLAS's algorithms, split-KV plans sized to the batch, decode against
-tree attention) round a row differently, so near-ties flip (ARCHITECTURE.md, "Greedy acceptance").
+tree attention) round a row differently, so near-ties flip (ARCHITECTURE.md, "Token flow of one sequence").
 
 With the mode on, each kernel whose result could depend on its neighbours runs one fixed configuration,
 chosen from the weight's or the sequence's own shape and never from the batch (the idea of batch-invariant
@@ -21,13 +21,14 @@ deterministic modes):
   tiles whether it is a plain decode row, a chain node or a prefill row.
 * RMSNorm, RoPE and the cache write, the gated activation: one program per row already.
 
-Trees must be chains in this mode: a branch's node sees its ancestors at other cache slots than the one
-plain decoding would use, so its keys would fall in other tile lanes (the engine makes default trees chains
-and refuses a request's branching tree). Sampled requests stay exact in distribution either way; with the
-mode on they also repeat bit for bit under a seed, whatever the batch.
+A tree's branch nodes (ancestors not the new tokens before them) see those ancestors at scattered cache
+slots, so the tree kernel computes them again over their own paths (``tree_attention._branch_rows_kernel``),
+keys in the lanes plain decoding would use. Sampled requests stay exact in distribution either way; with the
+mode on they also repeat bit for bit under a seed, whatever the batch. A tensor-parallel target cannot run it
+(its all-reduce sums rows in chunks sized by the batch).
 
-The mode costs speed: MMA tiles at M = 1 instead of the GEMV, no tuning. ``SPECGATE_BATCH_INVARIANT=1`` or
-``--batch-invariant`` turns it on for the process; launches read it when they run (a CUDA graph keeps the
+The mode costs speed: MMA tiles at M = 1 instead of the GEMV, no tuning, branch nodes' prefixes read again.
+``SPECGATE_BATCH_INVARIANT=1`` or ``--batch-invariant`` turns it on for the process; launches read it when they run (a CUDA graph keeps the
 kernels it was captured with, so the engine sets it before any capture).
 """
 
