@@ -4,6 +4,7 @@
 #                                    Triton cache (.cache/triton_tgz/triton_cache.part.*: what `triton_out` brought back)
 #   bash bench/gpu_run.sh triton_out the Triton cache built so far, as parts under $OUT (last in a call that built a lot)
 #   bash bench/gpu_run.sh tests      the CUDA-only tests (7 minutes on a fresh machine, mostly Triton builds)
+#   bash bench/gpu_run.sh invariant  batch-invariant mode's CUDA tests (carry .whl: the gateway tests import orjson)
 #   bash bench/gpu_run.sh profile    bench/step_profile.py: where a step's time goes (SmolLM2 shapes, random weights;
 #                                    each tree also with host-copied trees: the deferred trees' A/B; CHAIN_TREES=1/2 (empty: none)
 #                                    free one-node-wide chains, the n-gram drafter's steps without its lookups; launches
@@ -124,6 +125,9 @@ for stage in "$@"; do
              tests/gateway/test_logit_controls_cuda.py tests/gateway/test_overlap_cuda.py tests/kernels/test_graph_inputs.py \
              tests/draft/test_feature_drafter.py tests/gateway/test_chain_ahead.py tests/kernels/test_ngram_lookup.py tests/kernels/test_chain_inputs.py tests/kernels/test_paged_decode.py tests/kernels/test_tree_attention.py tests/kernels/test_stochastic_accept.py \
              -k "cuda or gpu or graph or stochastic_accept" 2>&1 | tail -15 ;;
+    invariant)  # batch-invariant mode's CUDA tests (bf16 bit equality; greedy speculation equal to plain decoding)
+      PYTHONPATH=".:tests:tests/gateway" timeout "${INVARIANT_TIMEOUT:-240}" python -m pytest -q --noconftest -p no:cacheprovider \
+        tests/kernels/test_invariant.py tests/gateway/test_batch_invariant.py 2>&1 | tail -15 ;;
     prefetch) timeout 420 python bench/kernels/prefetch_probe.py --out "$OUT" 2>&1 | tail -18 ;;
     attention)
       timeout 90 python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_paged_decode.py \

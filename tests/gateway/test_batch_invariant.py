@@ -16,7 +16,7 @@ from gateway.budget import BudgetConfig
 from gateway.cli import engine_config, serve_options
 from gateway.engine import Engine, EngineConfig
 from gateway.scheduler import SchedulerConfig
-from gateway_util import MODEL, run_app
+from gateway_util import MODEL, make_tokenizer, run_app
 from kernels import invariant
 from target.model import Transformer
 from verify.sampling import SamplingParams
@@ -79,7 +79,8 @@ def test_the_mode_keeps_a_run_step_for_step_on_the_cpu():
     assert run(SpeculationParams(drafter="hybrid", tree=(1, 1, 1))) == plain  # a chain with a grafted branch
 
 
-def test_the_api_reports_the_mode_and_serves_trees(tokenizer):
+def test_the_api_reports_the_mode_and_serves_trees():
+    tokenizer = make_tokenizer()  # not the fixture: the GPU stage runs these tests without conftest
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 4}
 
     async def go(client, app):
