@@ -38,6 +38,7 @@ from gateway.budget import SpecGate  # noqa: E402
 from gateway.engine import Engine, EngineConfig  # noqa: E402
 from gateway.llm import LLM, LoadConfig, resolve_draft, resolve_model_path  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
+from kernels import invariant  # noqa: E402
 from kernels.int4_matmul import Int4Weight  # noqa: E402
 from target.batch import Segment, build_batch  # noqa: E402
 from target.config import ModelConfig  # noqa: E402
@@ -671,7 +672,9 @@ def main() -> None:
     commit = provenance.commit()
     on_gpu = args.device == "cuda"
     res: dict = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "date": datetime.date.today().isoformat(),
-                 "commit": commit, "torch": torch.__version__, "copy_tbps": round(copy_tbps(), 3) if on_gpu else None}
+                 "commit": commit, "torch": torch.__version__, "copy_tbps": round(copy_tbps(), 3) if on_gpu else None,
+                 # SPECGATE_BATCH_INVARIANT=1 runs every arm with batch-invariant kernels (kernels/invariant.py)
+                 "batch_invariant": invariant.enabled()}
     if args.synthetic:
         synthetic(res, args.verify_only, args.profile)
     if args.real:

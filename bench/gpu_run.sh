@@ -28,6 +28,8 @@
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
 #                                    bench/engine_ab.py: the 8B verify steps under two environments, alternated, 3 runs each
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
+#                                    (AB_A=SPECGATE_BATCH_INVARIANT=0 AB_B=SPECGATE_BATCH_INVARIANT=1: batch-invariant
+#                                    kernels' cost in those steps; SPECGATE_BATCH_INVARIANT=1 before `real`: every arm so)
 #   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch for the INT4 kernels alone and for
 #                                    every kernel, 2 runs each
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in parts) and convert it once
