@@ -87,9 +87,12 @@ def divergences(plain: list[list[int]], other: list[list[int]], logits, name: st
     out = []
     for j, (p, o) in enumerate(zip(plain, other)):
         i = first_divergence(p, o)
-        if i is not None:
-            lg = logits(j, p)[i]
-            out.append({"prompt": j, "position": i, "plain": p[i], name: o[i], "gap": round(float(lg[p[i]] - lg[o[i]]), 5)})
+        if i is None:
+            continue
+        a, b = (p[i] if i < len(p) else None), (o[i] if i < len(o) else None)  # one output may end there
+        lg = None if a is None or b is None else logits(j, p)[i]
+        gap = None if lg is None else round(float(lg[a] - lg[b]), 5)
+        out.append({"prompt": j, "position": i, "plain": a, name: b, "gap": gap})
     return out
 
 
@@ -233,8 +236,11 @@ def main() -> None:
 def plot(res: dict, path: Path) -> None:
     """Left: prompts identical to plain decoding per (dtype, batch, drafter). Right: each flip's float32 logit
     gap beside the median top-two gap."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -248,7 +254,7 @@ def plot(res: dict, path: Path) -> None:
     a.set_ylim(0, 1.05)
     a.set_ylabel("prompts identical to plain decoding")
     for i, r in enumerate(rows):
-        gaps = [abs(f["gap"]) for f in r["flips"]]
+        gaps = [abs(f["gap"]) for f in r["flips"] if f["gap"] is not None]
         b.scatter([i] * len(gaps), gaps, s=12, color="tab:red")
         b.scatter([i], [r["median_top2_gap"]], marker="_", s=300, color="k")
     b.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
