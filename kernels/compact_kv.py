@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import dispatch
+
 
 def compact_kv_ref(
     k_cache: torch.Tensor,  # [L, num_blocks, P, Hkv, D], mutated
@@ -78,7 +80,7 @@ def compact_kv(
     block_c: int = 128,
 ) -> None:
     """Dispatch: the Triton kernel on CUDA (or when forced), the reference elsewhere."""
-    if not (k_cache.is_cuda if use_triton is None else use_triton):
+    if not dispatch.use_triton(k_cache, use_triton):
         return compact_kv_ref(k_cache, v_cache, src_slots, dst_slots)
     L, _, P, Hkv, D = k_cache.shape
     if (v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import dispatch
 from kernels.invariant import QUERY_ROWS
 from kernels.pdl import pdl_enter, pdl_meta
 
@@ -72,7 +73,7 @@ def dense_matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     N = w.shape[0]
     if residual is not None and tuple(residual.shape) != (M, N):
         raise ValueError(f"dense_matmul: residual {tuple(residual.shape)} is not [M, N] = {(M, N)}")
-    if not (x.is_cuda if use_triton is None else use_triton):
+    if not dispatch.use_triton(x, use_triton):
         return dense_matmul_ref(x, w, bias, residual)
     if x.stride(1) != 1:
         x = x.contiguous()

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import dispatch
 from kernels.pdl import pdl_enter, pdl_meta
 
 
@@ -57,7 +58,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, *, perm: torch.Tensor
 
     ``perm`` ([hidden] int64): return the norm's columns in that order, ``out[..., j] = norm(x)[..., perm[j]]``,
     the input an act-order projection gathers (``Linear.perm``), at no extra launch."""
-    if not (x.is_cuda if use_triton is None else use_triton) or x.dtype != w.dtype:
+    if not dispatch.use_triton(x, use_triton) or x.dtype != w.dtype:
         return rms_norm_ref(x, w, eps, perm)
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
@@ -90,7 +91,7 @@ def _silu_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constex
 
 def silu_mul(gate_up: torch.Tensor, *, use_triton: bool | None = None) -> torch.Tensor:
     """gate_up: [..., 2 I], gate columns first -> [..., I]. Triton on CUDA (or when forced), else the reference."""
-    if not (gate_up.is_cuda if use_triton is None else use_triton):
+    if not dispatch.use_triton(gate_up, use_triton):
         return silu_mul_ref(gate_up)
     two_i = gate_up.shape[-1]
     if two_i % 2:
@@ -191,7 +192,7 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
     usable = (qkv.stride(-1) == 1 and k_layer.stride() == v_layer.stride() and k_layer.stride(-1) == 1
               and k_layer.dtype == qkv.dtype and D & (D - 1) == 0 and D >= 16)
     T = qkv.shape[0]
-    if not (qkv.is_cuda if use_triton is None else use_triton) or not usable:
+    if not dispatch.use_triton(qkv, use_triton) or not usable:
         q = rope_and_cache_ref(qkv, positions, inv_freq, k_layer, v_layer, slot_mapping, num_heads, num_kv_heads)
         return q if out is None else out.view(T, num_heads, D).copy_(q)
     q = qkv.new_empty(T, num_heads, D) if out is None else out.view(T, num_heads, D)

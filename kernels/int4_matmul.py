@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import dispatch
 from kernels import int4_matmul_triton as _triton
 from kernels.fused_norm_rope import rope_and_cache
 from kernels.int4_matmul_triton import Rope, int4_matmul_triton
@@ -171,7 +172,7 @@ def int4_matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
     x: [..., K] fp16/bf16 (fp32 too); bias: [N]; residual: [..., N]. ``use_triton=True`` on CPU tensors
     runs the kernels under ``TRITON_INTERPRET=1`` (tests).
     """
-    if not (x.is_cuda if use_triton is None else use_triton):
+    if not dispatch.use_triton(x, use_triton):
         return int4_matmul_ref(x, w, bias, residual)
     res = None if residual is None else _rows(residual)
     y = int4_matmul_triton(_rows(x), w.qweight, w.scales, w.zeros, w.group_size, bias=bias, residual=res,
@@ -181,7 +182,7 @@ def int4_matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None
 
 def int4_matmul_silu_mul(x: torch.Tensor, w_gate_up: Int4Weight, *, use_triton: bool | None = None) -> torch.Tensor:
     """Fused ``silu(x @ W_gate.T) * (x @ W_up.T)`` over gate_up's [2 * I, K] weight. [..., K] -> [..., I]."""
-    if not (x.is_cuda if use_triton is None else use_triton):
+    if not dispatch.use_triton(x, use_triton):
         return int4_matmul_silu_mul_ref(x, w_gate_up)
     y = int4_matmul_triton(_rows(x), w_gate_up.qweight, w_gate_up.scales, w_gate_up.zeros, w_gate_up.group_size,
                            silu=True, whole_zeros=w_gate_up.zeros_are_whole())
@@ -198,7 +199,7 @@ def int4_qkv_rope_cache(x: torch.Tensor, w_qkv: Int4Weight, bias: torch.Tensor |
     ``fused`` (default: ``SPECGATE_INT4_ROPE``): on the Triton path the matmul's epilogue does all of it in one
     launch (``Rope``), where the cache layers are contiguous in x's dtype and D is a power of two from 16 to 256;
     otherwise, and on the reference path, the projection and ``rope_and_cache`` run one after the other."""
-    triton_path = x.is_cuda if use_triton is None else use_triton
+    triton_path = dispatch.use_triton(x, use_triton)
     D = 2 * inv_freq.shape[0]
     fusable = (triton_path and (_triton.ROPE if fused is None else fused) and x.dim() == 2
                and D in (16, 32, 64, 128, 256) and w_qkv.out_features == (num_heads + 2 * num_kv_heads) * D

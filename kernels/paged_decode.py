@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import dispatch
 from kernels.pdl import pdl_enter, pdl_meta
 
 MAX_SPLITS = 64
@@ -407,7 +408,7 @@ def wave_splits(num_programs: int, device: torch.device) -> int:
 
 def use_triton_for(t: torch.Tensor, use_triton: bool | None) -> bool:
     """Triton on CUDA by default; ``use_triton=True`` forces it (CPU tensors need TRITON_INTERPRET=1)."""
-    return t.is_cuda if use_triton is None else use_triton
+    return dispatch.use_triton(t, use_triton)
 
 
 def paged_decode_attention(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from kernels import invariant
+from kernels import dispatch, invariant
 from kernels.dense_matmul import dense_matmul
 from kernels.fused_norm_rope import rms_norm as fused_rms_norm
 from kernels.fused_norm_rope import rope_and_cache
@@ -90,7 +90,7 @@ class Linear:
             y = y if self.bias is None else y + self.bias
             return y if residual is None else y + residual
         w = self.dequantized.to(x.dtype) if self.dequantized is not None else self.weight
-        if x.is_cuda and x.dim() == 2 and invariant.enabled():  # not cuBLAS, whose algorithm follows M
+        if dispatch.use_triton(x) and x.dim() == 2 and invariant.enabled():  # not cuBLAS, whose algorithm follows M
             return dense_matmul(x, w, self.bias, residual)
         if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2 and DENSE_FUSION:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
@@ -162,7 +162,7 @@ def int4_group_size(in_features: int, group_size: int) -> int:
 
 def int4_linear(w: Int4Weight, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> Linear:
     """An INT4 Linear; on the CPU it keeps the dequantized copy that the reference path multiplies by."""
-    if w.qweight.is_cuda:
+    if w.qweight.is_cuda or dispatch.FORCE_TRITON:  # (forced: the Triton kernel, interpreted, multiplies on the CPU)
         return Linear(w, bias, None, perm)
     return Linear(w, bias, dequantize(w).contiguous(), perm,  # [N, K]: cpu_linear
                   cpu_int4=CpuInt4.of(w) if CPU_INT4 else None)

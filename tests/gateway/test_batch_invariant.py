@@ -4,6 +4,8 @@ for token plain decoding's, and every output the same alone or in a batch."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from gateway.cli import engine_config, serve_options
 from gateway.engine import Engine, EngineConfig
 from gateway.scheduler import SchedulerConfig
 from gateway_util import MODEL, make_tokenizer, run_app
-from kernels import invariant
+from kernels import dispatch, invariant
 from target.model import Transformer
 from verify.sampling import SamplingParams
 
@@ -90,6 +92,51 @@ def test_the_api_reports_the_mode_and_serves_trees():
     tree, models = run_app(tokenizer, go, engine=tiny_engine(vocab=len(tokenizer), num_blocks=128, batch_invariant=True))
     assert tree.status_code == 200 and tree.json()["usage"]["completion_tokens"] == 4
     assert models.json()["data"][0]["speculation"]["batch_invariant"] is True
+
+
+@pytest.fixture
+def interpreted():
+    """Every kernel of a forward through its Triton code, which the interpreter runs on the CPU (kernels/dispatch.py)."""
+    was = dispatch.FORCE_TRITON
+    dispatch.FORCE_TRITON = True
+    yield
+    dispatch.FORCE_TRITON = was
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the GPU's kernels under Triton's interpreter (the CUDA tests run them compiled)")
+def test_interpreted_kernels_keep_speculation_and_batches_invariant(interpreted):
+    """The engine on the kernels the GPU runs (INT4 MMA, dense matmul, tree attention with its branch rows, RMSNorm,
+    RoPE, compaction), interpreted, in float16: greedy speculation through n-gram, model and grafted trees emits
+    plain decoding's tokens, and a prompt alone emits what it does in a batch of three."""
+    cfg = tiny_config(vocab=96, layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                      head_dim=16)
+    target = Transformer.from_weights(cfg, random_weights(cfg, scale=0.1), torch.float16, "cpu").quantize(32)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (3 + 4 * i,), generator=g).tolist() for i in range(3)]
+    # logprobs: each emitted token's log-probability and its position's top two, bits that every kernel's rounding
+    # reaches (the tokens alone rarely flip on a model this small; the logprobs differ with the mode off)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def run(spec: SpeculationParams, only: int | None = None) -> dict[str, list]:
+        eng = _engine(target, True, num_blocks=64)
+        out: dict[str, list] = {}
+        for i, p in enumerate(prompts):
+            if only is None or i == only:
+                eng.add(str(i), p, greedy, spec)
+                out[str(i)] = []
+        while eng.has_work():
+            for o in eng.step():
+                assert o.error is None, o.error
+                out[o.request_id] += list(o.logprobs or ())
+        assert eng.cache.pool.num_free == 64
+        return out
+
+    plain = run(SpeculationParams(enabled=False))
+    assert run(SpeculationParams()) == plain  # n-gram trees (2, 2, 1)
+    assert run(SpeculationParams(drafter="self", tree=(2, 1))) == plain
+    assert run(SpeculationParams(drafter="hybrid", tree=(1, 1))) == plain
+    assert run(SpeculationParams(enabled=False), only=2) == {"2": plain["2"]}
 
 
 def test_the_flag_reaches_the_engine_config():
