@@ -96,7 +96,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="batch-invariant kernels: a row's logits do not depend on the rows beside it, so greedy output "
                         "with speculation equals plain decoding's token for token, and outputs repeat whatever the "
-                        "batch; trees are chains; slower. Default: SPECGATE_BATCH_INVARIANT (off)")
+                        "batch; slower. Default: SPECGATE_BATCH_INVARIANT (off)")
     p.add_argument("--chain-ahead", action="store_true",
                    help="greedy n-gram chains drafted and verified with each step launched before the last one's "
                         "tokens reach the host (drafts looked up on the device; outputs one step later)")

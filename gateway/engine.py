@@ -88,7 +88,8 @@ class EngineConfig:
     # plain decoding on an H100, though fixed four-token chains ran 1.15-1.27x of it at batch 1 (ARCHITECTURE.md).
     chain_ahead: bool = False
     # Batch-invariant kernels (kernels/invariant.py): a row's logits do not depend on the rows beside it, so greedy
-    # output with speculation equals plain decoding's token for token, and any output repeats whatever the batch.
+    # output with speculation equals plain decoding's token for token, and repeats whatever the batch (sampled output
+    # too, where its drafting does: no speculation, or a fixed tree).
     # Slower: MMA tiles at M = 1, no tuning, branch nodes' attention again over their own paths. None: as
     # SPECGATE_BATCH_INVARIANT sets it (off by default).
     batch_invariant: bool | None = None

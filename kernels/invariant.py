@@ -24,7 +24,8 @@ deterministic modes):
 A tree's branch nodes (ancestors not the new tokens before them) see those ancestors at scattered cache
 slots, so the tree kernel computes them again over their own paths (``tree_attention._branch_rows_kernel``),
 keys in the lanes plain decoding would use. Sampled requests stay exact in distribution either way; with the
-mode on they also repeat bit for bit under a seed, whatever the batch. A tensor-parallel target cannot run it
+mode on they also repeat bit for bit under a seed whatever the batch, where their drafting does (no
+speculation, or a fixed tree). A tensor-parallel target cannot run it
 (its all-reduce sums rows in chunks sized by the batch).
 
 The mode costs speed: MMA tiles at M = 1 instead of the GEMV, no tuning, branch nodes' prefixes read again.

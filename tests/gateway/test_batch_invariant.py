@@ -5,6 +5,7 @@ for token plain decoding's, and every output the same alone or in a batch."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -118,12 +119,12 @@ def test_interpreted_kernels_keep_speculation_and_batches_invariant(interpreted)
     # reaches (the tokens alone rarely flip on a model this small; the logprobs differ with the mode off)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
 
-    def run(spec: SpeculationParams, only: int | None = None) -> dict[str, list]:
+    def run(spec: SpeculationParams, only: int | None = None, sampling: SamplingParams = greedy) -> dict[str, list]:
         eng = _engine(target, True, num_blocks=64)
         out: dict[str, list] = {}
         for i, p in enumerate(prompts):
             if only is None or i == only:
-                eng.add(str(i), p, greedy, spec)
+                eng.add(str(i), p, replace(sampling, seed=i) if sampling.seed is not None else sampling, spec)
                 out[str(i)] = []
         while eng.has_work():
             for o in eng.step():
@@ -137,6 +138,9 @@ def test_interpreted_kernels_keep_speculation_and_batches_invariant(interpreted)
     assert run(SpeculationParams(drafter="self", tree=(2, 1))) == plain
     assert run(SpeculationParams(drafter="hybrid", tree=(1, 1))) == plain
     assert run(SpeculationParams(enabled=False), only=2) == {"2": plain["2"]}
+    # seeded sampling through a fixed tree: the same draws alone as in the batch
+    sampled, tree = replace(greedy, temperature=0.9, seed=0), SpeculationParams(drafter="self", tree=(2, 1))
+    assert run(tree, only=1, sampling=sampled) == {"1": run(tree, sampling=sampled)["1"]}
 
 
 def test_the_flag_reaches_the_engine_config():
