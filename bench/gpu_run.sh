@@ -266,11 +266,13 @@ for stage in "$@"; do
       timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
         --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --out "$OUT/load_gpu_high" 2>&1 | tail -4
       curl -s localhost:8123/v1/stats > "$OUT/load_stats.json"
-      # every request speculating, the same requests per level: the server's throughput against the off server's
+      # every request speculating, the mixed run's requests (--all-as: its prompts, labels and order): the server's
+      # throughput against the off server's. Before 2026-12-07 these one-mode runs took one arm (--arm) and so another
+      # prompt slice per level than the mixed run's, twice as many distinct prompts, each once
       timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --arm 'on={"enabled": true}' --out "$OUT/load_gpu_on_low" 2>&1 | tail -2
+        --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --all-as '{"enabled": true}' --out "$OUT/load_gpu_on_low" 2>&1 | tail -2
       timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --arm 'on={"enabled": true}' --out "$OUT/load_gpu_on_high" 2>&1 | tail -2
+        --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --all-as '{"enabled": true}' --out "$OUT/load_gpu_on_high" 2>&1 | tail -2
       kill $server; wait $server 2>/dev/null; tail -5 "$OUT/serve.log"
       # the same load with speculation off everywhere: the reference for the off arm's per-token latency
       # in a speculating batch (the load issue allows it 5% more)
@@ -278,13 +280,13 @@ for stage in "$@"; do
         --max-waiting 512 --capture-graphs --port 8124 --log-level warning > "$OUT/serve_off.log" 2>&1 &
       server=$!
       for _ in $(seq 120); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done
-      warm_up 8124 --arm 'off={"enabled": false}'
-      # the same requests per level as the speculating server's runs (a level of 64 requests at concurrency 64
-      # is one wave, 128 are two: not comparable)
+      warm_up 8124 --all-as '{"enabled": false}'
+      # the mixed run's requests, speculation off (a level of 64 requests at concurrency 64 is one wave, 128 are two:
+      # not comparable), so the off arm's per-token latency meets the same requests in both servers
       timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --arm 'off={"enabled": false}' --out "$OUT/load_gpu_off_low" 2>&1 | tail -2
+        --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --all-as '{"enabled": false}' --out "$OUT/load_gpu_off_low" 2>&1 | tail -2
       timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --arm 'off={"enabled": false}' --out "$OUT/load_gpu_off_high" 2>&1 | tail -2
+        --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --all-as '{"enabled": false}' --out "$OUT/load_gpu_off_high" 2>&1 | tail -2
       kill $server; wait $server 2>/dev/null
       python bench/load_merge.py --mixed "$OUT/load_gpu_low.json" "$OUT/load_gpu_high.json" \
         --on-only "$OUT/load_gpu_on_low.json" "$OUT/load_gpu_on_high.json" \

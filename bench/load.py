@@ -1,12 +1,14 @@
 """HTTP load generator for A/B latency runs against one `python -m gateway serve`.
 
     python bench/load.py [--url http://127.0.0.1:8000] [--prompts-file PATH] [--concurrency 1,4]
-        [--requests 16] [--rate inf] [--max-tokens 64] [--arm NAME=JSON ...] [--out bench/results/load]
+        [--requests 16] [--rate inf] [--max-tokens 64] [--arm NAME=JSON ...] [--all-as JSON] [--out bench/results/load]
 
 Each concurrency level sends ``--requests`` streaming chat completions whose arrivals are a Poisson
 process of ``--rate`` requests/s (inf = all at once), with at most ``concurrency`` in flight. The arms
 (``--arm off='{"enabled": false}'``: the request's ``speculation`` field) are mixed in one run: every
-prompt goes once to every arm, in shuffled order, so the arms share the server's batches.
+prompt goes once to every arm, in shuffled order, so the arms share the server's batches. ``--all-as JSON``
+sends every one of those requests with one speculation field, labels kept: a one-mode server's run over
+exactly a mixed run's requests, to compare an arm's latency request set for request set.
 
 Per arm and level: TTFT, inter-token latency per token (a speculative chunk carries several tokens,
 counted from ``stream_options.continuous_usage_stats``, so the gap is divided among them), TPOT,
@@ -236,9 +238,10 @@ async def bench(args: argparse.Namespace) -> dict:
         health = (await c.get("/health")).json()
         if health.get("status") != "ready":
             raise SystemExit(f"server not ready: {health}")
+    all_as = None if args.all_as is None else json.loads(args.all_as)
     per_arm = max(1, args.requests // len(arms))
     prompts = load_prompts(args.prompts_file, per_arm * len(args.concurrency) + 1, args.seed)
-    warm = [(prompts[-1], name, spec) for name, spec in arms.items()]  # not measured
+    warm = [(prompts[-1], name, spec if all_as is None else all_as) for name, spec in arms.items()]  # not measured
     await run_level(args.url, headers, warm, len(warm), float("inf"), 8, health["model"], args.seed)
     levels, load_before = [], os.getloadavg()[0]
     # spawned, not forked: a fork from inside the running event loop would copy it into the children
@@ -252,6 +255,8 @@ async def bench(args: argparse.Namespace) -> dict:
         chunk = prompts[k * per_arm : (k + 1) * per_arm]
         jobs = [(p, name, spec) for p in chunk for name, spec in arms.items()]
         random.Random(args.seed + k).shuffle(jobs)
+        if all_as is not None:  # the mixed run's jobs, in its order, each sent with one speculation field
+            jobs = [(p, name, all_as) for p, name, _ in jobs]
         cpu0 = time.process_time()
         if pool is not None and conc > 1:
             results, wall, cpu_shares = await run_level_procs(pool, args.procs, args.url, headers, jobs, conc,
@@ -281,6 +286,8 @@ async def bench(args: argparse.Namespace) -> dict:
             "requests_per_level": per_arm * len(arms),
             "rate_per_s": args.rate if args.rate != float("inf") else "inf", "max_tokens": args.max_tokens,
             "temperature": 0, "arms": arms, "levels": levels}
+    if all_as is not None:
+        report["all_as"] = all_as
     if {"on", "off"} <= set(arms):
         report["rows"] = ab_rows(levels)
     return report
@@ -342,6 +349,10 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=float("inf"), help="Poisson arrival rate, requests/s")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--arm", action="append", help='NAME=JSON speculation field, e.g. on=\'{"max_nodes": 4}\'')
+    ap.add_argument("--all-as", default=None, metavar="JSON",
+                    help="send every request this speculation field instead of its arm's, keeping the arms' labels, "
+                         "prompts and order: a one-mode server's run over exactly a mixed run's requests (the off "
+                         "arm's per-token latency is compared request set for request set)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-server-stats", dest="server_stats", action="store_false",
                     help="leave the server's /v1/stats alone (by default they are reset before each level and read "

@@ -2,8 +2,8 @@
 
 The load stage runs ``bench/load.py`` against one server with the arms 'on' and 'off' mixed (low and high
 concurrency, so each part fits the device's time limits), then against the same server with every request
-speculating ('on' alone), then against a server with speculation off everywhere, each with the same
-requests per level. This joins the mixed server's levels, adds the single-arm runs beside each level, and
+speculating, then against a server with speculation off everywhere, the two one-mode runs over exactly the
+mixed run's requests (``load.py --all-as``: its prompts, labels and order, every request sent one way). This joins the mixed server's levels, adds the single-arm runs beside each level, and
 writes the issue's table (``rows``) and a plot:
 
     python bench/load_merge.py --mixed DIR/load_gpu_low.json DIR/load_gpu_high.json \\
@@ -20,8 +20,10 @@ speculation on (the issue's ratio). ``ratio`` / ``ratio_mean``: the arms of the 
 requests at that level, from the server's counters (reset before each level): the budget it chose at that load.
 
 ``off_arm_tpot_vs_off_only_server``: the off arm's p50 time per output token in the speculating server over
-the same figure in the off-only server -- the per-token penalty a speculation-off request pays for sharing
-batches with speculating ones (the load issue allows 5%).
+the same requests' figure in the off-only server -- the per-token penalty a speculation-off request pays for
+sharing batches with speculating ones (the load issue allows 5%). Before 2026-12-07 the one-mode runs sent one
+arm's requests: per level another prompt slice than the mixed run's, and each prompt once where the mixed run
+sent each twice (its second copy meeting the prefix cache), so this ratio compared different requests.
 """
 
 from __future__ import annotations

@@ -143,11 +143,19 @@ def test_load_bench_reports_every_arm(tokenizer, tmp_path) -> None:
     root = Path(__file__).resolve().parents[2]
     prompts = tmp_path / "q.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"Hello {i}"]}) + "\n" for i in range(4)))
-    out = tmp_path / "load"
+    out, off_only = tmp_path / "load", tmp_path / "off_only"
     with LiveServer(make_app(tokenizer)) as live:
-        subprocess.run([sys.executable, str(root / "bench" / "load.py"), "--url", live.url, "--prompts-file",
-                        str(prompts), "--concurrency", "1,2", "--requests", "4", "--max-tokens", "8", "--rate", "50",
-                        "--procs", "2", "--out", str(out)], check=True, capture_output=True, text=True, timeout=60)
+        for path, extra in ((out, []), (off_only, ["--all-as", '{"enabled": false}'])):
+            subprocess.run([sys.executable, str(root / "bench" / "load.py"), "--url", live.url, "--prompts-file",
+                            str(prompts), "--concurrency", "1,2", "--requests", "4", "--max-tokens", "8", "--rate", "50",
+                            "--procs", "2", "--out", str(path), *extra], check=True, capture_output=True, text=True,
+                            timeout=60)
+    # --all-as: the same requests under the same labels, every one sent with speculation off
+    alone = json.loads(off_only.with_suffix(".json").read_text())
+    assert alone["all_as"] == {"enabled": False} and alone["requests_per_level"] == 4
+    for level in alone["levels"]:
+        assert level["arms"]["on"]["requests"] == level["arms"]["off"]["requests"] == 2
+        assert not [label for label in level["server"] if label.startswith("on/")]  # the server saw no "on" request
     report = json.loads(out.with_suffix(".json").read_text())
     assert [lv["concurrency"] for lv in report["levels"]] == [1, 2] and report["device"] == "cpu"
     # concurrency 2 ran in two client processes (--procs 2), their results gathered into one level
