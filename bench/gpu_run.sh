@@ -267,8 +267,8 @@ for stage in "$@"; do
         --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --out "$OUT/load_gpu_high" 2>&1 | tail -4
       curl -s localhost:8123/v1/stats > "$OUT/load_stats.json"
       # every request speculating, the mixed run's requests (--all-as: its prompts, labels and order): the server's
-      # throughput against the off server's. Before 2026-12-07 these one-mode runs took one arm (--arm) and so another
-      # prompt slice per level than the mixed run's, twice as many distinct prompts, each once
+      # throughput against the off server's. Before 2026-12-07 these one-mode runs took one arm (--arm): per level
+      # another slice of the prompt cycle than the mixed run's (at 1 and 4 streams 48 prompts once, not 24 twice)
       timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
         --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --all-as '{"enabled": true}' --out "$OUT/load_gpu_on_low" 2>&1 | tail -2
       timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \

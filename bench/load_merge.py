@@ -22,8 +22,9 @@ requests at that level, from the server's counters (reset before each level): th
 ``off_arm_tpot_vs_off_only_server``: the off arm's p50 time per output token in the speculating server over
 the same requests' figure in the off-only server -- the per-token penalty a speculation-off request pays for
 sharing batches with speculating ones (the load issue allows 5%). Before 2026-12-07 the one-mode runs sent one
-arm's requests: per level another prompt slice than the mixed run's, and each prompt once where the mixed run
-sent each twice (its second copy meeting the prefix cache), so this ratio compared different requests.
+arm's requests: per level another slice of the shuffled prompt cycle than the mixed run's (at 1 and 4 streams 48
+prompts once each where the mixed run sent 24 twice, the second copy meeting the prefix cache), so this ratio
+compared different requests.
 """
 
 from __future__ import annotations
