@@ -44,11 +44,13 @@ from pathlib import Path
 # streams: at 64 the roots alone fill the default verify cap, and every step is plain whatever the test.
 # "chain": n-gram requests with a fixed four-token chain whose lookups the target confirms (its next token
 # depends on the last alone, so a sequence soon repeats itself), stepped one by one; "chain ahead": the same
-# with EngineConfig.chain_ahead (gateway/chain_ahead.py), the device lookup being its torch reference here.
+# with EngineConfig.chain_ahead (gateway/chain_ahead.py), the device lookup being its torch reference here;
+# "idle ngram chain ahead": the same chains where the target confirms no lookup (as "idle ngram"), the H100's
+# 64 MT-bench streams, where every chain-ahead step ran plain (engine_real_h100_a95ac76.json).
 CONFIGS = [("plain", 16), ("plain", 64), ("tree 2,2,2,1", 16), ("adaptive", 48), ("plain+penalties", 64),
            ("tree 2,2,2,1+penalties", 16), ("idle ngram", 64), ("plain overlapped", 64), ("plain overlapped 2k", 64),
            ("gated ngram overlapped", 64), ("cost-cut ngram overlapped", 32), ("chain", 1), ("chain ahead", 1),
-           ("chain", 16), ("chain ahead", 16), ("chain ahead", 64)]
+           ("chain", 16), ("chain ahead", 16), ("chain ahead", 64), ("idle ngram chain ahead", 64)]
 VOCAB = 512
 PENALTY_VOCAB = 49152
 
@@ -82,7 +84,8 @@ def measure(steps: int, only: set[str] | None = None) -> dict[str, float]:
             return out
 
         long = arm.endswith(" 2k")
-        roomy = long or arm.startswith("chain")  # 2,000-token prompts; chains that emit up to 5 tokens a step
+        ahead = arm in ("chain ahead", "idle ngram chain ahead")
+        roomy = long or arm.startswith("chain") or ahead  # 2,000-token prompts; chains that emit up to 5 tokens a step
         arm = arm.removesuffix(" 2k")
         engine = tiny_engine(num_blocks=16384 if long else 8192, page_size=16, max_running=64, vocab=V,
                              tree=(2, 2, 2, 1), max_position_embeddings=4096 if roomy else 512)
@@ -90,7 +93,7 @@ def measure(steps: int, only: set[str] | None = None) -> dict[str, float]:
             engine = Engine(engine.target, engine.drafters,
                             replace(engine.config, scheduler=replace(engine.config.scheduler, max_model_len=4096,
                                                                      max_step_tokens=4096),
-                                    chain_ahead=arm == "chain ahead"))
+                                    chain_ahead=ahead))
         if arm.endswith(" overlapped"):
             engine.config = replace(engine.config, overlap=True)
         gated = arm.startswith("gated")
@@ -110,7 +113,8 @@ def measure(steps: int, only: set[str] | None = None) -> dict[str, float]:
                  "gated ngram overlapped": SpeculationParams(drafter="ngram"),
                  "cost-cut ngram overlapped": SpeculationParams(drafter="ngram"),
                  "chain": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)),
-                 "chain ahead": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1))}
+                 "chain ahead": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1)),
+                 "idle ngram chain ahead": SpeculationParams(drafter="ngram", tree=(1, 1, 1, 1))}
         spec = named.get(arm, SpeculationParams(drafter="draft", tree=(2, 2, 2, 1)))
         if arm == "adaptive":
             sched = engine.scheduler
