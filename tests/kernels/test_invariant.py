@@ -185,7 +185,7 @@ def _path(parents: list[int], i: int) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("page,H,Hkv,D", [(16, 6, 2, 64), (64, 4, 1, 32)])
+@pytest.mark.parametrize("page,H,Hkv,D", [(16, 6, 2, 64), (64, 4, 1, 32), (16, 8, 1, 16)])
 def test_attention_tree_node_is_its_paths_decode_row(invariant_on, dtype, page, H, Hkv, D):
     """Every node of a branching tree against a plain decode row at position ctx + depth over a cache that holds
     its path in order (what plain decoding would have written), beside another sequence; the tree crosses the
@@ -195,12 +195,13 @@ def test_attention_tree_node_is_its_paths_decode_row(invariant_on, dtype, page, 
     ctx = invariant.SPLIT_TOKENS - 2
     k, v, tables = _cache(ctx + n + 1, page, Hkv, D, dtype, gen)
     q = _rand(n, H, D, gen=gen, dtype=dtype)
-    q_other = _rand(2, H, D, gen=gen, dtype=dtype)
+    chunk = 70  # a prefill chunk longer than a mask's 64 bits rides in the same launch
+    q_other = _rand(chunk, H, D, gen=gen, dtype=dtype)
     scale = D**-0.5
-    bits = torch.tensor([0, 0] + _bits(BRANCHING), dtype=torch.int64, device=DEVICE)
-    # sequence 1 (a 2-token chunk at 30 cached tokens) first, then the tree of sequence 0
-    tree = tree_attention(torch.cat([q_other, q]), k, v, tables[[1, 0]], _i32(30, ctx), _i32(0, 2, 2 + n), bits, scale,
-                          use_triton=True)[2:]
+    bits = torch.tensor([0] * chunk + _bits(BRANCHING), dtype=torch.int64, device=DEVICE)
+    # sequence 1 (a 70-token chunk at 30 cached tokens) first, then the tree of sequence 0
+    tree = tree_attention(torch.cat([q_other, q]), k, v, tables[[1, 0]], _i32(30, ctx), _i32(0, chunk, chunk + n), bits,
+                          scale, use_triton=True)[chunk:]
     P = page
 
     def slots(table: torch.Tensor, positions: list[int]) -> torch.Tensor:
