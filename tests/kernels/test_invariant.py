@@ -16,6 +16,7 @@ from kernels.dense_matmul import dense_matmul, dense_matmul_ref
 from kernels.int4_matmul import Int4Weight, int4_matmul_ref, quantize_rtn
 from kernels.int4_matmul_triton import int4_matmul_triton, invariant_config
 from kernels.tree_attention import tree_attention, tree_attention_ref
+from test_tree_attention import ancestor_bits  # (tests/kernels/)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -166,17 +167,6 @@ def test_attention_names_a_table_past_the_fixed_splits(invariant_on):
 BRANCHING = [-1, 0, 0, 1, 1, 2, 4, 4, 3, 5]  # parent of each node (topological order), the root first
 
 
-def _bits(parents: list[int]) -> list[int]:
-    out = []
-    for i, p in enumerate(parents):
-        b = 1 << i
-        while p >= 0:
-            b |= 1 << p
-            p = parents[p]
-        out.append(b)
-    return out
-
-
 def _path(parents: list[int], i: int) -> list[int]:
     path = [i]
     while parents[path[-1]] >= 0:
@@ -198,7 +188,7 @@ def test_attention_tree_node_is_its_paths_decode_row(invariant_on, dtype, page, 
     chunk = 70  # a prefill chunk longer than a mask's 64 bits rides in the same launch
     q_other = _rand(chunk, H, D, gen=gen, dtype=dtype)
     scale = D**-0.5
-    bits = torch.tensor([0] * chunk + _bits(BRANCHING), dtype=torch.int64, device=DEVICE)
+    bits = torch.tensor([0] * chunk + ancestor_bits(BRANCHING), dtype=torch.int64, device=DEVICE)
     # sequence 1 (a 70-token chunk at 30 cached tokens) first, then the tree of sequence 0
     tree = tree_attention(torch.cat([q_other, q]), k, v, tables[[1, 0]], _i32(30, ctx), _i32(0, chunk, chunk + n), bits,
                           scale, use_triton=True)[chunk:]
@@ -222,5 +212,5 @@ def test_attention_tree_node_is_its_paths_decode_row(invariant_on, dtype, page, 
                                is_decode=True)
         assert torch.equal(alone[0], tree[i]), f"node {i} (path {path})"
     ref = tree_attention_ref(q, k, v, tables[:1], _i32(ctx), _i32(0, n),
-                             torch.tensor(_bits(BRANCHING), dtype=torch.int64, device=DEVICE), scale)
+                             torch.tensor(ancestor_bits(BRANCHING), dtype=torch.int64, device=DEVICE), scale)
     torch.testing.assert_close(tree.float(), ref.float(), rtol=1e-2, atol=1e-2)
