@@ -20,6 +20,8 @@ deterministic modes):
   code, and the splits merge at a fixed width. A row at position p then folds the same keys in the same
   tiles whether it is a plain decode row, a chain node or a prefill row.
 * RMSNorm, RoPE and the cache write, the gated activation: one program per row already.
+* The CPU (the reference paths): attention through ``tree_attention.invariant_attention_ref``, the kernels'
+  tiling in elementwise torch ops; its float32 projections already give a row the same bits at any row count.
 
 A tree's branch nodes (ancestors not the new tokens before them) see those ancestors at scattered cache
 slots, so the tree kernel computes them again over their own paths (``tree_attention._branch_rows_kernel``),

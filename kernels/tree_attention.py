@@ -352,6 +352,9 @@ def tree_attention(
     """
     inv = invariant.enabled()
     if not use_triton_for(q, use_triton):
+        if inv:  # every row over its own keys in fixed tiles, as the kernels do (decode rows included)
+            return invariant_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits,
+                                           scale)
         if is_decode:  # one token a sequence: the whole batch at once
             return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, use_triton=False,
                                           len_offset=1)
@@ -404,6 +407,71 @@ def tree_attention(
         **pdl_meta(q.device))
     if S > 1:
         merge_splits(o_part, lse, out)
+    return out
+
+
+def invariant_attention_ref(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, P, Hkv, D] one layer
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    query_start: torch.Tensor,  # [B + 1] int32
+    mask_bits: torch.Tensor | None,  # [T] int64
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """The CPU's batch-invariant path (kernels/invariant.py), ``tree_attention_ref``'s maths in the kernels' order:
+    each row folds its own logical keys -- the prefix, then its ancestors by depth (a branch node reads its
+    path's slots) -- in tiles of ``invariant.BLOCK_N`` positions aligned to position 0, one online-softmax step a
+    tile, every product and sum taken per row over a fixed length (elementwise products and sums, no matrix
+    multiply whose blocking could follow the batch). A row's result then depends on its own keys alone, whatever
+    shares the call or how its sequence's tokens split into prefix and new."""
+    T, H, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    dev = q.device
+    G, N = H // Hkv, invariant.BLOCK_N
+    k_flat, v_flat = k_cache.reshape(-1, Hkv, D), v_cache.reshape(-1, Hkv, D)
+    out = torch.empty_like(q)
+    starts, ctxs = query_start.tolist(), context_lens.tolist()
+    bits_all = None if mask_bits is None else mask_bits.tolist()
+    for b, ctx in enumerate(ctxs):
+        s, e = starts[b], starts[b + 1]
+        n = e - s
+        if n == 0:
+            continue
+        # ends[i]: row i's last logical position; nodes[i][k]: the new token at depth k of its path
+        nodes = []
+        for i in range(n):
+            bits = 0 if bits_all is None or n > 64 else bits_all[s + i] & ((1 << 64) - 1)
+            nodes.append([j for j in range(i + 1) if bits >> j & 1] if bits else list(range(i + 1)))
+        ends = torch.tensor([ctx + len(path) - 1 for path in nodes], device=dev)
+        tree_pos = torch.zeros(n, n, dtype=torch.long, device=dev)  # [row, depth] -> position ctx + node
+        for i, path in enumerate(nodes):
+            tree_pos[i, : len(path)] = ctx + torch.tensor(path, device=dev)
+        table = block_tables[b].long()
+        qf = q[s:e].float().reshape(n, Hkv, G, 1, D)
+        m_i = torch.full((n, Hkv, G), -1.0e30, device=dev)
+        l_i = torch.zeros(n, Hkv, G, device=dev)
+        acc = torch.zeros(n, Hkv, G, D, device=dev)
+        for start in range(0, int(ends.max()) + 1, N):
+            pos = start + torch.arange(N, device=dev)  # [N] logical positions
+            valid = pos[None, :] <= ends[:, None]  # [n, N]
+            depth = (pos - ctx).clamp(0, n - 1)
+            at = torch.where(pos[None, :] < ctx, pos[None, :], tree_pos[:, depth])  # [n, N] cache positions
+            at = torch.where(valid, at, 0)
+            slot = table[at // P] * P + at % P
+            k = torch.where(valid[..., None, None], k_flat[slot], 0).float()  # [n, N, Hkv, D]
+            v = torch.where(valid[..., None, None], v_flat[slot], 0).float()
+            k, v = k.permute(0, 2, 1, 3)[:, :, None], v.permute(0, 2, 1, 3)[:, :, None]  # [n, Hkv, 1, N, D]
+            sc = (qf * k).sum(-1) * scale  # [n, Hkv, G, N]
+            sc = torch.where(valid[:, None, None, :], sc, float("-inf"))
+            m_new = torch.maximum(m_i, sc.amax(-1))
+            alpha = torch.exp(m_i - m_new)
+            p = torch.exp(sc - m_new[..., None])
+            l_i = l_i * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + (p[..., None] * v).sum(-2)
+            m_i = m_new
+        out[s:e] = (acc / l_i[..., None]).reshape(n, H, D).to(q.dtype)
     return out
 
 

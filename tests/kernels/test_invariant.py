@@ -126,9 +126,10 @@ def _i32(*xs):
     return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "cpu-ref"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page,H,Hkv,D", [(16, 6, 2, 64), (64, 4, 1, 32)])
-def test_attention_row_is_the_same_in_decode_chain_and_prefill(invariant_on, dtype, page, H, Hkv, D):
+def test_attention_row_is_the_same_in_decode_chain_and_prefill(invariant_on, dtype, page, H, Hkv, D, kernel):
     """A chain's nodes (the verify step's rows) and a prefill chunk's rows against plain decode rows at the
     same positions, alone, beside another sequence and under a wider block table; the chain crosses a tile
     boundary and the split boundary at invariant.SPLIT_TOKENS."""
@@ -138,16 +139,16 @@ def test_attention_row_is_the_same_in_decode_chain_and_prefill(invariant_on, dty
     kw, vw, tables_w = k, v, torch.cat([tables, tables[:, :1].expand(2, 9)], dim=1)  # more splits, same data
     q = _rand(n, H, D, gen=gen, dtype=dtype)
     scale = D**-0.5
-    chain = tree_attention(q, k, v, tables[:1], _i32(ctx), _i32(0, n), _chain_bits(n), scale, use_triton=True)
-    prefill = tree_attention(q, k, v, tables[:1], _i32(ctx), _i32(0, n), None, scale, use_triton=True)
+    chain = tree_attention(q, k, v, tables[:1], _i32(ctx), _i32(0, n), _chain_bits(n), scale, use_triton=kernel)
+    prefill = tree_attention(q, k, v, tables[:1], _i32(ctx), _i32(0, n), None, scale, use_triton=kernel)
     q_other = _rand(3, H, D, gen=gen, dtype=dtype)
     for i in range(n):
         pos = ctx + i  # the row sees positions 0 .. pos
-        alone = tree_attention(q[i : i + 1], k, v, tables[:1], _i32(pos), _i32(0, 1), None, scale, use_triton=True,
+        alone = tree_attention(q[i : i + 1], k, v, tables[:1], _i32(pos), _i32(0, 1), None, scale, use_triton=kernel,
                                is_decode=True)
         # beside a 3-token chunk of sequence 1, the row second, under the wider table
         batch = tree_attention(torch.cat([q_other, q[i : i + 1]]), kw, vw, tables_w[[1, 0]], _i32(40, pos),
-                               _i32(0, 3, 4), None, scale, use_triton=True)
+                               _i32(0, 3, 4), None, scale, use_triton=kernel)
         assert torch.equal(alone[0], chain[i]), f"decode row vs chain node {i}"
         assert torch.equal(alone[0], prefill[i]), f"decode row vs prefill row {i}"
         assert torch.equal(batch[3], chain[i]), f"row in a mixed batch vs chain node {i}"
@@ -174,9 +175,10 @@ def _path(parents: list[int], i: int) -> list[int]:
     return path[::-1]
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "cpu-ref"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page,H,Hkv,D", [(16, 6, 2, 64), (64, 4, 1, 32), (16, 8, 1, 16)])
-def test_attention_tree_node_is_its_paths_decode_row(invariant_on, dtype, page, H, Hkv, D):
+def test_attention_tree_node_is_its_paths_decode_row(invariant_on, dtype, page, H, Hkv, D, kernel):
     """Every node of a branching tree against a plain decode row at position ctx + depth over a cache that holds
     its path in order (what plain decoding would have written), beside another sequence; the tree crosses the
     split boundary at invariant.SPLIT_TOKENS."""
@@ -191,7 +193,7 @@ def test_attention_tree_node_is_its_paths_decode_row(invariant_on, dtype, page, 
     bits = torch.tensor([0] * chunk + ancestor_bits(BRANCHING), dtype=torch.int64, device=DEVICE)
     # sequence 1 (a 70-token chunk at 30 cached tokens) first, then the tree of sequence 0
     tree = tree_attention(torch.cat([q_other, q]), k, v, tables[[1, 0]], _i32(30, ctx), _i32(0, chunk, chunk + n), bits,
-                          scale, use_triton=True)[chunk:]
+                          scale, use_triton=kernel)[chunk:]
     P = page
 
     def slots(table: torch.Tensor, positions: list[int]) -> torch.Tensor:
@@ -208,7 +210,7 @@ def test_attention_tree_node_is_its_paths_decode_row(invariant_on, dtype, page, 
         k2.reshape(-1, Hkv, D)[dst] = flat_k[src]
         v2.reshape(-1, Hkv, D)[dst] = flat_v[src]
         pos = ctx + len(path) - 1
-        alone = tree_attention(q[i : i + 1], k2, v2, tables2[:1], _i32(pos), _i32(0, 1), None, scale, use_triton=True,
+        alone = tree_attention(q[i : i + 1], k2, v2, tables2[:1], _i32(pos), _i32(0, 1), None, scale, use_triton=kernel,
                                is_decode=True)
         assert torch.equal(alone[0], tree[i]), f"node {i} (path {path})"
     ref = tree_attention_ref(q, k, v, tables[:1], _i32(ctx), _i32(0, n),
