@@ -100,9 +100,8 @@ class Engine:
                  eos_token_ids: tuple[int, ...] = (), tokenizer: Any = None) -> None:
         if config.default_drafter is not None and config.default_drafter not in drafters:
             raise ValueError(f"default drafter {config.default_drafter!r} is not loaded: have {sorted(drafters)}")
-        self.batch_invariant = batch_invariant(config.batch_invariant)
-        config = replace(config, batch_invariant=self.batch_invariant)  # the mode in force, for reports
-        if self.batch_invariant:
+        config = replace(config, batch_invariant=batch_invariant(config.batch_invariant))  # the mode in force
+        if config.batch_invariant:
             self._check_invariant(target)
         self.target = target
         self.drafters = drafters
@@ -196,6 +195,11 @@ class Engine:
             slot = cache.scratch_block * cache.page_size
             cache.compact_slots([slot], [slot])
         return n
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this engine's kernels run batch-invariant (``EngineConfig.batch_invariant``, as resolved)."""
+        return bool(self.config.batch_invariant)
 
     @staticmethod
     def _check_invariant(target: Transformer) -> None:

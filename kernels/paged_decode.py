@@ -406,11 +406,6 @@ def wave_splits(num_programs: int, device: torch.device) -> int:
     return splits if splits <= 2 and WAVE_FILL * sms <= num_programs * splits <= sms else 0
 
 
-def use_triton_for(t: torch.Tensor, use_triton: bool | None) -> bool:
-    """Triton on CUDA by default; ``use_triton=True`` forces it (CPU tensors need TRITON_INTERPRET=1)."""
-    return dispatch.use_triton(t, use_triton)
-
-
 def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D]
     k_cache: torch.Tensor,  # [num_blocks, P, Hkv, D]
@@ -436,7 +431,7 @@ def paged_decode_attention(
     ``chunk_tokens`` > 0 has the pipelined loop read its block ids that many tokens at a time
     (``_chunked_tiles``), 0 never; None takes ``DECODE_CHUNK_TOKENS`` where ``decode_plan``'s rules pick the
     chunked loop and the caller fixed no launch parameter."""
-    if not use_triton_for(q, use_triton):
+    if not dispatch.use_triton(q, use_triton):
         cpu = paged_decode_attention_batched if BATCHED_CPU else paged_decode_attention_ref
         return cpu(q, k_cache, v_cache, block_tables, seq_lens + len_offset, scale)
     B, H, D = q.shape

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import invariant, paged_decode
+from kernels import dispatch, invariant, paged_decode
 from kernels.paged_decode import (CPU_CHUNK_ELEMS, LOG2E, _chunked_tiles, _prefetched_tiles, _softmax_step,
                                   chunk_pages, cpu_chunks, gather_kv, merge_splits, paged_decode_attention,
-                                  pick_num_splits, use_triton_for)
+                                  pick_num_splits)
 from kernels.pdl import pdl_enter, pdl_meta
 
 # Programs of the default configs resident per SM at D=128: 180 to 213 registers and 74 to 99 KB of
@@ -351,7 +351,7 @@ def tree_attention(
     routes to the split-KV decode kernel; the promise is not checked (that would sync).
     """
     inv = invariant.enabled()
-    if not use_triton_for(q, use_triton):
+    if not dispatch.use_triton(q, use_triton):
         if inv:  # every row over its own keys in fixed tiles, as the kernels do (decode rows included)
             return invariant_attention_ref(q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits,
                                            scale)
@@ -444,7 +444,8 @@ def invariant_attention_ref(
         for i in range(n):
             bits = 0 if bits_all is None or n > 64 else bits_all[s + i] & ((1 << 64) - 1)
             nodes.append([j for j in range(i + 1) if bits >> j & 1] if bits else list(range(i + 1)))
-        ends = torch.tensor([ctx + len(path) - 1 for path in nodes], device=dev)
+        last = [ctx + len(path) - 1 for path in nodes]
+        ends = torch.tensor(last, device=dev)
         tree_pos = torch.zeros(n, n, dtype=torch.long, device=dev)  # [row, depth] -> position ctx + node
         for i, path in enumerate(nodes):
             tree_pos[i, : len(path)] = ctx + torch.tensor(path, device=dev)
@@ -453,7 +454,7 @@ def invariant_attention_ref(
         m_i = torch.full((n, Hkv, G), -1.0e30, device=dev)
         l_i = torch.zeros(n, Hkv, G, device=dev)
         acc = torch.zeros(n, Hkv, G, D, device=dev)
-        for start in range(0, int(ends.max()) + 1, N):
+        for start in range(0, max(last) + 1, N):
             pos = start + torch.arange(N, device=dev)  # [N] logical positions
             valid = pos[None, :] <= ends[:, None]  # [n, N]
             depth = (pos - ctx).clamp(0, n - 1)
@@ -490,22 +491,19 @@ def _invariant_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                          f"positions; the block table spans {block_tables.shape[1] * P}")
     o_part = out.unsqueeze(0) if S == 1 else q.new_empty(S, T, H, D, dtype=torch.float32)
     lse = q.new_empty(S, T, H, dtype=torch.float32)
+    # both kernels' tensors and strides, and the tile shapes they must share (a branch row's tile is a tree tile's)
+    tensors = (q, k_cache, v_cache, block_tables, context_lens, query_start, q if mask_bits is None else mask_bits,
+               o_part, lse)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+               o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1))
+    meta = dict(GROUP=H // Hkv, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=invariant.BLOCK_N,
+                BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1,
+                SPLIT_TILES=invariant.SPLIT_TOKENS // invariant.BLOCK_N, num_warps=4, num_stages=2,
+                **pdl_meta(q.device))
     _tree_attention_kernel[(-(-T // block_q) + min(B, T), Hkv, S)](
-        q, k_cache, v_cache, block_tables, context_lens, query_start, q if mask_bits is None else mask_bits,
-        o_part, lse, scale * LOG2E, B, S,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        GROUP=H // Hkv, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=invariant.BLOCK_N,
-        BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1, HAS_BITS=mask_bits is not None, PREFETCH=False,
-        SPLIT_TILES=invariant.SPLIT_TOKENS // invariant.BLOCK_N, num_warps=4, num_stages=2, **pdl_meta(q.device))
+        *tensors, scale * LOG2E, B, S, *strides, HAS_BITS=mask_bits is not None, PREFETCH=False, **meta)
     if mask_bits is not None:  # tree nodes off the slot-ordered chain: again, each over its own path
-        _branch_rows_kernel[(T, Hkv, S)](
-            q, k_cache, v_cache, block_tables, context_lens, query_start, mask_bits, o_part, lse, scale * LOG2E, B,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-            GROUP=H // Hkv, PAGE=P, HEAD_DIM=D, BLOCK_G=block_g, BLOCK_Q=block_q, BLOCK_N=invariant.BLOCK_N,
-            BLOCK_B=max(64, triton.next_power_of_2(B)), IS_SPLIT=S > 1,
-            SPLIT_TILES=invariant.SPLIT_TOKENS // invariant.BLOCK_N, num_warps=4, num_stages=2, **pdl_meta(q.device))
+        _branch_rows_kernel[(T, Hkv, S)](*tensors, scale * LOG2E, B, *strides, **meta)
     if S > 1:
         merge_splits(o_part, lse, out, block_s=invariant.MAX_SPLITS)
     return out
