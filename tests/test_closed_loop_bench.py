@@ -1,0 +1,38 @@
+"""bench/closed_loop.py's phases on the tiny engine: every request finishes, the tokens and steps add up, and the
+profiled pass ranks functions by their own time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import closed_loop  # noqa: E402  (bench/)
+from engine_util import tiny_engine  # noqa: E402
+
+
+@pytest.mark.parametrize("phase", closed_loop.PHASES)
+def test_phase_runs_every_request_to_its_end(phase):
+    eng = tiny_engine(max_running=4)
+    prompts = [[1 + i, 2 + i, 3 + i, 4 + i] for i in range(5)]
+    row = closed_loop.run_phase(SimpleNamespace(engine=eng), prompts, phase, concurrency=3, requests=7, max_tokens=6,
+                                profile=phase == "mixed", top=10)
+    assert row["tokens"] == 7 * 6  # greedy, no stop token in the tiny vocabulary's way: each runs to max_tokens
+    assert row["prefill_chunks"] >= 7 and row["steps_run"] > 0
+    assert not eng.has_work() and eng.cache.pool.num_free == eng.cache.pool.num_blocks  # nothing leaked
+    if phase == "mixed":
+        top = row["top_tottime_us_per_call"]
+        own = [r["tottime_us_per_step_call"] for r in top]
+        assert len(top) == 10 and own == sorted(own, reverse=True) and all(r["calls_per_step_call"] > 0 for r in top)
+        # the whole loop's time per step call bounds any one function's own time
+        assert own[0] <= 1e3 * row["ms_per_step_call"]
+    else:
+        assert "top_tottime_us_per_call" not in row
+
+
+def test_unknown_phase_is_refused_by_name():
+    with pytest.raises(SystemExit, match="'fast'"):
+        closed_loop.main(["--phases", "off,fast"])
