@@ -9,7 +9,8 @@ a difference between phases is the engine's own. Phases run one after another on
 meets them: ``off`` (every request speculation-off), ``on`` (every request the default adaptive
 speculation), ``mixed`` (the two alternating, as bench/load.py's A/B arms). Each phase reports its tokens per
 second, steps, how many steps ran overlapped (launched before the last one's tokens reached the host), the
-speculation gate's state, and with ``--profile`` the functions with the most time of their own (cProfile):
+speculation gate's state, each arm's median time per output token (a request's span from its first token to
+its last over its tokens after the first, as bench/load.py's TPOT), and with ``--profile`` the functions with the most time of their own (cProfile):
 where the host's time per step goes in that phase.
 """
 
@@ -47,13 +48,18 @@ def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, reque
     steps0, ahead0, pre0 = eng.num_steps, eng.num_ahead, eng.num_prefill_chunks
     sent = tokens = 0
     live: set[str] = set()
+    arm_of: dict[str, str] = {}
+    first: dict[str, float] = {}  # a request's first token's time
+    count: dict[str, int] = {}
+    tpot: dict[str, list[float]] = {"on": [], "off": []}  # per request: (last - first token time) / (tokens - 1)
 
     def submit() -> None:
         nonlocal sent
-        spec = off if phase == "off" else on if phase == "on" else (on if sent % 2 == 0 else off)
+        arm = "off" if phase == "off" else "on" if phase == "on" else ("on" if sent % 2 == 0 else "off")
         rid = f"{phase}-{sent}"
-        eng.add(rid, prompts[sent % len(prompts)], sampling, spec)
+        eng.add(rid, prompts[sent % len(prompts)], sampling, on if arm == "on" else off)
         live.add(rid)
+        arm_of[rid] = arm
         sent += 1
 
     prof = cProfile.Profile() if profile else None
@@ -65,9 +71,17 @@ def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, reque
         submit()
     while live:
         calls += 1
-        for out in eng.step():
-            tokens += len(out.new_token_ids)
+        outs = eng.step()
+        now = time.perf_counter()
+        for out in outs:
+            rid, n = out.request_id, len(out.new_token_ids)
+            tokens += n
+            if n:
+                first.setdefault(rid, now)
+                count[rid] = count.get(rid, 0) + n
             if out.finished:
+                if count.get(rid, 0) > 1:
+                    tpot[arm_of[rid]].append((now - first[rid]) / (count[rid] - 1))
                 live.discard(out.request_id)
                 if out.error is not None:
                     raise RuntimeError(f"{out.request_id}: {out.error}")
@@ -80,6 +94,11 @@ def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, reque
            "tok_s": round(tokens / wall, 1), "step_calls": calls, "ms_per_step_call": round(1e3 * wall / calls, 3),
            "steps_run": eng.num_steps - steps0, "steps_overlapped": eng.num_ahead - ahead0,
            "prefill_chunks": eng.num_prefill_chunks - pre0}
+    for arm, xs in tpot.items():
+        if xs:
+            xs.sort()
+            row[f"p50_tpot_ms_{arm}"] = round(1e3 * xs[len(xs) // 2], 3)
+            row[f"p90_tpot_ms_{arm}"] = round(1e3 * xs[int(len(xs) * 0.9)], 3)
     gate = eng.scheduler.gate
     if gate is not None:
         row["gate"] = {str(b): v for b, v in gate.summary().items()}
@@ -99,6 +118,29 @@ def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, reque
     return row
 
 
+def stub_forwards(eng) -> None:
+    """The target's and the draft models' forwards replaced by a rule (bench/host_step.py's): logits that pick
+    ``(7 t + 3 p + 1) mod V`` after token t at position p, so the step costs the host's work alone and n-gram
+    lookups, which follow the text, are seldom confirmed (speculation does not pay, as on the GPU)."""
+    import torch
+
+    V = eng.target.config.vocab_size
+
+    def rule(batch, cache, *rest, **kw):
+        rows = batch.logits_indices.shape[0]
+        out = torch.zeros(rows, V)
+        at = batch.logits_indices
+        out[torch.arange(rows), (batch.tokens[at] * 7 + batch.positions[at] * 3 + 1) % V] = 5.0
+        return out
+
+    eng.target.forward = rule
+    if eng.graphs is not None:
+        eng.graphs = None
+    for d in eng.drafters.values():
+        if getattr(d, "model", None) is not None:
+            d.model.forward = rule
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python bench/closed_loop.py", description=__doc__.split("\n\n")[0])
     cli.add_model_args(ap)
@@ -110,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=64, help="requests of the mixed phase, untimed, first")
     ap.add_argument("--profile", action="store_true", help="then each phase again under cProfile: where its host time goes")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--stub-forward", action="store_true",
+                    help="forwards replaced by a fixed rule: the engine's host work alone (CPU; see stub_forwards)")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -118,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         if p not in PHASES:
             raise SystemExit(f"--phases: {p!r} is none of {PHASES}")
     llm = cli.load(args)
+    if args.stub_forward:
+        stub_forwards(llm.engine)
     texts = load_prompts(args.prompts_file or str(MT_BENCH), max(args.requests, 64), 0)
     prompts = [llm.encode(t) for t in texts]
     if args.warmup:
@@ -129,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         row = run_phase(llm, prompts, p, args.concurrency, args.requests, args.max_tokens, prof, args.top)
         row["profiled"] = prof
         rows.append(row)
-        print(f"{p:6s}{' (profiled)' if prof else ''} {row['tok_s']:9.1f} tok/s  {row['ms_per_step_call']:.3f} ms/step call  "
+        tp = "  ".join(f"p50 TPOT {a} {row[f'p50_tpot_ms_{a}']:.3f} ms" for a in ("on", "off") if f"p50_tpot_ms_{a}" in row)
+        print(f"{p:6s}{' (profiled)' if prof else ''} {row['tok_s']:9.1f} tok/s  {tp}  {row['ms_per_step_call']:.3f} ms/step call  "
               f"steps {row['steps_run']} overlapped {row['steps_overlapped']} prefill chunks {row['prefill_chunks']}",
               flush=True)
     import torch

@@ -22,6 +22,9 @@ def test_phase_runs_every_request_to_its_end(phase):
                                 profile=phase == "mixed", top=10)
     assert row["tokens"] == 7 * 6  # greedy, no stop token in the tiny vocabulary's way: each runs to max_tokens
     assert row["prefill_chunks"] >= 7 and row["steps_run"] > 0
+    arms = {"off": ["off"], "on": ["on"], "mixed": ["on", "off"]}[phase]
+    assert sorted(k for k in row if k.startswith("p50_tpot_ms_")) == sorted(f"p50_tpot_ms_{a}" for a in arms)
+    assert all(0 < row[f"p50_tpot_ms_{a}"] <= row[f"p90_tpot_ms_{a}"] for a in arms)
     assert not eng.has_work() and eng.cache.pool.num_free == eng.cache.pool.num_blocks  # nothing leaked
     if phase == "mixed":
         top = row["top_tottime_us_per_call"]
