@@ -72,8 +72,9 @@
 #   bash bench/gpu_run.sh sampling   bench/sampling_step.py: a step's sampled draws, stochastic trees by the one-launch
 #                                    kernel and by torch passes
 #   bash bench/gpu_run.sh real       bench/engine.py's real pair (REAL_ARGS: more arguments, e.g. --arms)
-#   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed, then on alone,
-#                                    then a speculation-off server with the same requests (the engine in its own
+#   bash bench/gpu_run.sh load       a gateway on the GPU under bench/load.py, speculation on/off mixed, then a
+#                                    speculation-off server beside it and the first again with every request on, the
+#                                    same requests, level by level, LOAD_ROUNDS (2) rounds (the engine in its own
 #                                    process, serve's default; SERVE_ARGS=--engine-thread for the engine thread,
 #                                    SERVE_ARGS=--no-overlap for plain steps one by one)
 #   bash bench/gpu_run.sh structured bench/structured.py after `model`: JSON-schema output with grammar-forced
@@ -253,19 +254,27 @@ for stage in "$@"; do
           --warmup "${CL_WARMUP:-512}" --phases "$phases" --profile --prompts-file .cache/mt_bench.jsonl \
           --commit "${BENCH_COMMIT:-unknown}" --out "$OUT/closed_loop_$d.json" ${CL_ARGS:-} 2>&1 | grep -v "^\[transformers\]" | tail -60
       done ;;
-    load)  # bench/results/load_gpu.json: this stage, after `model`, within one call (117 s on a warm H100 at 48 / 512
-           # requests of 128 tokens a level, load_gpu_h100.json)
-      python -m gateway serve --device cuda --dtype bfloat16 --draft "${DRAFT:-auto}" ${SERVE_ARGS:-} \
-        --num-blocks 4096 --max-running 64 --max-waiting 512 --capture-graphs --port 8123 --log-level warning > "$OUT/serve.log" 2>&1 &
-      server=$!
-      # up to 300 s: on a fresh H100 the server's start (Triton builds, graph captures for 64 streams) outlasted
+    load)  # bench/results/load_gpu.json: this stage, after `model`, within one call (261 s on a warm H100 at c679601
+           # with two servers started one after the other and one round)
+      # Both servers run at once (the speculating one on 8123, a speculation-off one on 8124; a server without load
+      # leaves the GPU idle), and every level runs on both back to back -- mixed, off-only, on-only -- in each of
+      # LOAD_ROUNDS rounds: run minutes apart, one pair of servers had read 1.198 and then 0.759 for the on-only over
+      # off-only throughput at 64 streams (a95ac76, c679601), the gate holding plain decoding in both.
+      serve_on() {  # PORT DRAFT LOG
+        python -m gateway serve --device cuda --dtype bfloat16 --draft "$2" ${SERVE_ARGS:-} --num-blocks 4096 \
+          --max-running 64 --max-waiting 512 --capture-graphs --port "$1" --log-level warning > "$3" 2>&1 &
+      }
+      serve_on 8123 "${DRAFT:-auto}" "$OUT/serve.log"; server=$!
+      serve_on 8124 none "$OUT/serve_off.log"; server_off=$!
+      # up to 300 s: on a fresh H100 one server's start (Triton builds, graph captures for 64 streams) outlasted
       # 150 s, the loads then met no server and its engine process a closed pipe
-      for _ in $(seq 300); do curl -sf localhost:8123/health > /dev/null && break; sleep 1; done
-      # untimed: the first server on a fresh machine meets Triton's cold disk cache (prefill shapes build
-      # their kernels on first use) while the off-only server after it does not (load_gpu_a5ef89b.json)
-      # Both servers get the same warm-up, at every timed concurrency: at 573f10f, with a warm-up at 16 streams
-      # for the mixed server alone, both of its arms ran slower a token at 64 streams (3.64 / 3.79 ms p50) than
-      # the same server's later on-only run (3.16), which confounds the off arm's penalty against the off server.
+      for _ in $(seq 300); do
+        curl -sf localhost:8123/health > /dev/null && curl -sf localhost:8124/health > /dev/null && break; sleep 1
+      done
+      # untimed: a fresh machine's first server meets Triton's cold disk cache (prefill shapes build their kernels
+      # on first use; load_gpu_a5ef89b.json). Both servers get the same warm-up, at every timed concurrency: at
+      # 573f10f, with a warm-up at 16 streams for the mixed server alone, both of its arms ran slower a token at 64
+      # streams (3.64 / 3.79 ms p50) than the same server's later on-only run (3.16).
       warm_up() {  # PORT [load.py arguments: the off server's arm]
         port=$1; shift
         timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url "http://127.0.0.1:$port" \
@@ -274,40 +283,34 @@ for stage in "$@"; do
         rm -f "$OUT"/load_gpu_warm*
       }
       warm_up 8123
-      timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --out "$OUT/load_gpu_low" 2>&1 | tail -4
-      timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --out "$OUT/load_gpu_high" 2>&1 | tail -4
-      curl -s localhost:8123/v1/stats > "$OUT/load_stats.json"
-      # every request speculating, the mixed run's requests (--all-as: its prompts, labels and order): the server's
-      # throughput against the off server's. Before 2026-12-07 these one-mode runs took one arm (--arm): per level
-      # another slice of the prompt cycle than the mixed run's (at 1 and 4 streams 48 prompts once, not 24 twice)
-      timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --all-as '{"enabled": true}' --out "$OUT/load_gpu_on_low" 2>&1 | tail -2
-      timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8123 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --all-as '{"enabled": true}' --out "$OUT/load_gpu_on_high" 2>&1 | tail -2
-      kill $server; wait $server 2>/dev/null; tail -5 "$OUT/serve.log"
-      # the same load with speculation off everywhere: the reference for the off arm's per-token latency
-      # in a speculating batch (the load issue allows it 5% more)
-      python -m gateway serve --device cuda --dtype bfloat16 --draft none ${SERVE_ARGS:-} --num-blocks 4096 --max-running 64 \
-        --max-waiting 512 --capture-graphs --port 8124 --log-level warning > "$OUT/serve_off.log" 2>&1 &
-      server=$!
-      for _ in $(seq 120); do curl -sf localhost:8124/health > /dev/null && break; sleep 1; done
       warm_up 8124 --all-as '{"enabled": false}'
-      # the mixed run's requests, speculation off (a level of 64 requests at concurrency 64 is one wave, 128 are two:
-      # not comparable), so the off arm's per-token latency meets the same requests in both servers
-      timeout "${LOAD_T:-90}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 1,4 --requests "${LOAD_LOW:-48}" --max-tokens "${LOAD_TOKENS:-128}" --all-as '{"enabled": false}' --out "$OUT/load_gpu_off_low" 2>&1 | tail -2
-      timeout "${LOAD_T2:-120}" python bench/load.py --procs "${LOAD_PROCS:-4}" --url http://127.0.0.1:8124 --prompts-file .cache/mt_bench.jsonl \
-        --concurrency 16,64 --requests "${LOAD_HIGH:-512}" --max-tokens "${LOAD_TOKENS:-128}" --all-as '{"enabled": false}' --out "$OUT/load_gpu_off_high" 2>&1 | tail -2
-      kill $server; wait $server 2>/dev/null
-      python bench/load_merge.py --mixed "$OUT/load_gpu_low.json" "$OUT/load_gpu_high.json" \
-        --on-only "$OUT/load_gpu_on_low.json" "$OUT/load_gpu_on_high.json" \
-        --off-only "$OUT/load_gpu_off_low.json" "$OUT/load_gpu_off_high.json" \
-        --stats "$OUT/load_stats.json" --out "$OUT/load_gpu" 2>&1 | tail -5
-      # the merged load_gpu.json holds every part: only it, its plot, the logs and the stats come back (the device
-      # tool returns at most 8 files, and the parts' dozen crowded out serve.log)
-      rm -f "$OUT"/load_gpu_low* "$OUT"/load_gpu_high* "$OUT"/load_gpu_on_* "$OUT"/load_gpu_off_* ;;
+      load_part() {  # PORT low|high NAME [load.py arguments]
+        port=$1 part=$2 name=$3; shift 3
+        if [ "$part" = low ]; then conc=1,4 n="${LOAD_LOW:-48}" t="${LOAD_T:-90}"; else conc=16,64 n="${LOAD_HIGH:-512}" t="${LOAD_T2:-120}"; fi
+        timeout "$t" python bench/load.py --procs "${LOAD_PROCS:-4}" --url "http://127.0.0.1:$port" \
+          --prompts-file .cache/mt_bench.jsonl --concurrency "$conc" --requests "$n" --max-tokens "${LOAD_TOKENS:-128}" \
+          "$@" --out "$OUT/$name" 2>&1 | tail -2
+      }
+      for r in $(seq "${LOAD_ROUNDS:-2}"); do
+        mkdir -p "$OUT/r$r"
+        for part in low high; do
+          load_part 8123 "$part" "r$r/load_gpu_$part"  # the A/B arms mixed in one server
+          [ "$part" = high ] && curl -s localhost:8123/v1/stats > "$OUT/r$r/load_stats.json"
+          # the mixed run's requests (--all-as: its prompts, labels and order) sent one way, to each server
+          load_part 8124 "$part" "r$r/load_gpu_off_$part" --all-as '{"enabled": false}'
+          load_part 8123 "$part" "r$r/load_gpu_on_$part" --all-as '{"enabled": true}'
+        done
+        python bench/load_merge.py --mixed "$OUT/r$r/load_gpu_low.json" "$OUT/r$r/load_gpu_high.json" \
+          --on-only "$OUT/r$r/load_gpu_on_low.json" "$OUT/r$r/load_gpu_on_high.json" \
+          --off-only "$OUT/r$r/load_gpu_off_low.json" "$OUT/r$r/load_gpu_off_high.json" \
+          --stats "$OUT/r$r/load_stats.json" --out "$OUT/r$r/load_gpu" 2>&1 | tail -4
+      done
+      kill $server $server_off; wait $server $server_off 2>/dev/null; tail -5 "$OUT/serve.log"
+      cp "$OUT/r1/load_stats.json" "$OUT/load_stats.json"
+      python bench/load_merge.py --rounds "$OUT"/r*/load_gpu.json --out "$OUT/load_gpu" 2>&1 | tail -5
+      # only the combined load_gpu.json (every round's levels in it), its plot, the logs and the stats come back
+      # (the device tool returns at most 8 files)
+      rm -rf "$OUT"/r[0-9]* ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

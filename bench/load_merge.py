@@ -19,6 +19,9 @@ speculation on (the issue's ratio). ``ratio`` / ``ratio_mean``: the arms of the 
 ``drafted_per_step_on`` / ``on_only_drafted_per_step``: draft nodes per request-step of the speculating
 requests at that level, from the server's counters (reset before each level): the budget it chose at that load.
 
+``--rounds``: the stage's rounds, each merged as above, as one report with every ratio per round and its
+median (``combine_rounds``).
+
 ``off_arm_tpot_vs_off_only_server``: the off arm's p50 time per output token in the speculating server over
 the same requests' figure in the off-only server -- the per-token penalty a speculation-off request pays for
 sharing batches with speculating ones (the load issue allows 5%). Before 2026-12-07 the one-mode runs sent one
@@ -123,9 +126,45 @@ def merge(mixed: list[dict], off_only: list[dict] | None, stats: dict | None, no
     return report
 
 
+# the table's ratios, each of which compares runs: taken per round, then their median
+ROUND_KEYS = ("ratio", "server_ratio", "off_arm_tpot_vs_off_only_server", "tpot_ratio_off_over_on")
+
+
+def combine_rounds(reports: list[dict]) -> dict:
+    """Several rounds of the load stage (each ``merge``'s report, the servers' runs interleaved level by level
+    in every round) as one report: the first round's whole, and in each row every ratio of ``ROUND_KEYS`` per
+    round (``KEY_rounds``) and as their median (``KEY_median``). Two servers' runs minutes apart drift: at
+    64 streams the on-only over off-only throughput read 1.198 at a95ac76 and 0.759 at c679601 on H100s, with
+    the gate holding plain decoding in both, so a single pair of runs cannot carry a verdict."""
+    if not reports:
+        raise SystemExit("--rounds: no reports")
+    commits = {r["commit"] for r in reports}
+    if len(commits) > 1:
+        raise SystemExit(f"the rounds come from different commits: {sorted(commits)}")
+    levels = [[row["concurrency"] for row in r["rows"]] for r in reports]
+    if any(lv != levels[0] for lv in levels):
+        raise SystemExit(f"the rounds ran different concurrencies: {levels}")
+    out = dict(reports[0])
+    out["rows"] = [dict(row) for row in reports[0]["rows"]]
+    for k, row in enumerate(out["rows"]):
+        for key in ROUND_KEYS:
+            vals = [r["rows"][k].get(key) for r in reports]
+            if all(v is None for v in vals):
+                continue
+            row[f"{key}_rounds"] = vals
+            known = sorted(v for v in vals if v is not None)
+            mid = len(known) // 2
+            row[f"{key}_median"] = round(known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2, 3)
+    out["rounds"] = len(reports)
+    out["round_levels"] = [r["levels"] for r in reports[1:]]  # the first round's are ``levels``
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mixed", nargs="+", required=True, help="load.py reports of the on/off server, in order")
+    ap.add_argument("--mixed", nargs="+", help="load.py reports of the on/off server, in order")
+    ap.add_argument("--rounds", nargs="+", default=None,
+                    help="instead: reports this command wrote for each round, combined (``combine_rounds``)")
     ap.add_argument("--off-only", nargs="*", default=[], help="load.py reports of the speculation-off server")
     ap.add_argument("--on-only", nargs="*", default=[], help="load.py reports of the speculating server, every request on")
     ap.add_argument("--stats", default=None, help="the mixed server's /v1/stats after the run (load.py resets them "
@@ -134,6 +173,17 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="writes OUT.json and OUT.png")
     args = ap.parse_args()
     read = lambda p: json.loads(Path(p).read_text()) if p else None  # noqa: E731
+    if args.rounds:
+        report = combine_rounds([read(p) for p in args.rounds])
+        report["notes"] = report.get("notes", []) + args.note
+        out = Path(args.out)
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, out.with_suffix(".png"))
+        for row in report["rows"]:
+            print({k: v for k, v in row.items() if k == "concurrency" or k.endswith("_median")})
+        return
+    if not args.mixed:
+        ap.error("--mixed (or --rounds) is required")
     report = merge([read(p) for p in args.mixed], [read(p) for p in args.off_only], read(args.stats), args.note,
                    on_only=[read(p) for p in args.on_only])
     out = Path(args.out)

@@ -118,3 +118,31 @@ def test_ratio_interval_brackets_the_ratio_and_narrows_with_more_requests() -> N
     many_off = [rng.gauss(100, 15) for _ in range(128)]
     lo2, hi2 = ratio_interval([x * 1.5 for x in many_off], many_off)
     assert lo2 < 1.5 < hi2 and hi2 - lo2 < hi - lo and lo2 > 1.0  # 128: narrow, and clear of 1
+
+
+def test_rounds_keep_every_ratio_and_their_median() -> None:
+    from load_merge import combine_rounds
+
+    def rnd(ratio, server, penalty):
+        return {"commit": "abc", "levels": [{"concurrency": 64}], "notes": [],
+                "rows": [{"concurrency": 64, "ratio": ratio, "server_ratio": server,
+                          "off_arm_tpot_vs_off_only_server": penalty, "tpot_ratio_off_over_on": None}]}
+
+    r = combine_rounds([rnd(1.0, 1.2, 1.11), rnd(0.9, 0.76, 1.28), rnd(1.1, None, 1.02)])
+    row = r["rows"][0]
+    assert r["rounds"] == 3 and len(r["round_levels"]) == 2
+    assert row["ratio"] == 1.0  # the first round's row itself, untouched
+    assert row["ratio_rounds"] == [1.0, 0.9, 1.1] and row["ratio_median"] == 1.0
+    assert row["server_ratio_rounds"] == [1.2, 0.76, None] and row["server_ratio_median"] == 0.98  # of the two known
+    assert row["off_arm_tpot_vs_off_only_server_median"] == 1.11
+    assert "tpot_ratio_off_over_on_median" not in row  # never measured
+
+
+def test_rounds_of_other_commits_or_levels_are_refused() -> None:
+    from load_merge import combine_rounds
+
+    a = {"commit": "abc", "levels": [], "rows": [{"concurrency": 64}]}
+    with pytest.raises(SystemExit, match="different commits"):
+        combine_rounds([a, a | {"commit": "def"}])
+    with pytest.raises(SystemExit, match="different concurrencies"):
+        combine_rounds([a, a | {"rows": [{"concurrency": 16}]}])
