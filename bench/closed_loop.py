@@ -24,7 +24,9 @@ import json
 import pstats
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 for extra in (ROOT, ROOT / "bench"):
@@ -118,6 +120,24 @@ def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, reque
     return row
 
 
+def random_smollm2(args: argparse.Namespace):
+    """SmolLM2-135M's shape with random weights, INT4 g128 (bench/step_profile.py's model), the server's engine
+    configuration (the model flags) and the n-gram drafter as the default: no checkpoint to carry to the device.
+    Prompts are encoded as bytes (a random model has no tokenizer worth the name)."""
+    import torch
+
+    from draft.ngram import NgramDrafter
+    from gateway.engine import Engine
+    from step_profile import random_model  # noqa: E402  (bench/)
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    target = random_model(30, device, dtype, 0).quantize(128)
+    ecfg = replace(cli.engine_config(args), default_drafter="ngram")
+    engine = Engine(target, {"ngram": NgramDrafter()}, ecfg)
+    return SimpleNamespace(engine=engine, encode=lambda text: list(text.encode("utf-8"))[:1024] or [1])
+
+
 def stub_forwards(eng) -> None:
     """The target's and the draft models' forwards replaced by a rule (bench/host_step.py's): logits that pick
     ``(7 t + 3 p + 1) mod V`` after token t at position p, so the step costs the host's work alone and n-gram
@@ -152,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=64, help="requests of the mixed phase, untimed, first")
     ap.add_argument("--profile", action="store_true", help="then each phase again under cProfile: where its host time goes")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--random-smollm2", action="store_true",
+                    help="SmolLM2-135M's shape with random INT4 weights and the n-gram drafter instead of --model")
     ap.add_argument("--stub-forward", action="store_true",
                     help="forwards replaced by a fixed rule: the engine's host work alone (CPU; see stub_forwards)")
     ap.add_argument("--commit", default="unknown")
@@ -161,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in phases:
         if p not in PHASES:
             raise SystemExit(f"--phases: {p!r} is none of {PHASES}")
-    llm = cli.load(args)
+    llm = random_smollm2(args) if args.random_smollm2 else cli.load(args)
     if args.stub_forward:
         stub_forwards(llm.engine)
     texts = load_prompts(args.prompts_file or str(MT_BENCH), max(args.requests, 64), 0)
@@ -183,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     report = {"date": datetime.date.today().isoformat(), "device": device, "commit": args.commit,
               "concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
-              "draft": args.draft, "argv": sys.argv[1:], "rows": rows}
+              "draft": "ngram (random SmolLM2 shape)" if args.random_smollm2 else args.draft, "argv": sys.argv[1:], "rows": rows}
     if args.profile:
         for row in (r for r in rows if r["profiled"]):
             print(f"--- {row['phase']}: top functions by own time, us per step call")

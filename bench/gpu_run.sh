@@ -247,7 +247,8 @@ for stage in "$@"; do
         --out "$OUT/structured_gpu.json" 2>&1 | tail -12 ;;
     closed_loop)  # after `model`: bench/closed_loop.py, the load stage's engine without HTTP, at CL_CONC streams: the
                   # speculating server (--draft auto) by phase under cProfile, then a --draft none engine's off phase
-      for d in auto none; do
+      # CL_ARGS=--random-smollm2 CL_DRAFTS=auto: SmolLM2's shape with random weights, no `model` needed
+      for d in ${CL_DRAFTS:-auto none}; do
         phases=$([ $d = auto ] && echo "${CL_PHASES:-off,on,mixed,off}" || echo off)
         timeout "${CL_TIMEOUT:-240}" python bench/closed_loop.py --device cuda --dtype bfloat16 --draft $d --num-blocks 4096 \
           --max-running 64 --max-waiting 512 --concurrency "${CL_CONC:-64}" --requests "${CL_REQUESTS:-256}" \
