@@ -9,9 +9,10 @@ a difference between phases is the engine's own. Phases run one after another on
 meets them: ``off`` (every request speculation-off), ``on`` (every request the default adaptive
 speculation), ``mixed`` (the two alternating, as bench/load.py's A/B arms). Each phase reports its tokens per
 second, steps, how many steps ran overlapped (launched before the last one's tokens reached the host), the
-speculation gate's state, each arm's median time per output token (a request's span from its first token to
-its last over its tokens after the first, as bench/load.py's TPOT), and with ``--profile`` the functions with the most time of their own (cProfile):
-where the host's time per step goes in that phase.
+speculation gate's state, and each arm's median time per output token (a request's span from its first token
+to its last over its tokens after the first, as bench/load.py's TPOT). With ``--profile`` each phase runs once
+more under cProfile, which names the functions with the most time of their own: where the host's time per
+step goes in that phase.
 """
 
 from __future__ import annotations
@@ -105,10 +106,7 @@ def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, reque
     if gate is not None:
         row["gate"] = {str(b): v for b, v in gate.summary().items()}
     if prof is not None:
-        buf = io.StringIO()
-        st = pstats.Stats(prof, stream=buf)
-        st.sort_stats("tottime").print_stats(top)
-        row["profile_tottime"] = buf.getvalue().splitlines()[-top - 3:]
+        st = pstats.Stats(prof, stream=io.StringIO())
         rows = []
         for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
             rows.append((tt, ct, nc, f"{Path(file).name}:{line}({fn})"))
@@ -144,21 +142,21 @@ def stub_forwards(eng) -> None:
     lookups, which follow the text, are seldom confirmed (speculation does not pay, as on the GPU)."""
     import torch
 
-    V = eng.target.config.vocab_size
+    def rule_of(V: int):  # V: the model's logits width (a draft's head may be cut to its frequent tokens)
+        def rule(batch, cache, *rest, **kw):
+            rows = batch.logits_indices.shape[0]
+            out = torch.zeros(rows, V)
+            at = batch.logits_indices
+            out[torch.arange(rows), (batch.tokens[at] * 7 + batch.positions[at] * 3 + 1) % V] = 5.0
+            return out
+        return rule
 
-    def rule(batch, cache, *rest, **kw):
-        rows = batch.logits_indices.shape[0]
-        out = torch.zeros(rows, V)
-        at = batch.logits_indices
-        out[torch.arange(rows), (batch.tokens[at] * 7 + batch.positions[at] * 3 + 1) % V] = 5.0
-        return out
-
-    eng.target.forward = rule
-    if eng.graphs is not None:
-        eng.graphs = None
+    eng.target.forward = rule_of(eng.target.config.vocab_size)
+    eng.graphs = None
     for d in eng.drafters.values():
-        if getattr(d, "model", None) is not None:
-            d.model.forward = rule
+        model = getattr(d, "model", None)
+        if model is not None:
+            model.forward = rule_of(getattr(model, "logits_width", model.config.vocab_size))
 
 
 def main(argv: list[str] | None = None) -> int:
