@@ -271,8 +271,18 @@ for stage in "$@"; do
       # up to 300 s: on a fresh H100 one server's start (Triton builds, graph captures for 64 streams) outlasted
       # 150 s, the loads then met no server and its engine process a closed pipe
       for _ in $(seq 300); do
-        curl -sf localhost:8123/health > /dev/null && curl -sf localhost:8124/health > /dev/null && break; sleep 1
+        curl -sf localhost:8123/health > /dev/null && curl -sf localhost:8124/health > /dev/null && break
+        kill -0 $server 2> /dev/null && kill -0 $server_off 2> /dev/null || break  # one died: no use waiting
+        sleep 1
       done
+      # a server that is not up ends the stage now: on 2026-12-07 a load run against two servers that had failed to
+      # start (a truncated GGUF) spent 433 s of device time before it gave up
+      if ! curl -sf localhost:8123/health > /dev/null || ! curl -sf localhost:8124/health > /dev/null; then
+        echo "load: a server did not come up; the last lines of its log:"
+        tail -n 4 "$OUT/serve.log" "$OUT/serve_off.log"
+        kill $server $server_off 2> /dev/null; wait $server $server_off 2> /dev/null
+        continue
+      fi
       # untimed: a fresh machine's first server meets Triton's cold disk cache (prefill shapes build their kernels
       # on first use; load_gpu_a5ef89b.json). Both servers get the same warm-up, at every timed concurrency: at
       # 573f10f, with a warm-up at 16 streams for the mixed server alone, both of its arms ran slower a token at 64
