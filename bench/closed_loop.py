@@ -118,6 +118,29 @@ def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, reque
     return row
 
 
+def against_off(rows: list[dict]) -> list[dict]:
+    """Each unprofiled ``on`` or ``mixed`` phase against the ``off`` phases beside it (the nearest before and
+    after, averaged: phases drift): the on phase's throughput over theirs, and the mixed phase's off arm's p50
+    time per token over theirs -- the load issue's per-token penalty (at most 5%), inside one engine."""
+    timed = [r for r in rows if not r["profiled"]]
+    out = []
+    for k, row in enumerate(timed):
+        if row["phase"] == "off":
+            continue
+        before = next((r for r in reversed(timed[:k]) if r["phase"] == "off"), None)
+        after = next((r for r in timed[k + 1:] if r["phase"] == "off"), None)
+        ref = [r for r in (before, after) if r is not None]
+        if not ref:
+            continue
+        item = {"phase": row["phase"], "index": k,
+                "tok_s_over_off": round(row["tok_s"] / (sum(r["tok_s"] for r in ref) / len(ref)), 3)}
+        if "p50_tpot_ms_off" in row:
+            item["off_arm_tpot_over_off"] = round(
+                row["p50_tpot_ms_off"] / (sum(r["p50_tpot_ms_off"] for r in ref) / len(ref)), 3)
+        out.append(item)
+    return out
+
+
 def random_smollm2(args: argparse.Namespace):
     """SmolLM2-135M's shape with random weights, INT4 g128 (bench/step_profile.py's model), the server's engine
     configuration (the model flags) and the n-gram drafter as the default: no checkpoint to carry to the device.
@@ -203,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
     report = {"date": datetime.date.today().isoformat(), "device": device, "commit": args.commit,
               "concurrency": args.concurrency, "requests": args.requests, "max_tokens": args.max_tokens,
-              "draft": "ngram (random SmolLM2 shape)" if args.random_smollm2 else args.draft, "argv": sys.argv[1:], "rows": rows}
+              "draft": "ngram (random SmolLM2 shape)" if args.random_smollm2 else args.draft, "argv": sys.argv[1:], "rows": rows,
+              "against_off": against_off(rows)}
+    for item in report["against_off"]:
+        print(f"{item['phase']:6s} (phase {item['index']}) over the off phases beside it: tokens/s "
+              f"{item['tok_s_over_off']}" + (f", off arm's p50 TPOT {item['off_arm_tpot_over_off']}"
+                                              if "off_arm_tpot_over_off" in item else ""))
     if args.profile:
         for row in (r for r in rows if r["profiled"]):
             print(f"--- {row['phase']}: top functions by own time, us per step call")

@@ -39,3 +39,19 @@ def test_phase_runs_every_request_to_its_end(phase):
 def test_unknown_phase_is_refused_by_name():
     with pytest.raises(SystemExit, match="'fast'"):
         closed_loop.main(["--phases", "off,fast"])
+
+
+def test_on_and_mixed_phases_are_set_against_the_off_phases_beside_them():
+    def row(phase, tok_s, off_tpot=None, profiled=False):
+        r = {"phase": phase, "tok_s": tok_s, "profiled": profiled}
+        return r | ({"p50_tpot_ms_off": off_tpot} if off_tpot is not None else {})
+
+    rows = [row("off", 100.0, 2.0), row("on", 90.0), row("mixed", 95.0, 2.2), row("off", 110.0, 2.4),
+            row("mixed", 99.0, 2.6), row("mixed", 1.0, 9.0, profiled=True)]
+    got = closed_loop.against_off(rows)
+    # the on and first mixed phases sit between the off phases 0 and 3 (mean 105 tok/s, 2.2 ms); the last timed
+    # mixed phase has only phase 3 before it; the profiled pass is no phase of the comparison
+    assert got == [{"phase": "on", "index": 1, "tok_s_over_off": 0.857},
+                   {"phase": "mixed", "index": 2, "tok_s_over_off": 0.905, "off_arm_tpot_over_off": 1.0},
+                   {"phase": "mixed", "index": 4, "tok_s_over_off": 0.9, "off_arm_tpot_over_off": 1.083}]
+    assert closed_loop.against_off([row("on", 90.0)]) == []  # nothing to compare with
