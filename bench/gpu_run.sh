@@ -250,7 +250,7 @@ for stage in "$@"; do
                   # speculating server (--draft auto) by phase under cProfile, then a --draft none engine's off phase
       # CL_ARGS=--random-smollm2 CL_DRAFTS=auto: SmolLM2's shape with random weights, no `model` needed
       for d in ${CL_DRAFTS:-auto none}; do
-        phases=$([ $d = auto ] && echo "${CL_PHASES:-off,on,mixed,off}" || echo off)
+        phases=$([ $d = auto ] && echo "${CL_PHASES:-off,mixed,on,off,mixed,on,off}" || echo off)
         timeout "${CL_TIMEOUT:-240}" python bench/closed_loop.py --device cuda --dtype bfloat16 --draft $d --num-blocks 4096 \
           --max-running 64 --max-waiting 512 --concurrency "${CL_CONC:-64}" --requests "${CL_REQUESTS:-256}" \
           --warmup "${CL_WARMUP:-512}" --phases "$phases" --profile --prompts-file .cache/mt_bench.jsonl \
