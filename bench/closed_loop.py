@@ -34,7 +34,7 @@ for extra in (ROOT, ROOT / "bench"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from load import MT_BENCH, load_prompts  # noqa: E402  (bench/)
+from load import MT_BENCH, load_prompts, percentiles  # noqa: E402  (bench/)
 from draft.params import SpeculationParams  # noqa: E402
 from gateway import cli  # noqa: E402
 from verify.sampling import SamplingParams  # noqa: E402
@@ -98,10 +98,10 @@ def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, reque
            "steps_run": eng.num_steps - steps0, "steps_overlapped": eng.num_ahead - ahead0,
            "prefill_chunks": eng.num_prefill_chunks - pre0}
     for arm, xs in tpot.items():
-        if xs:
-            xs.sort()
-            row[f"p50_tpot_ms_{arm}"] = round(1e3 * xs[len(xs) // 2], 3)
-            row[f"p90_tpot_ms_{arm}"] = round(1e3 * xs[int(len(xs) * 0.9)], 3)
+        if xs:  # bench/load.py's percentiles (nearest rank)
+            pct = percentiles(xs)
+            row[f"p50_tpot_ms_{arm}"] = round(1e3 * pct["p50"], 3)
+            row[f"p90_tpot_ms_{arm}"] = round(1e3 * pct["p90"], 3)
     gate = eng.scheduler.gate
     if gate is not None:
         row["gate"] = {str(b): v for b, v in gate.summary().items()}
@@ -182,6 +182,36 @@ def stub_forwards(eng) -> None:
             model.forward = rule_of(getattr(model, "logits_width", model.config.vocab_size))
 
 
+def plot(report: dict, path: Path) -> None:
+    """Each timed phase's tokens per second and its arms' p50 time per token, in run order."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if not r["profiled"]]
+    labels = [f"{k}: {r['phase']}" for k, r in enumerate(rows)]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.bar(range(len(rows)), [r["tok_s"] for r in rows], color="tab:blue")
+    a.set_ylabel("output tokens / s")
+    for arm, dx, color in (("off", -0.2, "tab:gray"), ("on", 0.2, "tab:orange")):
+        ks = [k for k, r in enumerate(rows) if f"p50_tpot_ms_{arm}" in r]
+        b.bar([k + dx for k in ks], [rows[k][f"p50_tpot_ms_{arm}"] for k in ks], width=0.4, color=color,
+              label=f"{arm} arm")
+    b.set_ylabel("p50 ms per output token")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.set_xticks(range(len(rows)), labels, fontsize=8, rotation=30, ha="right")
+    fig.suptitle(f"bench/closed_loop.py: {report['device']}, {report['commit']}, {report['concurrency']} streams, "
+                 f"{report['requests']} requests a phase", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python bench/closed_loop.py", description=__doc__.split("\n\n")[0])
     cli.add_model_args(ap)
@@ -240,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['calls_per_step_call']:7.2f}  {r['fn']}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
+        plot(report, Path(args.out).with_suffix(".png"))
     return 0
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -152,9 +153,7 @@ def combine_rounds(reports: list[dict]) -> dict:
             if all(v is None for v in vals):
                 continue
             row[f"{key}_rounds"] = vals
-            known = sorted(v for v in vals if v is not None)
-            mid = len(known) // 2
-            row[f"{key}_median"] = round(known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2, 3)
+            row[f"{key}_median"] = round(statistics.median(v for v in vals if v is not None), 3)
     out["rounds"] = len(reports)
     out["round_levels"] = [r["levels"] for r in reports[1:]]  # the first round's are ``levels``
     return out

@@ -473,7 +473,7 @@ def _engine_refusal(message: str, is_chat: bool) -> ApiError:
     """Engine.add's ValueError as a 400 naming the field."""
     if "drafter" in message:
         return ApiError(400, message, param="speculation.drafter")
-    field = message.split(" ", 1)[0]  # the engine names a sampling field first  # the engine names a sampling field first
+    field = message.split(" ", 1)[0]  # the engine names a sampling field first
     if field in ("logit_bias", "allowed_token_ids", "min_tokens"):
         return ApiError(400, message, param=field)
     code = "context_length_exceeded" if "context" in message or "KV pool" in message else None

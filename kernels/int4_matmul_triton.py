@@ -24,6 +24,7 @@ that share it must be ordered: one stream, or graphs replayed on one stream.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -1024,6 +1025,7 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
     return out
 
 
+@functools.lru_cache(maxsize=None)  # a pure function of the shape, asked at every launch in the mode
 def invariant_config(N: int, K: int, silu: bool, num_sms: int, head_dim: int = 0) -> KernelConfig:
     """Batch-invariant mode's one config for a weight shape, at every M (kernels/invariant.py): MMA tiles of
     ``invariant.QUERY_ROWS`` rows, so a row meets the same instructions at any M, and one split-K factor from the
@@ -1172,13 +1174,17 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
                                                 num_stages=cfg.num_stages, **meta)
 
 
+def _num_sms(x: torch.Tensor) -> int:
+    """SMs of x's GPU; an H100's / H200's count off the GPU (the interpreter), so CPU runs pick as those do."""
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+
+
 def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim: int = 0) -> KernelConfig:
     """The cached config for ``key``, else the fastest candidate (timed once, eagerly, on CUDA)."""
     if key in _CONFIG_CACHE:
         return _CONFIG_CACHE[key]
     M, K = x.shape
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    cands = _candidates(M, N, K, silu, num_sms, G, _is_16bit(x), head_dim)
+    cands = _candidates(M, N, K, silu, _num_sms(x), G, _is_16bit(x), head_dim)
     if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
     times = _time_configs(run, cands, x.device)
@@ -1279,8 +1285,7 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         # k_iters = blocks // split_k: a split count that does not divide them would drop the last blocks
         raise ValueError(f"{config}: split_k must divide the {triton.cdiv(K, config.block_k)} K blocks of K={K}")
     if config is None and invariant.enabled():
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-        config = invariant_config(N, K, silu, num_sms, head_dim)
+        config = invariant_config(N, K, silu, _num_sms(x), head_dim)
     run(config or _pick(x, N, group_size, key, silu, run, head_dim))
     return y
 
