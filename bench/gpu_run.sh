@@ -21,8 +21,11 @@
 #   bash bench/gpu_run.sh int4       the INT4 matmul: CUDA tests, then bench/results/int4_matmul.json
 #                                    (INT4_ARGS="--ms 16,64" for a subset; AB_A=SPECGATE_INT4_MMAT=0
 #                                    AB_B=SPECGATE_INT4_MMAT=1 ... ab: the swap-AB path inside the 8B verify step)
-#   bash bench/gpu_run.sh rope       bench/rope_ab.py: SPECGATE_INT4_ROPE (RoPE and the cache write in the qkv epilogue)
+#   bash bench/gpu_run.sh rope       bench/int4_ab.py: SPECGATE_INT4_ROPE (RoPE and the cache write in the qkv epilogue)
 #                                    off against on, SmolLM2-shape verify steps in one process, then its CUDA tests
+#   bash bench/gpu_run.sh tune       bench/int4_ab.py --flag TUNE=cold,chain: the INT4 tuner timing candidates alone
+#                                    after an L2-evicting read, or chained in a CUDA graph as a forward runs them, then
+#                                    the chain tuner's CUDA test
 #   bash bench/gpu_run.sh int4_atomic  SPECGATE_INT4_FIX_ATOMIC's CUDA tests, then bench_int4_matmul.py with it on and
 #                                    off, alternated twice (INT4_ARGS: the rows; INT4_TIMEOUT: seconds a run, default 90)
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
@@ -173,8 +176,8 @@ for stage in "$@"; do
       timeout -s INT "${INT4_TIMEOUT:-420}" python bench/kernels/bench_int4_matmul.py --out "$OUT" \
         --commit "${BENCH_COMMIT:-unknown}" ${INT4_ARGS:-} 2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -22 ;;
     rope)  # SPECGATE_INT4_ROPE (RoPE and the KV-cache write in the qkv projection's epilogue): off against on in one
-           # process, SmolLM2-shape verify steps (bench/rope_ab.py), then its CUDA tests
-      timeout "${ROPE_TIMEOUT:-240}" python bench/rope_ab.py --batches "${ROPE_BATCHES:-1,16}" --nodes 1,4 \
+           # process, SmolLM2-shape verify steps (bench/int4_ab.py), then its CUDA tests
+      timeout "${ROPE_TIMEOUT:-240}" python bench/int4_ab.py --batches "${ROPE_BATCHES:-1,16}" --nodes 1,4 \
         --commit "${BENCH_COMMIT:-unknown}" --out "$OUT/rope_ab.json" 2>&1 | grep -v Warn | tail -12
       timeout "${ROPE_TEST_TIMEOUT:-240}" python -m pytest -q --noconftest -p no:cacheprovider \
         tests/kernels/test_int4_rope.py tests/target/test_model_cuda.py \
@@ -243,6 +246,13 @@ for stage in "$@"; do
     real)
       timeout 560 python bench/engine.py --real embedded --prompts-file .cache/mt_bench.jsonl --draft "${DRAFT:-auto}" \
         --batches "${BATCHES:-1,4,16,64}" ${REAL_ARGS:-} --out "$OUT/engine_real.json" 2>&1 | tail -30 ;;
+    tune)  # SPECGATE_INT4_TUNE: the tuner's cold timing against its chain timing, SmolLM2-shape verify steps in one
+           # process (bench/int4_ab.py), then the chain tuner's CUDA tests
+      timeout "${TUNE_TIMEOUT:-300}" python bench/int4_ab.py --flag TUNE=cold,chain --batches "${TUNE_BATCHES:-1,16}" \
+        --nodes "${TUNE_NODES:-1,4}" --rounds "${TUNE_ROUNDS:-2}" --commit "${BENCH_COMMIT:-unknown}" \
+        --out "$OUT/tune_ab.json" 2>&1 | grep -v Warn | tail -8
+      timeout 120 python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py -k chain \
+        2>&1 | tail -3 ;;
     structured)  # bench/results/structured_gpu.json after `model`: JSON-schema output, forced chains on / off
       timeout "${STRUCTURED_TIMEOUT:-300}" python bench/structured.py --batch 8 --max-tokens 128 \
         --out "$OUT/structured_gpu.json" 2>&1 | tail -12 ;;

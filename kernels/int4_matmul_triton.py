@@ -956,6 +956,22 @@ PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
 # spread of the run; the tuner kept the separate kernel's dequant path for the 64-row projection there. The
 # interpreter tests check it bit-equal to the separate kernel on every path.
 ROPE = os.environ.get("SPECGATE_INT4_ROPE", "0") == "1"
+# SPECGATE_INT4_TUNE: how the tuner times the candidates.
+# "cold" (default): each call alone, after a read that evicts the weights from L2 (_time_configs).
+# "chain": the way a graphed forward runs them (_time_chain): one CUDA graph of back-to-back launches, PDL on
+#   where the GPU has it, each launch over its own copy of the weight, with enough copies to stream twice
+#   the L2's size, so every launch reads its weights from HBM, as each layer's do, while its prefetch
+#   overlaps the tail of the launch ahead. A timed call alone pays its whole latency chain, a launch in a
+#   graph mostly its weight stream: the cold timing favours many programs and splits over a short
+#   kernel with no split-K fix-up (the serial tail: partials to L2, the counter, the last program's reads).
+#   The chain tuner also weighs one split and narrower tiles for short K (K <= SHORT_K). Off by default
+#   until timed: bench/rope_ab.py --flag TUNE=cold,chain (SmolLM2-shape verify steps),
+#   AB_A=SPECGATE_INT4_TUNE=cold AB_B=SPECGATE_INT4_TUNE=chain bash bench/gpu_run.sh ab (the 8B ones).
+TUNE = os.environ.get("SPECGATE_INT4_TUNE", "cold")
+if TUNE not in ("cold", "chain"):
+    raise ValueError(f"SPECGATE_INT4_TUNE must be cold or chain, got {TUNE!r}")
+SHORT_K = 2048
+CHAIN_MAX_LAUNCHES = 256
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _SUMS: dict[torch.device, torch.Tensor] = {}
@@ -979,6 +995,9 @@ _MMAT_SHAPES = {
     128: [(128, 128, 8, 3), (64, 256, 8, 3)],
     256: [(128, 128, 8, 3)],
 }
+# Narrower tiles for short K under the chain tuner (the MMA's at M <= 16): a small weight over more programs
+_SHORT_MMA_SHAPES = [(16, 32, 4, 3)]
+_SHORT_HGEMV_SHAPES = [(128, 64, 4, 2)]
 _GEMV_SHAPES = [(512, 64, 4, 1)]  # (block_n, block_k, warps, stages); more rows or a larger block_k spill
 # (block_n, block_k, warps, tiles in flight); block_k <= G
 _HGEMV_SHAPES = [(512, 64, 4, 2), (512, 64, 4, 1), (256, 128, 4, 2), (512, 128, 4, 1)]
@@ -990,12 +1009,13 @@ def set_autotune(enabled: bool) -> None:
     _autotune = enabled
 
 
-def _splits(tiles: int, k_blocks: int, num_sms: int) -> list[int]:
+def _splits(tiles: int, k_blocks: int, num_sms: int, unsplit: bool = False) -> list[int]:
     """Split-K factors that divide k_blocks (equal splits) and bring the grid near 1.5, 3 or 6 programs
-    per SM: few programs leave SMs idle in the last wave, many pay for partials and fix-ups."""
+    per SM: few programs leave SMs idle in the last wave, many pay for partials and fix-ups. ``unsplit``
+    adds 1: no fix-up at all, for a K one program can walk."""
     divisors = [d for d in range(1, min(k_blocks, 32) + 1) if k_blocks % d == 0]
     picks = [min(divisors, key=lambda d: abs(tiles * d - w * num_sms)) for w in (1.5, 3, 6)]
-    return sorted(set(picks))
+    return sorted(set(picks + [1] * unsplit))
 
 
 def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, x16: bool = True,
@@ -1007,18 +1027,21 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
     if M >= 128 and not silu:  # compute-bound: cuBLAS on a dequantized copy wins from here (H200)
         out.append(KernelConfig("dequant"))
     bucket = min(max(triton.next_power_of_2(M), 16), 256)
-    shapes = [("mma", bm, bn, 128, w, st) for bm, bn, w, st in _MMA_SHAPES[bucket]]
+    short = TUNE == "chain" and K <= SHORT_K  # the chain tuner's extra candidates
+    shapes = [("mma", bm, bn, 128, w, st)
+              for bm, bn, w, st in _MMA_SHAPES[bucket] + _SHORT_MMA_SHAPES * (short and bucket == 16)]
     if M > 1 and MMAT:  # (M = 1 belongs to the GEMVs)
         shapes += [("mmat", bm, bn, 128, w, st) for bm, bn, w, st in _MMAT_SHAPES[bucket]]
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
         if x16:
-            shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES] + shapes
+            shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES + _SHORT_HGEMV_SHAPES * short
+                      ] + shapes
         shapes += [("gemv", 1, bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
     if head_dim:
         shapes = [sh for sh in shapes if sh[2] % head_dim == 0]
     for kind, bm, bn, bk, warps, stages in shapes:
         tiles = triton.cdiv(n_out, bn // 2 if silu else bn) * (1 if "gemv" in kind else triton.cdiv(M, bm))
-        for split in _splits(tiles, triton.cdiv(K, bk), num_sms):
+        for split in _splits(tiles, triton.cdiv(K, bk), num_sms, short):
             out.append(KernelConfig(kind, bm, bn, bk, split, warps, stages))
     if M >= 64 and not silu and out[0].kind != "dequant":
         out.append(KernelConfig("dequant"))
@@ -1179,15 +1202,20 @@ def _num_sms(x: torch.Tensor) -> int:
     return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
 
 
-def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim: int = 0) -> KernelConfig:
-    """The cached config for ``key``, else the fastest candidate (timed once, eagerly, on CUDA)."""
+def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim: int = 0,
+          weights: tuple = ()) -> KernelConfig:
+    """The cached config for ``key``, else the fastest candidate (timed once, eagerly, on CUDA). ``run(cfg)``
+    launches over the call's weight, ``run(cfg, w)`` over ``w``, a copy of ``weights`` (qweight, scales, zeros)."""
     if key in _CONFIG_CACHE:
         return _CONFIG_CACHE[key]
     M, K = x.shape
     cands = _candidates(M, N, K, silu, _num_sms(x), G, _is_16bit(x), head_dim)
     if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
-    times = _time_configs(run, cands, x.device)
+    if TUNE == "chain":
+        times = _time_chain(run, cands, weights, x.device)
+    else:
+        times = _time_configs(run, cands, x.device)
     _CONFIG_CACHE[key] = cands[times.index(min(times))]
     return _CONFIG_CACHE[key]
 
@@ -1236,6 +1264,41 @@ def _time_configs(run, cands: list[KernelConfig], device: torch.device) -> list[
             for c in cands]
 
 
+def chain_launches(weight_bytes: int, l2_bytes: int) -> int:
+    """Launches in a chain-timing graph: enough weight copies to stream twice the L2, at least two."""
+    return max(2, min(CHAIN_MAX_LAUNCHES, -(-2 * l2_bytes // max(weight_bytes, 1))))
+
+
+def _time_chain(run, cands: list[KernelConfig], weights: tuple, device: torch.device,
+                reps: int = 5) -> list[float]:
+    """Device milliseconds per launch of each candidate, as a graphed forward runs it (``TUNE = "chain"``): one
+    CUDA graph of back-to-back launches, each over its own copy of ``weights`` (so each reads HBM, not L2),
+    replayed ``reps`` times; the median replay over the launches."""
+    built = _buildable(run, cands)
+    nbytes = sum(t.numel() * t.element_size() for t in weights if t is not None)
+    n = chain_launches(nbytes, torch.cuda.get_device_properties(device).L2_cache_size)
+    copies = [tuple(None if t is None else t.clone() for t in weights) for _ in range(n)]
+    times = []
+    for c in cands:
+        if c not in built:
+            times.append(float("inf"))
+            continue
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for w in copies:
+                run(c, w)
+        graph.replay()  # the first replay uploads the graph
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for a, b in events:
+            a.record()
+            graph.replay()
+            b.record()
+        torch.cuda.synchronize(device)
+        times.append(sorted(a.elapsed_time(b) for a, b in events)[reps // 2] / n)
+        del graph
+    return times
+
+
 def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                        group_size: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                        silu: bool = False, config: KernelConfig | None = None,
@@ -1276,8 +1339,8 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     whole_zeros = whole_zeros or zeros is None  # symmetric codes: the zero point 8 is whole
     if invariant.enabled():  # one decode for a weight, whether a first call was looked at (eager) or not (a capture)
         whole_zeros = zeros is None
-    run = lambda c: _launch(c, x, qweight, scales, zeros, group_size, bias, residual, silu, y,  # noqa: E731
-                            whole_zeros, rope)
+    run = lambda c, w=(qweight, scales, zeros): _launch(c, x, *w, group_size, bias, residual,  # noqa: E731
+                                                         silu, y, whole_zeros, rope)
     head_dim = 0 if rope is None else rope.head_dim
     key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, whole_zeros, silu, head_dim,
            x.device)
@@ -1286,7 +1349,7 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         raise ValueError(f"{config}: split_k must divide the {triton.cdiv(K, config.block_k)} K blocks of K={K}")
     if config is None and invariant.enabled():
         config = invariant_config(N, K, silu, _num_sms(x), head_dim)
-    run(config or _pick(x, N, group_size, key, silu, run, head_dim))
+    run(config or _pick(x, N, group_size, key, silu, run, head_dim, (qweight, scales, zeros)))
     return y
 
 

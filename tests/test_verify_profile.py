@@ -60,15 +60,25 @@ def test_graph_census_counts_nodes_edges_and_kernels():
     assert out["kernels"] == {"_int4_gemv_kernel": 2, "_rms_norm_kernel_0d1": 1}
 
 
-def test_rope_ab_cpu_smoke_run(tmp_path):
-    """bench/rope_ab.py on the CPU (the reference path under both arms): every row timed, both arms' logits
-    equal, a summary per shape."""
-    out = tmp_path / "rope.json"
-    subprocess.run([sys.executable, str(ROOT / "bench" / "rope_ab.py"), "--device", "cpu", "--layers", "1",
-                    "--batches", "1,2", "--nodes", "1,2", "--rounds", "1", "--context", "32", "--out", str(out)],
-                   check=True, capture_output=True, cwd=ROOT)
-    res = json.loads(out.read_text())
-    assert [(r["rope"], r["batch"], r["nodes"]) for r in res["rows"]] == [
-        (arm, b, n) for arm in (False, True) for b in (1, 2) for n in (1, 2)]
-    assert all(c["max_rel_diff"] == 0 and c["argmax_agree"] == 1 for c in res["check"])
-    assert len(res["summary"]) == 4 and all(s["off_us"] > 0 and s["on_us"] > 0 for s in res["summary"])
+def test_int4_ab_cpu_smoke_run(tmp_path):
+    """bench/int4_ab.py on the CPU (the reference path under both arms): every row timed, both arms' logits
+    equal, a summary per shape; each flag arm is set on the launcher module in turn."""
+    out = tmp_path / "ab.json"
+    for flag, arms in (("ROPE=0,1", [False, True]), ("TUNE=cold,chain", ["cold", "chain"])):
+        subprocess.run([sys.executable, str(ROOT / "bench" / "int4_ab.py"), "--device", "cpu", "--layers", "1",
+                        "--flag", flag, "--batches", "1,2", "--nodes", "1,2", "--rounds", "1", "--context", "32",
+                        "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+        res = json.loads(out.read_text())
+        assert res["flag"] == flag.split("=")[0] and res["arms"] == arms
+        assert [(r["arm"], r["batch"], r["nodes"]) for r in res["rows"]] == [
+            (arm, b, n) for arm in arms for b in (1, 2) for n in (1, 2)]
+        assert all(c["max_rel_diff"] == 0 and c["argmax_agree"] == 1 for c in res["check"])
+        assert len(res["summary"]) == 4 and all(s["a_us"] > 0 and s["b_us"] > 0 for s in res["summary"])
+
+
+def test_int4_ab_refuses_a_bad_flag(tmp_path):
+    """An unknown flag, one setting, or a boolean flag given other settings than 0 / 1: a message naming it."""
+    for flag in ("NOPE=0,1", "ROPE=1", "ROPE=on,off"):
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "int4_ab.py"), "--device", "cpu", "--flag", flag,
+                            "--out", str(tmp_path / "x.json")], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode != 0 and flag in r.stderr

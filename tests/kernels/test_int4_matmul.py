@@ -434,6 +434,72 @@ def test_gpu_llama_shape(M, dtype):
             assert _rel_err(y, ref) < TOL[dtype], (cfg, whole)
 
 
+def test_chain_tuner_weighs_unsplit_and_narrow_configs_for_short_k(monkeypatch):
+    """TUNE = "chain" adds one split and narrower tiles where K <= SHORT_K (SmolLM2's 576 and 1536), and nothing
+    for long K (an 8B layer's 4096); the cold tuner's candidates stay as they were."""
+    def cands(M, N, K):
+        return set(T._candidates(M, N, K, False, 132, G=32))
+
+    cold = {(M, N, K): cands(M, N, K) for M in (1, 4) for N, K in ((960, 576), (576, 1536), (4096, 4096))}
+    monkeypatch.setattr(T, "TUNE", "chain")
+    for (M, N, K), before in cold.items():
+        extra = cands(M, N, K) - before
+        if K > T.SHORT_K:
+            assert not extra
+            continue
+        assert before < cands(M, N, K)
+        assert any(c.split_k == 1 and c.kind == ("hgemv" if M == 1 else "mma") for c in extra), extra
+        assert any(c.block_n == (128 if M == 1 else 32) for c in extra), extra
+    assert T._splits(15, 5, 132) == [5] and T._splits(15, 5, 132, unsplit=True) == [1, 5]
+
+
+@pytest.mark.parametrize("M,N,K,G", [(1, 192, 576, 32), (4, 96, 576, 64), (3, 100, 1536, 32)])
+def test_chain_candidates_match_ref(monkeypatch, M, N, K, G):
+    """Every config the chain tuner adds (unsplit, 128-wide hgemv and 32-wide MMA tiles) computes the product,
+    with and without silu(gate) * up."""
+    monkeypatch.setattr(T, "TUNE", "chain")
+    w = _weight(N, K, G, True, torch.float16)
+    x = _x(M, K, torch.float16) / 4  # silu's exp stays in fp32 range under the interpreter
+    monkeypatch.setattr(T, "TUNE", "cold")
+    cold = set(T._candidates(M, N, K, False, 132, G)) | set(T._candidates(M, N, K, True, 132, G))
+    monkeypatch.setattr(T, "TUNE", "chain")
+    for silu in (False, True):
+        ref = int4_matmul_silu_mul_ref(x.float(), Int4Weight(w.qweight, w.scales.float(), w.zeros.float(), G)) \
+            if silu else _ref(x, w)
+        added = [c for c in T._candidates(M, N, K, silu, 132, G) if c not in cold]
+        assert added
+        for cfg in added:
+            y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=silu, config=cfg)
+            assert _rel_err(y, ref) < TOL[torch.float16], (cfg, silu)
+
+
+def test_chain_launches_stream_twice_the_l2():
+    assert T.chain_launches(1 << 20, 50 << 20) == 100
+    assert T.chain_launches(60 << 20, 50 << 20) == 2  # at least two: the second overlaps the first's tail
+    assert T.chain_launches(1 << 10, 50 << 20) == T.CHAIN_MAX_LAUNCHES
+
+
+@gpu
+def test_gpu_chain_tuner_picks_a_candidate_that_computes(monkeypatch):
+    """TUNE = "chain" on CUDA: the tuner times candidates in graphs over weight copies, keeps one of them, and the
+    call's output matches the reference; the copies and graphs are gone after."""
+    monkeypatch.setattr(T, "TUNE", "chain")
+    monkeypatch.setattr(T, "_CONFIG_CACHE", {})
+    w = _weight(960, 576, 32, True, torch.bfloat16, seed=5)
+    before = torch.cuda.memory_allocated()
+    for M in (1, 4):
+        x = _x(M, 576, torch.bfloat16)
+        y = int4_matmul(x, w)
+        assert _rel_err(y, _ref(x, w)) < TOL[torch.bfloat16]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert len(T._CONFIG_CACHE) == 2
+    for key, pick in T._CONFIG_CACHE.items():  # key[0]: the M bucket
+        assert pick in T._candidates(key[0], 960, 576, False, sms, 32), (key, pick)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 64 << 20  # no copy of the weight survives the tuning
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_graph_replay():
