@@ -28,6 +28,8 @@
 #                                    the chain tuner's CUDA test
 #   bash bench/gpu_run.sh int4_atomic  SPECGATE_INT4_FIX_ATOMIC's CUDA tests, then bench_int4_matmul.py with it on and
 #                                    off, alternated twice (INT4_ARGS: the rows; INT4_TIMEOUT: seconds a run, default 90)
+#   bash bench/gpu_run.sh int4_pf    SPECGATE_INT4_HGEMV_PF's CUDA test, then bench_int4_matmul.py at M = 1 with PF_VALUES
+#                                    ("4 0"), alternated INT4_ROUNDS (2) times
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
 #                                    bench/engine_ab.py: the 8B verify steps under two environments, alternated, 3 runs each
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
@@ -115,6 +117,15 @@ sweep_beside_shipped() {
       --draft "$d" --prompts-file .cache/mt_bench.jsonl --out "$OUT/drafts_$(basename $d).json" 2>&1 | tail -8
   done
 }
+# bench_int4_matmul.py under each value of one environment variable, alternated INT4_ROUNDS (2) times: NAME "VALUES" TAG
+int4_env_ab() {
+  for r in $(seq "${INT4_ROUNDS:-2}"); do for a in $2; do
+    echo "--- $1=$a run $r $(date +%T)"
+    env "$1=$a" timeout -s INT "${INT4_TIMEOUT:-90}" python bench/kernels/bench_int4_matmul.py \
+      --out "$OUT/$3${a}_run$r" --commit "${BENCH_COMMIT:-unknown}" --skip-correctness ${INT4_ARGS:---ms 1,2,4,8,16,32,64,128} \
+      2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -12
+  done; done
+}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
@@ -185,12 +196,12 @@ for stage in "$@"; do
     int4_atomic)  # the atomic split-K fix-up: its CUDA tests, then the bench under both fix-ups, alternated twice
       timeout "${INT4_TEST_TIMEOUT:-170}" python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py \
         -k "atomic or fix_up or graph" 2>&1 | tail -4
-      for r in 1 2; do for a in 1 0; do
-        echo "--- SPECGATE_INT4_FIX_ATOMIC=$a run $r $(date +%T)"
-        SPECGATE_INT4_FIX_ATOMIC=$a timeout -s INT "${INT4_TIMEOUT:-90}" python bench/kernels/bench_int4_matmul.py \
-          --out "$OUT/atomic${a}_run$r" --commit "${BENCH_COMMIT:-unknown}" --skip-correctness ${INT4_ARGS:---ms 1,2,4,8,16,32,64,128} \
-          2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -12
-      done; done ;;
+      int4_env_ab SPECGATE_INT4_FIX_ATOMIC "1 0" atomic ;;
+    int4_pf)  # SPECGATE_INT4_HGEMV_PF (hgemv's rolling L2 prefetch): its CUDA test, then the bench at M = 1 (INT4_ARGS)
+              # with PF_VALUES (default "4 0"), alternated INT4_ROUNDS (2) times
+      timeout "${INT4_TEST_TIMEOUT:-170}" python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py \
+        -k "prefetch" 2>&1 | tail -4
+      INT4_ARGS="${INT4_ARGS:---ms 1}" int4_env_ab SPECGATE_INT4_HGEMV_PF "${PF_VALUES:-4 0}" pf ;;
     pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_PDL=int4 --arm SPECGATE_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
     # AB_RUN_TIMEOUT: seconds a run; the first run on a machine builds the 8B shapes' kernels and outlasted
