@@ -477,8 +477,8 @@ def _int4_gemv_f16_kernel(
     if DEPTH > 1:
         q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, 1, n_mask, N, K_ITERS, G, BLOCK_K,
                                     HAS_ZEROS)
-    for t in tl.static_range(PF):  # the PF tiles after those: their HBM reads start now too, into L2
-        _prefetch_hgemv_tile(qw_ptr, scales_ptr, zeros_ptr, pid_n, N, k_lo, DEPTH + t, K_ITERS, G, BLOCK_N, BLOCK_K,
+    for p in tl.static_range(PF):  # the PF tiles after those: their HBM reads start now too, into L2
+        _prefetch_hgemv_tile(qw_ptr, scales_ptr, zeros_ptr, pid_n, N, k_lo, DEPTH + p, K_ITERS, G, BLOCK_N, BLOCK_K,
                              SILU, HAS_ZEROS)
     if USE_PDL:  # everything above reads weights only; x and every buffer wait for the previous kernel
         gdc_wait()
