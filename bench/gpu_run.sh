@@ -25,7 +25,7 @@
 #                                    off against on, SmolLM2-shape verify steps in one process, then its CUDA tests
 #   bash bench/gpu_run.sh tune       bench/int4_ab.py --flag TUNE=cold,chain: the INT4 tuner timing candidates alone
 #                                    after an L2-evicting read, or chained in a CUDA graph as a forward runs them, then
-#                                    the chain tuner's CUDA test
+#                                    the chain tuner's CUDA test (the default, auto, chains 2 <= M <= 64)
 #   bash bench/gpu_run.sh int4_atomic  SPECGATE_INT4_FIX_ATOMIC's CUDA tests, then bench_int4_matmul.py with it on and
 #                                    off, alternated twice (INT4_ARGS: the rows; INT4_TIMEOUT: seconds a run, default 90)
 #   bash bench/gpu_run.sh int4_pf    SPECGATE_INT4_HGEMV_PF's CUDA test, then bench_int4_matmul.py at M = 1 with PF_VALUES

@@ -980,26 +980,33 @@ PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
 # interpreter tests check it bit-equal to the separate kernel on every path.
 ROPE = os.environ.get("SPECGATE_INT4_ROPE", "0") == "1"
 # SPECGATE_INT4_TUNE: how the tuner times the candidates.
-# "cold" (default): each call alone, after a read that evicts the weights from L2 (_time_configs).
+# "cold": each call alone, after a read that evicts the weights from L2 (_time_configs).
 # "chain": the way a graphed forward runs them (_time_chain): one CUDA graph of back-to-back launches, PDL on
 #   where the GPU has it, each launch over its own copy of the weight, with enough copies to stream twice
 #   the L2's size, so every launch reads its weights from HBM, as each layer's do, while its prefetch
 #   overlaps the tail of the launch ahead. A timed call alone pays its whole latency chain, a launch in a
 #   graph mostly its weight stream: the cold timing favours many programs and splits over a short
 #   kernel with no split-K fix-up (the serial tail: partials to L2, the counter, the last program's reads).
-#   The chain tuner also weighs one split and narrower tiles for short K (K <= SHORT_K). Off by default
-#   until timed: bench/rope_ab.py --flag TUNE=cold,chain (SmolLM2-shape verify steps),
-#   AB_A=SPECGATE_INT4_TUNE=cold AB_B=SPECGATE_INT4_TUNE=chain bash bench/gpu_run.sh ab (the 8B ones).
-TUNE = os.environ.get("SPECGATE_INT4_TUNE", "cold")
-if TUNE not in ("cold", "chain"):
-    raise ValueError(f"SPECGATE_INT4_TUNE must be cold or chain, got {TUNE!r}")
+#   The chain tuner also weighs one split and narrower tiles for short K (K <= SHORT_K).
+# "auto" (the default): chain for 2 <= M <= 64 (CHAIN_M), cold elsewhere. H100, both arms in one process or
+#   in alternated processes: chain-tuned SmolLM2-shape verify steps took 0.979-0.983x (batch 1, 4 nodes),
+#   0.9625x (batch 16, 1 node) and 0.992-0.994x (batch 16, 4 nodes) of the cold-tuned ones in two runs
+#   (bench/results/tune_ab_h100_6781735.json), and 8B-shape verify steps 0.950-0.987x at 2-32 nodes in two
+#   pairs, 1.001-1.002x at 64 (engine_ab_tune_h100_6781735.json). At M = 1 chain lost: the SmolLM2 decode step
+#   1.010-1.029x, the 8B one 1.000-1.007x. So M = 1 stays cold, and so do prefill sizes, which were not timed.
+TUNE = os.environ.get("SPECGATE_INT4_TUNE", "auto")
+if TUNE not in ("auto", "cold", "chain"):
+    raise ValueError(f"SPECGATE_INT4_TUNE must be auto, cold or chain, got {TUNE!r}")
+CHAIN_M = (2, 64)
 SHORT_K = 2048
 CHAIN_MAX_LAUNCHES = 256
 # SPECGATE_INT4_HGEMV_PF=P: hgemv asks L2 for the P tiles past those it holds in registers (DEPTH), the first P
 # before it waits on the kernel ahead and one more each trip (prefetch.global.L2, no registers), so a program
 # keeps DEPTH + P tiles of HBM reads in flight instead of DEPTH. A long split then streams like many short
 # ones, with fewer partials for the fix-up, and its reads overlap the kernel ahead where PDL starts the
-# program early. 0 (the default, until timed): none. GPU only (inline PTX).
+# program early. 0 (the default): none. GPU only (inline PTX). Timed slower: on an H100 the M = 1 GEMVs of the
+# four 8B shapes took 65.6 / 65.7 us a layer at P = 4 against 60.5 / 60.6 at 0, alternated twice
+# (bench/results/int4_pf_ab_h100_7d23abe.json); kept as an experiment's switch.
 HGEMV_PF = int(os.environ.get("SPECGATE_INT4_HGEMV_PF", "0"))
 if HGEMV_PF < 0:
     raise ValueError(f"SPECGATE_INT4_HGEMV_PF must be >= 0, got {HGEMV_PF}")
@@ -1058,7 +1065,7 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
     if M >= 128 and not silu:  # compute-bound: cuBLAS on a dequantized copy wins from here (H200)
         out.append(KernelConfig("dequant"))
     bucket = min(max(triton.next_power_of_2(M), 16), 256)
-    short = TUNE == "chain" and K <= SHORT_K  # the chain tuner's extra candidates
+    short = chain_timed(M) and K <= SHORT_K  # the chain tuner's extra candidates
     shapes = [("mma", bm, bn, 128, w, st)
               for bm, bn, w, st in _MMA_SHAPES[bucket] + _SHORT_MMA_SHAPES * (short and bucket == 16)]
     if M > 1 and MMAT:  # (M = 1 belongs to the GEMVs)
@@ -1243,7 +1250,7 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim
     cands = _candidates(M, N, K, silu, _num_sms(x), G, _is_16bit(x), head_dim)
     if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
-    if TUNE == "chain":
+    if chain_timed(M):
         times = _time_chain(run, cands, weights, x.device)
     else:
         times = _time_configs(run, cands, x.device)
@@ -1295,6 +1302,11 @@ def _time_configs(run, cands: list[KernelConfig], device: torch.device) -> list[
             for c in cands]
 
 
+def chain_timed(M: int) -> bool:
+    """Whether the tuner times an M-row call's candidates chained in a graph (``TUNE``), not alone."""
+    return TUNE == "chain" or (TUNE == "auto" and CHAIN_M[0] <= M <= CHAIN_M[1])
+
+
 def chain_launches(weight_bytes: int, l2_bytes: int) -> int:
     """Launches in a chain-timing graph: enough weight copies to stream twice the L2, at least two."""
     return max(2, min(CHAIN_MAX_LAUNCHES, -(-2 * l2_bytes // max(weight_bytes, 1))))
@@ -1302,7 +1314,7 @@ def chain_launches(weight_bytes: int, l2_bytes: int) -> int:
 
 def _time_chain(run, cands: list[KernelConfig], weights: tuple, device: torch.device,
                 reps: int = 5) -> list[float]:
-    """Device milliseconds per launch of each candidate, as a graphed forward runs it (``TUNE = "chain"``): one
+    """Device milliseconds per launch of each candidate, as a graphed forward runs it (``chain_timed``): one
     CUDA graph of back-to-back launches, each over its own copy of ``weights`` (so each reads HBM, not L2),
     replayed ``reps`` times; the median replay over the launches."""
     built = _buildable(run, cands)

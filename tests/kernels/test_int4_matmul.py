@@ -440,6 +440,7 @@ def test_chain_tuner_weighs_unsplit_and_narrow_configs_for_short_k(monkeypatch):
     def cands(M, N, K):
         return set(T._candidates(M, N, K, False, 132, G=32))
 
+    monkeypatch.setattr(T, "TUNE", "cold")
     cold = {(M, N, K): cands(M, N, K) for M in (1, 4) for N, K in ((960, 576), (576, 1536), (4096, 4096))}
     monkeypatch.setattr(T, "TUNE", "chain")
     for (M, N, K), before in cold.items():
@@ -471,6 +472,20 @@ def test_chain_candidates_match_ref(monkeypatch, M, N, K, G):
         for cfg in added:
             y = T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=silu, config=cfg)
             assert _rel_err(y, ref) < TOL[torch.float16], (cfg, silu)
+
+
+def test_auto_tuning_chains_2_to_64_rows(monkeypatch):
+    """The default, TUNE = "auto": chained timing (and its short-K candidates) for 2 <= M <= 64, the rows it was
+    timed faster at; a single row and prefill-sized calls keep the cold timing."""
+    monkeypatch.setattr(T, "TUNE", "auto")
+    assert [M for M in (1, 2, 3, 16, 33, 64, 65, 128, 256) if T.chain_timed(M)] == [2, 3, 16, 33, 64]
+    monkeypatch.setattr(T, "TUNE", "cold")
+    cold = {M: set(T._candidates(M, 960, 576, False, 132, G=32)) for M in (1, 4, 128)}
+    monkeypatch.setattr(T, "TUNE", "auto")
+    assert {M: set(T._candidates(M, 960, 576, False, 132, G=32)) == c for M, c in cold.items()} == {
+        1: True, 4: False, 128: True}
+    monkeypatch.setattr(T, "TUNE", "cold")
+    assert not any(T.chain_timed(M) for M in (1, 4, 64))
 
 
 def test_chain_launches_stream_twice_the_l2():
