@@ -1327,7 +1327,9 @@ def _time_chain(run, cands: list[KernelConfig], weights: tuple, device: torch.de
             times.append(float("inf"))
             continue
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a server thread's own CUDA calls meanwhile (an engine thread beside the gateway's) are
+        # not this capture's business
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             for w in copies:
                 run(c, w)
         graph.replay()  # the first replay uploads the graph
