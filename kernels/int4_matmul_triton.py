@@ -1251,7 +1251,12 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim
     if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
     if chain_timed(M):
-        times = _time_chain(run, cands, weights, x.device)
+        try:
+            times = _time_chain(run, cands, weights, x.device)
+        except torch.cuda.OutOfMemoryError:  # the weight copies or a graph's pool did not fit: time them alone
+            log.warning("INT4 chain tuning of %s ran out of memory; timing its candidates alone", key)
+            torch.cuda.empty_cache()
+            times = _time_configs(run, cands, x.device)
     else:
         times = _time_configs(run, cands, x.device)
     _CONFIG_CACHE[key] = cands[times.index(min(times))]

@@ -488,6 +488,23 @@ def test_auto_tuning_chains_2_to_64_rows(monkeypatch):
     assert not any(T.chain_timed(M) for M in (1, 4, 64))
 
 
+@gpu
+def test_gpu_chain_tuner_falls_back_to_cold_timing_when_out_of_memory(monkeypatch, caplog):
+    """Chained timing needs weight copies and graph pools; where they do not fit, the tuner times alone."""
+    def no_room(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("no room for the copies")
+
+    monkeypatch.setattr(T, "TUNE", "chain")
+    monkeypatch.setattr(T, "_CONFIG_CACHE", {})
+    monkeypatch.setattr(T, "_time_chain", no_room)
+    w = _weight(960, 576, 32, True, torch.bfloat16, seed=6)
+    x = _x(4, 576, torch.bfloat16)
+    with caplog.at_level("WARNING", logger="specgate.int4"):
+        y = int4_matmul(x, w)
+    assert _rel_err(y, _ref(x, w)) < TOL[torch.bfloat16]
+    assert len(T._CONFIG_CACHE) == 1 and "ran out of memory" in caplog.text
+
+
 def test_chain_launches_stream_twice_the_l2():
     assert T.chain_launches(1 << 20, 50 << 20) == 100
     assert T.chain_launches(60 << 20, 50 << 20) == 2  # at least two: the second overlaps the first's tail
