@@ -1250,7 +1250,7 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim
     cands = _candidates(M, N, K, silu, _num_sms(x), G, _is_16bit(x), head_dim)
     if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
-    if chain_timed(M):
+    if chain_timed(M) and weights:
         try:
             times = _time_chain(run, cands, weights, x.device)
         except torch.cuda.OutOfMemoryError:  # the weight copies or a graph's pool did not fit: time them alone
