@@ -67,6 +67,8 @@ def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, reque
 
     prof = cProfile.Profile() if profile else None
     calls = 0
+    wait0 = eng.wait_s
+    cpu0 = time.thread_time()
     t0 = time.perf_counter()
     if prof is not None:
         prof.enable()
@@ -93,8 +95,13 @@ def run_phase(llm, prompts: list[list[int]], phase: str, concurrency: int, reque
     if prof is not None:
         prof.disable()
     wall = time.perf_counter() - t0
+    # Where a step call's wall time went, to tell a drift apart: the engine thread's CPU time (its Python and
+    # launches, and a CUDA wait where the driver spins) and the engine's measured waits on the device
+    # (Engine.wait_s); what neither covers is time the thread was not running.
+    cpu, wait = time.thread_time() - cpu0, eng.wait_s - wait0
     row = {"phase": phase, "requests": requests, "tokens": tokens, "seconds": round(wall, 3),
            "tok_s": round(tokens / wall, 1), "step_calls": calls, "ms_per_step_call": round(1e3 * wall / calls, 3),
+           "thread_cpu_ms_per_step_call": round(1e3 * cpu / calls, 3), "wait_ms_per_step_call": round(1e3 * wait / calls, 3),
            "steps_run": eng.num_steps - steps0, "steps_overlapped": eng.num_ahead - ahead0,
            "prefill_chunks": eng.num_prefill_chunks - pre0}
     for arm, xs in tpot.items():
@@ -249,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         row["profiled"] = prof
         rows.append(row)
         tp = "  ".join(f"p50 TPOT {a} {row[f'p50_tpot_ms_{a}']:.3f} ms" for a in ("on", "off") if f"p50_tpot_ms_{a}" in row)
-        print(f"{p:6s}{' (profiled)' if prof else ''} {row['tok_s']:9.1f} tok/s  {tp}  {row['ms_per_step_call']:.3f} ms/step call  "
+        print(f"{p:6s}{' (profiled)' if prof else ''} {row['tok_s']:9.1f} tok/s  {tp}  {row['ms_per_step_call']:.3f} ms/step call "
+              f"(thread CPU {row['thread_cpu_ms_per_step_call']:.3f}, waits {row['wait_ms_per_step_call']:.3f})  "
               f"steps {row['steps_run']} overlapped {row['steps_overlapped']} prefill chunks {row['prefill_chunks']}",
               flush=True)
     import torch

@@ -26,6 +26,9 @@ def test_phase_runs_every_request_to_its_end(phase):
     assert sorted(k for k in row if k.startswith("p50_tpot_ms_")) == sorted(f"p50_tpot_ms_{a}" for a in arms)
     assert all(0 < row[f"p50_tpot_ms_{a}"] <= row[f"p90_tpot_ms_{a}"] for a in arms)
     assert not eng.has_work() and eng.cache.pool.num_free == eng.cache.pool.num_blocks  # nothing leaked
+    # a step call's parts: the thread's CPU time and the device waits each fit in its wall time
+    assert 0 < row["thread_cpu_ms_per_step_call"] <= row["ms_per_step_call"] * 1.01 + 0.01
+    assert 0 <= row["wait_ms_per_step_call"] <= row["ms_per_step_call"]
     if phase == "mixed":
         top = row["top_tottime_us_per_call"]
         own = [r["tottime_us_per_step_call"] for r in top]
