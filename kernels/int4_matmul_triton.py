@@ -1031,6 +1031,11 @@ CHAIN_MAX_LAUNCHES = 256
 # four 8B shapes took 65.6 / 65.7 us a layer at P = 4 against 60.5 / 60.6 at 0, alternated twice
 # (bench/results/int4_pf_ab_h100_7d23abe.json); kept as an experiment's switch.
 HGEMV_PF = int(os.environ.get("SPECGATE_INT4_HGEMV_PF", "0"))
+# SPECGATE_INT4_HGEMV_GROUPS=1: the tuner also offers hgemv tiles that span several quantization groups (64- and
+# 128-row tiles for G = 32 and 64, GGUF's groups among them). Checked against the reference under the
+# interpreter only: off until a GPU has built and timed them (a build that fails other than by resources
+# would stop the tuner).
+HGEMV_GROUPS = os.environ.get("SPECGATE_INT4_HGEMV_GROUPS", "0") == "1"
 if HGEMV_PF < 0:
     raise ValueError(f"SPECGATE_INT4_HGEMV_PF must be >= 0, got {HGEMV_PF}")
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
@@ -1098,7 +1103,8 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
             hg = _HGEMV_SHAPES + _SHORT_HGEMV_SHAPES * short
             # tiles inside one group, and for small groups (GGUF's 32) tiles spanning several
             shapes = ([("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in hg]
-                      + [("hgemv", 1, bn, bk, w, d) for bn, bk, w, d in hg if bk > G and K % bk == 0] + shapes)
+                      + [("hgemv", 1, bn, bk, w, d) for bn, bk, w, d in hg if HGEMV_GROUPS and bk > G and K % bk == 0]
+                      + shapes)
         shapes += [("gemv", 1, bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
     if head_dim:
         shapes = [sh for sh in shapes if sh[2] % head_dim == 0]
