@@ -1031,13 +1031,13 @@ CHAIN_MAX_LAUNCHES = 256
 # four 8B shapes took 65.6 / 65.7 us a layer at P = 4 against 60.5 / 60.6 at 0, alternated twice
 # (bench/results/int4_pf_ab_h100_7d23abe.json); kept as an experiment's switch.
 HGEMV_PF = int(os.environ.get("SPECGATE_INT4_HGEMV_PF", "0"))
+if HGEMV_PF < 0:
+    raise ValueError(f"SPECGATE_INT4_HGEMV_PF must be >= 0, got {HGEMV_PF}")
 # SPECGATE_INT4_HGEMV_GROUPS=1: the tuner also offers hgemv tiles that span several quantization groups (64- and
 # 128-row tiles for G = 32 and 64, GGUF's groups among them). Checked against the reference under the
 # interpreter only: off until a GPU has built and timed them (a build that fails other than by resources
 # would stop the tuner).
 HGEMV_GROUPS = os.environ.get("SPECGATE_INT4_HGEMV_GROUPS", "0") == "1"
-if HGEMV_PF < 0:
-    raise ValueError(f"SPECGATE_INT4_HGEMV_PF must be >= 0, got {HGEMV_PF}")
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _SUMS: dict[torch.device, torch.Tensor] = {}
@@ -1065,7 +1065,7 @@ _MMAT_SHAPES = {
 _SHORT_MMA_SHAPES = [(16, 32, 4, 3)]
 _SHORT_HGEMV_SHAPES = [(128, 64, 4, 2)]
 _GEMV_SHAPES = [(512, 64, 4, 1)]  # (block_n, block_k, warps, stages); more rows or a larger block_k spill
-# (block_n, block_k, warps, tiles in flight); block_k <= G
+# (block_n, block_k, warps, tiles in flight); block_k is capped at G (or, with HGEMV_GROUPS, kept as a multiple)
 _HGEMV_SHAPES = [(512, 64, 4, 2), (512, 64, 4, 1), (256, 128, 4, 2), (512, 128, 4, 1)]
 
 
