@@ -1078,10 +1078,10 @@ def set_autotune(enabled: bool) -> None:
 def _splits(tiles: int, k_blocks: int, num_sms: int, unsplit: bool = False) -> list[int]:
     """Split-K factors that divide k_blocks (equal splits) and bring the grid near 1.5, 3 or 6 programs
     per SM: few programs leave SMs idle in the last wave, many pay for partials and fix-ups. ``unsplit``
-    adds 1: no fix-up at all, for a K one program can walk."""
+    adds 1 last (the untuned default stays the first pick): no fix-up at all, for a K one program can walk."""
     divisors = [d for d in range(1, min(k_blocks, 32) + 1) if k_blocks % d == 0]
-    picks = [min(divisors, key=lambda d: abs(tiles * d - w * num_sms)) for w in (1.5, 3, 6)]
-    return sorted(set(picks + [1] * unsplit))
+    picks = sorted({min(divisors, key=lambda d: abs(tiles * d - w * num_sms)) for w in (1.5, 3, 6)})
+    return picks + [1] * (unsplit and 1 not in picks)
 
 
 def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, x16: bool = True,

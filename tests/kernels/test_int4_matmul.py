@@ -472,7 +472,14 @@ def test_chain_tuner_weighs_unsplit_and_narrow_configs_for_short_k(monkeypatch):
         assert before < cands(M, N, K)
         assert any(c.split_k == 1 and c.kind == ("hgemv" if M == 1 else "mma") for c in extra), extra
         assert any(c.block_n == (128 if M == 1 else 32) for c in extra), extra
-    assert T._splits(15, 5, 132) == [5] and T._splits(15, 5, 132, unsplit=True) == [1, 5]
+    assert T._splits(15, 5, 132) == [5] and T._splits(15, 5, 132, unsplit=True) == [5, 1]
+    assert T._splits(1000, 4, 132, unsplit=True) == [1]  # already among the picks
+    # the untuned default (the first candidate) is the cold tuner's first, whatever the mode
+    for M in (1, 4, 16, 64):
+        monkeypatch.setattr(T, "TUNE", "cold")
+        first = T._candidates(M, 960, 576, False, 132, G=32)[0]
+        monkeypatch.setattr(T, "TUNE", "chain")
+        assert T._candidates(M, 960, 576, False, 132, G=32)[0] == first
 
 
 @pytest.mark.parametrize("M,N,K,G", [(1, 192, 576, 32), (4, 96, 576, 64), (3, 100, 1536, 32)])
