@@ -28,8 +28,6 @@
 #                                    the chain tuner's CUDA test (the default, auto, chains 2 <= M <= 64)
 #   bash bench/gpu_run.sh int4_atomic  SPECGATE_INT4_FIX_ATOMIC's CUDA tests, then bench_int4_matmul.py with it on and
 #                                    off, alternated twice (INT4_ARGS: the rows; INT4_TIMEOUT: seconds a run, default 90)
-#   bash bench/gpu_run.sh int4_pf    SPECGATE_INT4_HGEMV_PF's CUDA test, then bench_int4_matmul.py at M = 1 with PF_VALUES
-#                                    ("4 0"), alternated INT4_ROUNDS (2) times
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
 #                                    bench/engine_ab.py: the 8B verify steps under two environments, alternated, 3 runs each
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
@@ -197,11 +195,6 @@ for stage in "$@"; do
       timeout "${INT4_TEST_TIMEOUT:-170}" python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py \
         -k "atomic or fix_up or graph" 2>&1 | tail -4
       int4_env_ab SPECGATE_INT4_FIX_ATOMIC "1 0" atomic ;;
-    int4_pf)  # SPECGATE_INT4_HGEMV_PF (hgemv's rolling L2 prefetch): its CUDA test, then the bench at M = 1 (INT4_ARGS)
-              # with PF_VALUES (default "4 0"), alternated INT4_ROUNDS (2) times
-      timeout "${INT4_TEST_TIMEOUT:-170}" python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py \
-        -k "prefetch" 2>&1 | tail -4
-      INT4_ARGS="${INT4_ARGS:---ms 1}" int4_env_ab SPECGATE_INT4_HGEMV_PF "${PF_VALUES:-4 0}" pf ;;
     pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_PDL=int4 --arm SPECGATE_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
     # AB_RUN_TIMEOUT: seconds a run; the first run on a machine builds the 8B shapes' kernels and outlasted

@@ -461,7 +461,7 @@ def _int4_gemv_f16_kernel(
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
     FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr, DEPTH: tl.constexpr, USE_PDL: tl.constexpr,
-    ATOMIC: tl.constexpr, PF: tl.constexpr,
+    ATOMIC: tl.constexpr,
     ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr,
 ):
     """One program: row 0 of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows. Either BLOCK_K
@@ -491,9 +491,6 @@ def _int4_gemv_f16_kernel(
     if DEPTH > 1:
         q_b, s_b, z_b = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, 1, n_mask, N, K_ITERS, G, BLOCK_K,
                                     HAS_ZEROS)
-    for p in tl.static_range(PF):  # the PF tiles after those: their HBM reads start now too, into L2
-        _prefetch_hgemv_tile(qw_ptr, scales_ptr, zeros_ptr, pid_n, N, k_lo, DEPTH + p, K_ITERS, G, BLOCK_N, BLOCK_K,
-                             SILU, HAS_ZEROS)
     if USE_PDL:  # everything above reads weights only; x and every buffer wait for the previous kernel
         gdc_wait()
     scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS * GR)  # pairs, then sums of x
@@ -512,9 +509,6 @@ def _int4_gemv_f16_kernel(
         else:
             q_a, s_a, z_a = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, i + 1, n_mask, N, K_ITERS, G,
                                         BLOCK_K, HAS_ZEROS)
-        if PF > 0:  # keep the window: the tile PF past the one just loaded
-            _prefetch_hgemv_tile(qw_ptr, scales_ptr, zeros_ptr, pid_n, N, k_lo, i + DEPTH + PF, K_ITERS, G, BLOCK_N,
-                                 BLOCK_K, SILU, HAS_ZEROS)
         x04, x15, x26, x37, xsum = x_a
         x_a = _hgemv_pairs(x_ptrs, sum_ptr, i + 1, K_ITERS, BLOCK_K8, GR)
         if GR > 1:  # per group: its rows' sum, its scale and zero point
@@ -609,26 +603,6 @@ def _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid_n, pid_k, N, K, K_ITERS, 
         _prefetch_l2(scales_ptr + g_off, g_ok)
         if HAS_ZEROS:
             _prefetch_l2(zeros_ptr + g_off, g_ok)
-
-
-@triton.jit
-def _prefetch_hgemv_tile(qw_ptr, scales_ptr, zeros_ptr, pid_n, N, k_lo, t, K_ITERS, G: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """Ask L2 for hgemv's tile ``t`` of its split (packed words and the group's parameters), if the split has it:
-    one prefetch per 64 bytes, as ``_prefetch_split``."""
-    c = tl.arange(0, BLOCK_N // 16) * 16
-    cols, ok = _columns_at(c, pid_n, N, BLOCK_N, SILU)
-    ok = ok & (t < K_ITERS)
-    k0 = k_lo + t * BLOCK_K
-    r8 = tl.arange(0, BLOCK_K // 8)
-    _prefetch_l2(qw_ptr + (k0 // 8 + r8)[:, None] * N + cols[None, :], ok[None, :] & (r8 < BLOCK_K // 8)[:, None])
-    GR: tl.constexpr = BLOCK_K // G if BLOCK_K > G else 1  # group rows the tile spans
-    gr = tl.arange(0, GR)
-    g_ok = (ok & (c % 32 == 0))[None, :] & (gr < GR)[:, None]
-    g_off = (k0 // G + gr)[:, None] * N + cols[None, :]
-    _prefetch_l2(scales_ptr + g_off, g_ok)
-    if HAS_ZEROS:
-        _prefetch_l2(zeros_ptr + g_off, g_ok)
 
 
 @triton.jit
@@ -1023,16 +997,6 @@ if TUNE not in ("auto", "cold", "chain"):
 CHAIN_M = (2, 64)
 SHORT_K = 2048
 CHAIN_MAX_LAUNCHES = 256
-# SPECGATE_INT4_HGEMV_PF=P: hgemv asks L2 for the P tiles past those it holds in registers (DEPTH), the first P
-# before it waits on the kernel ahead and one more each trip (prefetch.global.L2, no registers), so a program
-# keeps DEPTH + P tiles of HBM reads in flight instead of DEPTH. A long split then streams like many short
-# ones, with fewer partials for the fix-up, and its reads overlap the kernel ahead where PDL starts the
-# program early. 0 (the default): none. GPU only (inline PTX). Timed slower: on an H100 the M = 1 GEMVs of the
-# four 8B shapes took 65.6 / 65.7 us a layer at P = 4 against 60.5 / 60.6 at 0, alternated twice
-# (bench/results/int4_pf_ab_h100_7d23abe.json); kept as an experiment's switch.
-HGEMV_PF = int(os.environ.get("SPECGATE_INT4_HGEMV_PF", "0"))
-if HGEMV_PF < 0:
-    raise ValueError(f"SPECGATE_INT4_HGEMV_PF must be >= 0, got {HGEMV_PF}")
 # SPECGATE_INT4_HGEMV_GROUPS=1: the tuner also offers hgemv tiles that span several quantization groups (64- and
 # 128-row tiles for G = 32 and 64, GGUF's groups among them). Checked against the reference under the
 # interpreter only: off until a GPU has built and timed them (a build that fails other than by resources
@@ -1169,7 +1133,7 @@ def kernel_for(cfg: KernelConfig, x_16bit: bool, G: int, on_gpu: bool, even_k: b
         # partials read per fix-up step: the fix-up's L2 round trips are the tail of a short kernel
         return _int4_gemv_f16_kernel, {"FIX_R": max(1, min(FIX_ROWS, FIX_ROWS * 512 // cfg.block_n)),
                                        "USE_ASM": on_gpu, "CHUNK8": 128, "DEPTH": cfg.num_stages, "USE_PDL": pdl,
-                                       "ATOMIC": atomic, "PF": HGEMV_PF if on_gpu else 0}
+                                       "ATOMIC": atomic}
     if cfg.kind == "gemv":
         # Partials read per fix-up step: pays off for GEMV's thin tiles; on MMA tiles the 3D tile costs
         # more than it saves (H200, 16 x 128 tiles: 9.9 -> 20 us).

@@ -562,28 +562,6 @@ def test_gpu_chain_tuner_picks_a_candidate_that_computes(monkeypatch):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("silu", [False, True])
-def test_gpu_hgemv_prefetch_window(monkeypatch, silu):
-    """T.HGEMV_PF (hgemv's rolling L2 prefetch) leaves the product as it was, bit for bit, on splits longer and
-    shorter than the window, eagerly and replayed from a graph (PDL on)."""
-    N, K, G, dtype = 2048, 4096, 128, torch.bfloat16
-    w = _weight(N, K, G, True, dtype, seed=11)
-    x = _x(1, K, dtype)
-    cfgs = [T.KernelConfig("hgemv", 1, 512, 64, s, 4, d) for s in (1, 4, 32) for d in (1, 2)]
-    run = lambda c: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, G, silu=silu, config=c)  # noqa: E731
-    plain = [run(c).clone() for c in cfgs]
-    monkeypatch.setattr(T, "HGEMV_PF", 4)
-    for c, want in zip(cfgs, plain):
-        assert torch.equal(run(c), want), c
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = run(c)
-        graph.replay()
-        assert torch.equal(y, want), c
-
-
-@pytest.mark.gpu
-@gpu
 def test_gpu_graph_replay():
     w = _weight(512, 1024, 128, True, torch.bfloat16)
     x = _x(16, 1024, torch.bfloat16)
