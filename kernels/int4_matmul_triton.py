@@ -380,44 +380,32 @@ def _word_dot(q, x04, x15, x26, x37, USE_ASM: tl.constexpr):
 @triton.jit
 def _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, i, n_mask, N, K_ITERS, G: tl.constexpr,
                 BLOCK_K: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """Tile i's packed words [BLOCK_K // 8, BLOCK_N] and its group's scales and zero points [BLOCK_N], or with
-    BLOCK_K > G its GR = BLOCK_K // G groups' [GR, BLOCK_N] (zeros if i is past the split)."""
+    """Tile i's packed words [BLOCK_K // 8, BLOCK_N] and its group's scales and zero points [BLOCK_N]
+    (zeros if i is past the split)."""
     ok = n_mask & (i < K_ITERS)
     q = tl.load(q_ptrs + i * (BLOCK_K // 8) * N, mask=ok[None, :], other=0)
-    if BLOCK_K > G:
-        GR: tl.constexpr = BLOCK_K // G
-        g = ((k_lo + i * BLOCK_K) // G + tl.arange(0, GR))[:, None] * N + cols[None, :]
-        okg = ok[None, :] & (tl.arange(0, GR) < GR)[:, None]
-    else:
-        g = (k_lo + i * BLOCK_K) // G * N + cols  # a split need not start on a group boundary
-        okg = ok
-    s = tl.load(scales_ptr + g, mask=okg, other=0.0).to(tl.float32)
+    g = (k_lo + i * BLOCK_K) // G * N + cols  # a split need not start on a group boundary
+    s = tl.load(scales_ptr + g, mask=ok, other=0.0).to(tl.float32)
     if HAS_ZEROS:
-        z = tl.load(zeros_ptr + g, mask=okg, other=0.0).to(tl.float32)
+        z = tl.load(zeros_ptr + g, mask=ok, other=0.0).to(tl.float32)
     else:
         z = s  # unused
     return q, s, z
 
 
 @triton.jit
-def _hgemv_pairs(x_ptrs, sum_ptr, i, K_ITERS, BLOCK_K8: tl.constexpr, GR: tl.constexpr):
-    """Tile i's scaled x as four [BLOCK_K8, 1] f16x2 pair columns, and its sum of x (its GR groups' [GR] sums
-    where a tile spans several)."""
+def _hgemv_pairs(x_ptrs, sum_ptr, i, K_ITERS, BLOCK_K8: tl.constexpr):
+    """Tile i's scaled x as four [BLOCK_K8, 1] f16x2 pair columns, and its sum of x."""
     ok = i < K_ITERS
     xr = x_ptrs + i * BLOCK_K8 * 4
-    if GR > 1:
-        xsum = tl.load(sum_ptr + i * GR + tl.arange(0, GR), mask=ok & (tl.arange(0, GR) < GR), other=0)
-    else:
-        xsum = tl.load(sum_ptr + i, mask=ok, other=0)
     return (tl.load(xr, mask=ok, other=0), tl.load(xr + 1, mask=ok, other=0), tl.load(xr + 2, mask=ok, other=0),
-            tl.load(xr + 3, mask=ok, other=0), xsum.to(tl.float32, bitcast=True))
+            tl.load(xr + 3, mask=ok, other=0), tl.load(sum_ptr + i, mask=ok, other=0).to(tl.float32, bitcast=True))
 
 
 @triton.jit
-def _hgemv_x_pass(x_ptr, scr, k_lo, R8, SUMS, SUM8: tl.constexpr, CHUNK8: tl.constexpr):
-    """hgemv's step 1 over a split's R8 packed rows of x: the largest |x|, then the scaled f16x2 pairs and the
-    sum of x over each SUM8 packed rows (a tile, or a group where tiles span several) into the program's
-    scratch rows ``scr`` (SUMS of them), then a barrier. Returns 1 / the scale."""
+def _hgemv_x_pass(x_ptr, scr, k_lo, R8, K_ITERS, BLOCK_K8: tl.constexpr, CHUNK8: tl.constexpr):
+    """hgemv's step 1 over a split's R8 packed rows of x: the largest |x|, then the scaled f16x2 pairs and each
+    tile's sum of x into the program's scratch rows ``scr``, then a barrier. Returns 1 / the scale."""
     c8 = tl.arange(0, CHUNK8)
     c4 = tl.arange(0, 4)
     # 1a. the split's largest |x|
@@ -440,9 +428,9 @@ def _hgemv_x_pass(x_ptr, scr, k_lo, R8, SUMS, SUM8: tl.constexpr, CHUNK8: tl.con
         pair = (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
         tl.store(scr + 4 * (r0 + c8)[:, None] + c4[None, :], pair, mask=ok)
         rows = tl.sum(lo.to(tl.float32) + hi.to(tl.float32), axis=1)  # [CHUNK8]
-        tiles = tl.sum(tl.reshape(rows, [CHUNK8 // SUM8, SUM8]), axis=1)
-        t_idx = r0 // SUM8 + tl.arange(0, CHUNK8 // SUM8)
-        tl.store(scr + R8 * 4 + t_idx, tiles.to(tl.int32, bitcast=True), mask=t_idx < SUMS)
+        tiles = tl.sum(tl.reshape(rows, [CHUNK8 // BLOCK_K8, BLOCK_K8]), axis=1)
+        t_idx = r0 // BLOCK_K8 + tl.arange(0, CHUNK8 // BLOCK_K8)
+        tl.store(scr + R8 * 4 + t_idx, tiles.to(tl.int32, bitcast=True), mask=t_idx < K_ITERS)
     tl.debug_barrier()  # the scratch rows are written before any thread reads them
     return ((e - 9) << 23).to(tl.float32, bitcast=True)
 
@@ -464,9 +452,8 @@ def _int4_gemv_f16_kernel(
     ATOMIC: tl.constexpr,
     ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr,
 ):
-    """One program: row 0 of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows. Either BLOCK_K
-    divides G, so every tile sits in one group, or G divides BLOCK_K and a tile spans GR groups, each summed
-    and scaled on its own (GGUF's 32-row groups: tiles of 4 packed rows alone would keep few bytes in flight).
+    """One program: row 0 of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows (BLOCK_K
+    divides G, so every tile sits in one group).
 
     1. x's slice is scaled by a power of two that puts its largest magnitude in [512, 1024), so the
        fp16 products (|c - 8| <= 8) and 4-term lane sums stay under 32768 and bf16 values convert
@@ -477,7 +464,6 @@ def _int4_gemv_f16_kernel(
     """
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     BLOCK_K8: tl.constexpr = BLOCK_K // 8
-    GR: tl.constexpr = BLOCK_K // G if BLOCK_K > G else 1  # groups a tile spans
     R8 = K_ITERS * BLOCK_K8  # packed rows in this split
     k_lo = pid_k * K_ITERS * BLOCK_K
     # The first DEPTH tiles' weights and group parameters go out before step 1, so their HBM latency
@@ -493,12 +479,12 @@ def _int4_gemv_f16_kernel(
                                     HAS_ZEROS)
     if USE_PDL:  # everything above reads weights only; x and every buffer wait for the previous kernel
         gdc_wait()
-    scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS * GR)  # pairs, then sums of x
-    inv_scale = _hgemv_x_pass(x_ptr, scr, k_lo, R8, K_ITERS * GR, BLOCK_K8 // GR, CHUNK8)
+    scr = scr_ptr + (pid_k * tl.num_programs(0) + pid_n) * (R8 * 4 + K_ITERS)  # pairs, then tile sums
+    inv_scale = _hgemv_x_pass(x_ptr, scr, k_lo, R8, K_ITERS, BLOCK_K8, CHUNK8)
     # 2. the weights
     x_ptrs = scr + 4 * offs_k8[:, None]  # [BLOCK_K8, 1]
     sum_ptr = scr + R8 * 4
-    x_a = _hgemv_pairs(x_ptrs, sum_ptr, 0, K_ITERS, BLOCK_K8, GR)  # from L1 / L2: one tile ahead is enough
+    x_a = _hgemv_pairs(x_ptrs, sum_ptr, 0, K_ITERS, BLOCK_K8)  # from L1 / L2: one tile ahead is enough
     acc = tl.zeros([BLOCK_N], tl.float32)
     for i in range(K_ITERS):
         q, s, z = q_a, s_a, z_a
@@ -510,17 +496,11 @@ def _int4_gemv_f16_kernel(
             q_a, s_a, z_a = _hgemv_tile(q_ptrs, scales_ptr, zeros_ptr, cols, k_lo, i + 1, n_mask, N, K_ITERS, G,
                                         BLOCK_K, HAS_ZEROS)
         x04, x15, x26, x37, xsum = x_a
-        x_a = _hgemv_pairs(x_ptrs, sum_ptr, i + 1, K_ITERS, BLOCK_K8, GR)
-        if GR > 1:  # per group: its rows' sum, its scale and zero point
-            t = tl.sum(tl.reshape(_word_dot(q, x04, x15, x26, x37, USE_ASM), [GR, BLOCK_K8 // GR, BLOCK_N]), axis=1)
-            if HAS_ZEROS:
-                t += (8.0 - z) * xsum[:, None]
-            acc += tl.sum(s * t, axis=0)
-        else:
-            t = tl.sum(_word_dot(q, x04, x15, x26, x37, USE_ASM), axis=0)  # [BLOCK_N]
-            if HAS_ZEROS:
-                t += (8.0 - z) * xsum
-            acc += s * t
+        x_a = _hgemv_pairs(x_ptrs, sum_ptr, i + 1, K_ITERS, BLOCK_K8)
+        t = tl.sum(_word_dot(q, x04, x15, x26, x37, USE_ASM), axis=0)  # [BLOCK_N]
+        if HAS_ZEROS:
+            t += (8.0 - z) * xsum
+        acc += s * t
     acc = acc * inv_scale
     if USE_PDL:
         gdc_launch_dependents()  # the next kernel may start its own weight prefetch during our fix-up
@@ -997,11 +977,6 @@ if TUNE not in ("auto", "cold", "chain"):
 CHAIN_M = (2, 64)
 SHORT_K = 2048
 CHAIN_MAX_LAUNCHES = 256
-# SPECGATE_INT4_HGEMV_GROUPS=1: the tuner also offers hgemv tiles that span several quantization groups (64- and
-# 128-row tiles for G = 32 and 64, GGUF's groups among them). Checked against the reference under the
-# interpreter only: off until a GPU has built and timed them (a build that fails other than by resources
-# would stop the tuner).
-HGEMV_GROUPS = os.environ.get("SPECGATE_INT4_HGEMV_GROUPS", "0") == "1"
 _CONFIG_CACHE: dict[tuple, KernelConfig] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _SUMS: dict[torch.device, torch.Tensor] = {}
@@ -1029,7 +1004,7 @@ _MMAT_SHAPES = {
 _SHORT_MMA_SHAPES = [(16, 32, 4, 3)]
 _SHORT_HGEMV_SHAPES = [(128, 64, 4, 2)]
 _GEMV_SHAPES = [(512, 64, 4, 1)]  # (block_n, block_k, warps, stages); more rows or a larger block_k spill
-# (block_n, block_k, warps, tiles in flight); block_k is capped at G (or, with HGEMV_GROUPS, kept as a multiple)
+# (block_n, block_k, warps, tiles in flight); block_k is capped at G
 _HGEMV_SHAPES = [(512, 64, 4, 2), (512, 64, 4, 1), (256, 128, 4, 2), (512, 128, 4, 1)]
 
 
@@ -1064,11 +1039,8 @@ def _candidates(M: int, N: int, K: int, silu: bool, num_sms: int, G: int = 128, 
         shapes += [("mmat", bm, bn, 128, w, st) for bm, bn, w, st in _MMAT_SHAPES[bucket]]
     if M == 1:  # K & -K: the largest power of two dividing K, so GEMV blocks are whole
         if x16:
-            hg = _HGEMV_SHAPES + _SHORT_HGEMV_SHAPES * short
-            # tiles inside one group, and for small groups (GGUF's 32) tiles spanning several
-            shapes = ([("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in hg]
-                      + [("hgemv", 1, bn, bk, w, d) for bn, bk, w, d in hg if HGEMV_GROUPS and bk > G and K % bk == 0]
-                      + shapes)
+            shapes = [("hgemv", 1, bn, min(bk, G), w, d) for bn, bk, w, d in _HGEMV_SHAPES + _SHORT_HGEMV_SHAPES * short
+                      ] + shapes
         shapes += [("gemv", 1, bn, min(bk, K & -K), w, st) for bn, bk, w, st in _GEMV_SHAPES]
     if head_dim:
         shapes = [sh for sh in shapes if sh[2] % head_dim == 0]
@@ -1217,12 +1189,11 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps,
                 **rope_meta, **extra, **({"launch_pdl": True} if extra.get("USE_PDL") else {}))
     if cfg.kind == "hgemv":
-        if M != 1 or (G % cfg.block_k and cfg.block_k % G) or K % cfg.block_k or not _is_16bit(x):
-            raise ValueError(f"hgemv needs one 16-bit row, block_k dividing K and dividing G or a multiple of it: "
-                             f"{tuple(x.shape)} {x.dtype}, G {G}, {cfg}")
-        # per program: the split's f16x2 pairs (4 words per packed row) and one sum of x per tile or group
-        sums = k_iters * max(1, cfg.block_k // G)
-        scratch = torch.empty(grid_n * cfg.split_k * (k_iters * cfg.block_k // 2 + sums), dtype=torch.int32,
+        if M != 1 or G % cfg.block_k or K % cfg.block_k or not _is_16bit(x):
+            raise ValueError(f"hgemv needs one 16-bit row and block_k dividing G and K: {tuple(x.shape)} {x.dtype}, "
+                             f"G {G}, {cfg}")
+        # per program: the split's f16x2 pairs (4 words per packed row) and one sum of x per tile
+        scratch = torch.empty(grid_n * cfg.split_k * (k_iters * cfg.block_k // 2 + k_iters), dtype=torch.int32,
                               device=x.device)
         # num_stages: hgemv's DEPTH is its own (tiles in flight); Triton's pipeliner has nothing to do
         kernel[(grid_n, cfg.split_k)](*args, scratch, *sizes, num_stages=1, **meta)

@@ -333,27 +333,6 @@ def test_hgemv_matches_ref(N, K, G, use_zero_point, split_k, silu):
     assert _rel_err(y, ref) < TOL[torch.float16]
 
 
-@pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("N,K,G,use_zero_point,block_k,split_k,depth", [
-    (1000, 576, 32, True, 64, 3, 2), (300, 1024, 32, False, 128, 1, 1), (200, 1536, 32, True, 128, 4, 2),
-    (96, 512, 64, True, 128, 2, 1), (130, 768, 32, True, 64, 12, 1)])
-def test_hgemv_tiles_spanning_groups_match_ref(monkeypatch, N, K, G, use_zero_point, block_k, split_k, depth, silu):
-    """hgemv tiles of 2 or 4 groups (block_k a multiple of G, GGUF's 32): each group summed and scaled on its own,
-    with and without zero points, split and unsplit, one or two tiles in flight, against the reference; and the
-    tuner offers such tiles where K allows, once SPECGATE_INT4_HGEMV_GROUPS turns them on."""
-    w = _weight(N, K, G, use_zero_point, torch.float16, seed=N + K + G)
-    x, bias = _x(1, K, torch.float16, seed=K + 1), _x(1, N, torch.float16, seed=3)[0]
-    cfg = T.KernelConfig("hgemv", 1, 512, block_k, split_k, 4, depth)
-    y, ref, out = _hgemv_run(x, w, G, bias, cfg, silu)
-    assert y.data_ptr() == out.data_ptr()
-    assert _rel_err(y, ref) < TOL[torch.float16]
-    offered = lambda: {c.block_k for c in T._candidates(1, N, K, silu, 132, G) if c.kind == "hgemv"}  # noqa: E731
-    monkeypatch.setattr(T, "HGEMV_GROUPS", False)
-    assert offered() == {G}
-    monkeypatch.setattr(T, "HGEMV_GROUPS", True)
-    assert offered() == {G} | {bk for bk in (64, 128) if bk > G and K % bk == 0}
-
-
 @pytest.mark.parametrize("magnitude", [1e4, 1e-3, 0.0])
 def test_hgemv_scales_x_into_fp16_range(magnitude):
     """x is scaled per split by a power of two: huge and tiny activations keep their precision; an
