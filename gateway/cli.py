@@ -58,6 +58,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--cache-dir", default=None, help="where the embedded model is converted and kept")
+    p.add_argument("--int4-tune-file", default="auto", metavar="auto|none|FILE",
+                   help="where the INT4 kernels' tuned picks are kept between runs on CUDA (auto: int4_tune.json in "
+                        "the cache directory; none: time every shape afresh at each start)")
     p.add_argument("--tensor-parallel", type=int, default=1,
                    help="shard the target over N ranks (N GPUs on CUDA, N processes on CPU); drafts run on rank 0")
     p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per cache")
@@ -108,7 +111,8 @@ def load(args: argparse.Namespace) -> LLM:
                      quantize=args.quantize, group_size=args.group_size, gptq_tune_steps=args.gptq_tune_steps,
                      gptq_tune=args.gptq_tune,
                      dtype=args.dtype, device=args.device,
-                     cache_dir=args.cache_dir, tensor_parallel=args.tensor_parallel)
+                     cache_dir=args.cache_dir, tensor_parallel=args.tensor_parallel,
+                     int4_tune_file=args.int4_tune_file)
     return LLM.load(cfg, engine_config(args), log=log_stderr)
 
 

@@ -27,6 +27,7 @@ from draft.vocab import COUNTS_FILE, DEFAULT_HEAD_VOCAB, head_vocab, load_counts
 from gateway.detok import TextAssembler
 from gateway.engine import Engine, EngineConfig, RequestOutput
 from gateway.sequence import SpecStats
+from kernels.int4_matmul_triton import use_tune_file
 from target.embedded import default_cache_dir
 from target.gptq import TUNE_RECIPES, cached_gptq
 from target.loader import LoadedCheckpoint, attach_shared_embeddings, load_checkpoint
@@ -64,6 +65,9 @@ class LoadConfig:
     # ngram_table.json.gz of the draft model's directory, else the one shipped for the embedded target
     # (draft/weights/smollm2-135m-instruct-ngram); "none" drafts from each sequence's own text alone; else a file.
     ngram_table: str = "auto"
+    # Where the INT4 kernels' tuned picks are kept between runs on CUDA (kernels/tune_file.py): "auto" is
+    # int4_tune.json in the cache directory, "none" times every shape afresh and keeps nothing, else a file.
+    int4_tune_file: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
@@ -161,6 +165,8 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
         raise ValueError(f"unknown drafter {draft!r}: use auto, self, ngram, none, or a draft model directory / .gguf")
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device.type == "cuda":
+        use_tune_file(tune_file_path(cfg))
     name = model_name(cfg)
     t0 = time.perf_counter()
     ckpt = target_checkpoint(cfg, dtype)
@@ -249,6 +255,15 @@ def _tensor_parallel_engine(cfg: LoadConfig, dtype: torch.dtype, device: torch.d
         raise
 
 
+def tune_file_path(cfg: LoadConfig) -> Path | None:
+    """The INT4 tune file ``cfg`` names (None for "none")."""
+    if cfg.int4_tune_file == "none":
+        return None
+    if cfg.int4_tune_file == "auto":
+        return (Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()) / "int4_tune.json"
+    return Path(cfg.int4_tune_file).expanduser()
+
+
 def load_target(cfg: LoadConfig, ckpt: LoadedCheckpoint, dtype: torch.dtype, device: torch.device | str,
                 log=print) -> Transformer:
     """The full target on ``device``, quantized as ``cfg`` asks (INT4 checkpoints as they are)."""
@@ -274,6 +289,7 @@ def load_target(cfg: LoadConfig, ckpt: LoadedCheckpoint, dtype: torch.dtype, dev
 def tp_worker_target(cfg: LoadConfig, dtype: torch.dtype) -> Transformer:
     """What each tensor-parallel worker process builds before keeping its shard: the full target, on the CPU.
     Rank 0 has already run GPTQ by then, so the workers read its cached result."""
+    use_tune_file(tune_file_path(cfg))  # a worker's shard tunes on its own GPU (its fingerprint: same kind, same picks)
     return load_target(cfg, target_checkpoint(cfg, dtype), dtype, "cpu", log=lambda _: None)
 
 

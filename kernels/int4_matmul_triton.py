@@ -24,10 +24,13 @@ that share it must be ordered: one stream, or graphs replayed on one stream.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -39,6 +42,7 @@ from triton.language.extra.cuda.gdc import gdc_launch_dependents, gdc_wait
 from kernels import invariant
 from kernels.fused_norm_rope import rope_and_cache
 from kernels.pdl import pdl_ok
+from kernels.tune_file import TuneFile
 
 log = logging.getLogger("specgate.int4")
 ONE_BITS = 0x3F800000  # fp32 1.0; a kernel argument, not a constant: see _nibble
@@ -1215,7 +1219,13 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim
         return _CONFIG_CACHE[key]
     M, K = x.shape
     cands = _candidates(M, N, K, silu, _num_sms(x), G, _is_16bit(x), head_dim)
-    if not (x.is_cuda and _autotune and len(cands) > 1) or torch.cuda.is_current_stream_capturing():
+    if not (x.is_cuda and _autotune and len(cands) > 1):
+        return cands[0]
+    stored = _stored_pick(key, cands, x.device)
+    if stored is not None:
+        _CONFIG_CACHE[key] = stored
+        return stored
+    if torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
     if chain_timed(M) and weights:
         try:
@@ -1226,8 +1236,63 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim
             times = _time_configs(run, cands, x.device)
     else:
         times = _time_configs(run, cands, x.device)
-    _CONFIG_CACHE[key] = cands[times.index(min(times))]
-    return _CONFIG_CACHE[key]
+    pick = _CONFIG_CACHE[key] = cands[times.index(min(times))]
+    tune_file = _tune_file(x.device)
+    if tune_file is not None:
+        tune_file.put(_key_name(key), list(dataclasses.astuple(pick)))
+    return pick
+
+
+# Picks kept on disk across processes (kernels/tune_file.py): off until use_tune_file names a file (the
+# gateway's --int4-tune-file; bench/int4_ab.py and the tests leave it off, so they time afresh).
+_TUNE_PATH: Path | None = None
+_TUNE_FILES: dict[torch.device, TuneFile] = {}
+
+
+def use_tune_file(path: str | os.PathLike | None) -> None:
+    """Keep tuned picks in ``path`` and take stored ones from it (None: time every shape afresh, keep nothing)."""
+    global _TUNE_PATH
+    _TUNE_PATH = None if path is None else Path(path).expanduser()
+    _TUNE_FILES.clear()
+
+
+def tune_fingerprint(device: torch.device) -> str:
+    """What a stored pick is valid under: the GPU, torch and Triton, this module's source (a kernel edit retunes),
+    the tuner's mode and every INT4 / PDL switch in the environment."""
+    props = torch.cuda.get_device_properties(device)
+    source = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:12]
+    switches = ",".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                        if k.startswith(("SPECGATE_INT4_", "SPECGATE_PDL")))
+    return (f"{props.name}, {props.multi_processor_count} SMs | torch {torch.__version__} | triton {triton.__version__}"
+            f" | {source} | tune {TUNE} | {switches}")
+
+
+def _tune_file(device: torch.device) -> TuneFile | None:
+    if _TUNE_PATH is None:
+        return None
+    if device not in _TUNE_FILES:
+        _TUNE_FILES[device] = TuneFile(_TUNE_PATH, tune_fingerprint(device))
+    return _TUNE_FILES[device]
+
+
+def _key_name(key: tuple) -> str:
+    """A tuning key as the tune file names it (the device is the fingerprint's)."""
+    m, n, k, g, dtype, zeros, whole, silu, head_dim, _device = key
+    return (f"M{m} N{n} K{k} G{g} {str(dtype).removeprefix('torch.')} zeros={int(zeros)} whole={int(whole)} "
+            f"silu={int(silu)} head_dim={head_dim}")
+
+
+def _stored_pick(key: tuple, cands: list[KernelConfig], device: torch.device) -> KernelConfig | None:
+    """The tune file's pick for ``key``, if one is stored and still among the candidates."""
+    tune_file = _tune_file(device)
+    fields = None if tune_file is None else tune_file.get(_key_name(key))
+    if fields is None:
+        return None
+    try:
+        cfg = KernelConfig(*fields)
+    except TypeError:
+        return None
+    return cfg if cfg in cands else None
 
 
 _TUNE_REPS = 15
