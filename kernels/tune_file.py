@@ -8,10 +8,11 @@ servers of one build could run different kernels. With a file, both run the firs
 
 A pick is reused only under the same fingerprint (the caller's: GPU, library versions, the kernels' source,
 their switches) and only while the stored config is still among the shape's candidates (the caller checks).
-The file holds one section per fingerprint: ``{"version": 1, "sections": {fingerprint: {key: fields}}}``.
-Each write merges this process's picks into what is on disk and renames a temporary file over it, so a
-reader never sees half a file; two processes writing at once may lose one's newest picks (timed again at the
-next start), never the file.
+The file holds one section per fingerprint, ``{"version": 1, "sections": {fingerprint: {"written": unix time,
+"picks": {key: fields}}}}``; it keeps the ``MAX_SECTIONS`` most recently written (every edit of the kernels'
+source is a new fingerprint). Each write merges this process's picks into what is on disk and renames a
+temporary file over it, so a reader never sees half a file; two processes writing at once may lose one's
+newest picks (timed again at the next start), never the file.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 log = logging.getLogger("specgate.tune")
 VERSION = 1
+MAX_SECTIONS = 16
 
 
 class TuneFile:
-    """One fingerprint's section of a tune file; read once, on the first ``get``."""
+    """One fingerprint's section of a tune file, read at first use."""
 
     def __init__(self, path: str | os.PathLike, fingerprint: str):
         self.path = Path(path)
@@ -47,12 +50,16 @@ class TuneFile:
         if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("sections"), dict):
             log.warning("tune file %s is not a version %d tune file; its picks are timed again", self.path, VERSION)
             return {}
-        return {fp: sec for fp, sec in data["sections"].items() if isinstance(sec, dict)}
+        return {fp: sec for fp, sec in data["sections"].items()
+                if isinstance(sec, dict) and isinstance(sec.get("picks"), dict)}
+
+    def _section_picks(self) -> dict[str, list]:
+        return dict(self._read_sections().get(self.fingerprint, {}).get("picks", {}))
 
     def get(self, key: str) -> list | None:
         """The stored fields of ``key``'s pick under this fingerprint, or None."""
         if self._picks is None:
-            self._picks = dict(self._read_sections().get(self.fingerprint, {}))
+            self._picks = self._section_picks()
         fields = self._picks.get(key)
         return fields if isinstance(fields, list) else None
 
@@ -60,12 +67,16 @@ class TuneFile:
         """Store a pick: merged into the file as it is on disk now, then renamed over it. A file that cannot be
         written (a read-only cache) is logged once; the picks then live for this process only."""
         if self._picks is None:
-            self._picks = dict(self._read_sections().get(self.fingerprint, {}))
+            self._picks = self._section_picks()
         self._picks[key] = list(fields)
         if not self._writable:
             return
         sections = self._read_sections()
-        sections[self.fingerprint] = {**sections.get(self.fingerprint, {}), **self._picks}
+        picks = {**sections.get(self.fingerprint, {}).get("picks", {}), **self._picks}
+        sections[self.fingerprint] = {"written": time.time(), "picks": picks}
+        written = {fp: w if isinstance(w := sec.get("written"), (int, float)) else 0 for fp, sec in sections.items()}
+        newest = sorted(sections, key=written.__getitem__, reverse=True)[:MAX_SECTIONS]
+        sections = {fp: sections[fp] for fp in newest}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)

@@ -10,6 +10,7 @@ import torch
 from gateway.llm import LoadConfig, tune_file_path
 from kernels import int4_matmul_triton as T
 from kernels.int4_matmul import int4_matmul
+from kernels import tune_file
 from kernels.tune_file import TuneFile
 from test_int4_matmul import TOL, _ref, _rel_err, _weight, _x  # (tests/kernels/)
 
@@ -34,8 +35,25 @@ def test_writers_merge_into_the_file_on_disk(tmp_path):
     second.put("k2", PICK[:-1] + [2])
     other.put("k1", PICK[:-2] + [8, 3])
     sections = json.loads(path.read_text())["sections"]
-    assert sections == {"gpu A": {"k1": PICK, "k2": PICK[:-1] + [2]}, "gpu B": {"k1": PICK[:-2] + [8, 3]}}
+    assert {fp: sec["picks"] for fp, sec in sections.items()} == {
+        "gpu A": {"k1": PICK, "k2": PICK[:-1] + [2]}, "gpu B": {"k1": PICK[:-2] + [8, 3]}}
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+
+
+def test_the_file_keeps_the_most_recently_written_fingerprints(tmp_path, monkeypatch):
+    """Every edit of the kernels' source is a new fingerprint: the file keeps the MAX_SECTIONS newest sections."""
+    path = tmp_path / "int4_tune.json"
+    clock = iter(range(100, 200))
+    monkeypatch.setattr(tune_file.time, "time", lambda: next(clock))
+    for i in range(tune_file.MAX_SECTIONS):
+        TuneFile(path, f"source {i}").put("k1", PICK)
+    TuneFile(path, "source 0").put("k2", PICK)  # written again: the newest now
+    for i in range(tune_file.MAX_SECTIONS, tune_file.MAX_SECTIONS + 2):  # two more push out the two oldest
+        TuneFile(path, f"source {i}").put("k1", PICK)
+    kept = json.loads(path.read_text())["sections"]
+    assert len(kept) == tune_file.MAX_SECTIONS
+    assert "source 0" in kept and "source 1" not in kept and "source 2" not in kept and "source 3" in kept
+    assert TuneFile(path, "source 0").get("k1") == PICK  # its older picks stayed with it
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 99, "sections": {}}), json.dumps([1, 2])])
