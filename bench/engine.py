@@ -309,8 +309,8 @@ def _count_compile(**kw) -> bool:
 
 def first_use_counts(llm: LLM) -> dict[str, int]:
     """Counters of the work a timed call should not do: eager forwards (a step no graph holds), graphs
-    captured so far (a capture mid-call stalls every stream), INT4 configs tuned so far (each new M bucket
-    tunes once, eagerly), Triton kernels compiled so far. Their change across a timed call says which of
+    captured so far (a capture mid-call stalls every stream), INT4 configs chosen so far (each new M bucket
+    is timed once, eagerly, or taken from the tune file), Triton kernels compiled so far. Their change across a timed call says which of
     these it paid for."""
     import triton
     from kernels import int4_matmul_triton
@@ -545,6 +545,10 @@ def real(res: dict, model: str | None, draft: str, new_tokens: int, batches: lis
     res["real_draft"] = Path(draft).name
     res["default_drafter"] = llm.engine.config.default_drafter
     res["graph_replays"] = llm.engine.graphs.replays if llm.engine.graphs else 0
+    if device == "cuda":  # were the INT4 kernels timed in this process, or taken from an earlier one's tune file?
+        from kernels import int4_matmul_triton as T
+        res["int4_tune_file"] = None if T._TUNE_PATH is None else str(T._TUNE_PATH)
+        res["int4_picks"] = dict(T.PICKS)
     model_dir = resolve_model_path(LoadConfig(model=model))
     draft_dir = Path(draft) if Path(draft).is_dir() else None
     del llm

@@ -1224,6 +1224,7 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim
     stored = _stored_pick(key, cands, x.device)
     if stored is not None:
         _CONFIG_CACHE[key] = stored
+        PICKS["stored"] += 1
         return stored
     if torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
@@ -1237,6 +1238,7 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim
     else:
         times = _time_configs(run, cands, x.device)
     pick = _CONFIG_CACHE[key] = cands[times.index(min(times))]
+    PICKS["timed"] += 1
     tune_file = _tune_file(x.device)
     if tune_file is not None:
         tune_file.put(_key_name(key), list(dataclasses.astuple(pick)))
@@ -1246,6 +1248,7 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim
 # Picks kept on disk across processes (kernels/tune_file.py): off until use_tune_file names a file (the
 # gateway's --int4-tune-file; bench/int4_ab.py and the tests leave it off, so they time afresh).
 _TUNE_PATH: Path | None = None
+PICKS = {"timed": 0, "stored": 0}  # this process's picks by where they came from (a bench's provenance)
 _TUNE_FILES: dict[torch.device, TuneFile] = {}
 
 

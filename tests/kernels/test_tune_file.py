@@ -134,6 +134,7 @@ def test_gpu_a_second_process_runs_the_first_ones_picks_without_timing(tmp_path,
         y1 = int4_matmul(_x(1, 576, torch.bfloat16), w)
         assert _rel_err(y1, _ref(_x(1, 576, torch.bfloat16), w)) < TOL[torch.bfloat16]
         assert T._CONFIG_CACHE == tuned
+        assert T.PICKS["stored"] >= 2
         before = T.tune_fingerprint(x.device)
         monkeypatch.setenv("SPECGATE_INT4_FIX_ROWS", "8")
         assert T.tune_fingerprint(x.device) != before
