@@ -1245,8 +1245,8 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim
     return pick
 
 
-# Picks kept on disk across processes (kernels/tune_file.py): off until use_tune_file names a file (the
-# gateway's --int4-tune-file; bench/int4_ab.py and the tests leave it off, so they time afresh).
+# Picks kept on disk across processes (kernels/tune_file.py): off until use_tune_file names a file (build_engine
+# does on CUDA: the gateway's --int4-tune-file; bench/int4_ab.py and the kernel tests time afresh).
 _TUNE_PATH: Path | None = None
 PICKS = {"timed": 0, "stored": 0}  # this process's picks by where they came from (a bench's provenance)
 _TUNE_FILES: dict[torch.device, TuneFile] = {}

@@ -465,7 +465,6 @@ def test_chain_tuner_weighs_unsplit_and_narrow_configs_for_short_k(monkeypatch):
 def test_chain_candidates_match_ref(monkeypatch, M, N, K, G):
     """Every config the chain tuner adds (unsplit, 128-wide hgemv and 32-wide MMA tiles) computes the product,
     with and without silu(gate) * up."""
-    monkeypatch.setattr(T, "TUNE", "chain")
     w = _weight(N, K, G, True, torch.float16)
     x = _x(M, K, torch.float16) / 4  # silu's exp stays in fp32 range under the interpreter
     monkeypatch.setattr(T, "TUNE", "cold")
@@ -503,6 +502,7 @@ def test_gpu_chain_tuner_falls_back_to_cold_timing_when_out_of_memory(monkeypatc
 
     monkeypatch.setattr(T, "TUNE", "chain")
     monkeypatch.setattr(T, "_CONFIG_CACHE", {})
+    monkeypatch.setattr(T, "_TUNE_PATH", None)  # an engine built earlier in this process may have named a tune file
     monkeypatch.setattr(T, "_time_chain", no_room)
     w = _weight(960, 576, 32, True, torch.bfloat16, seed=6)
     x = _x(4, 576, torch.bfloat16)
@@ -524,6 +524,7 @@ def test_gpu_chain_tuner_picks_a_candidate_that_computes(monkeypatch):
     call's output matches the reference; the copies and graphs are gone after."""
     monkeypatch.setattr(T, "TUNE", "chain")
     monkeypatch.setattr(T, "_CONFIG_CACHE", {})
+    monkeypatch.setattr(T, "_TUNE_PATH", None)  # timed here, not taken from an earlier engine's tune file
     w = _weight(960, 576, 32, True, torch.bfloat16, seed=5)
     before = torch.cuda.memory_allocated()
     for M in (1, 4):
