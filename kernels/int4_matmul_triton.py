@@ -1213,9 +1213,10 @@ def _num_sms(x: torch.Tensor) -> int:
 
 def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim: int = 0,
           weights: tuple = ()) -> KernelConfig:
-    """The cached config for ``key``, else the fastest candidate (timed once, eagerly, on CUDA). ``run(cfg)``
-    launches over the call's weight, ``run(cfg, w)`` over ``w``, a copy of ``weights`` (qweight, scales, zeros)."""
-    if key in _CONFIG_CACHE:
+    """The cached config for ``key``, else the fastest candidate (timed once, eagerly, on CUDA); with the tuner
+    off (``set_autotune``) the first candidate, whatever was timed before. ``run(cfg)`` launches over the call's
+    weight, ``run(cfg, w)`` over ``w``, a copy of ``weights`` (qweight, scales, zeros)."""
+    if _autotune and key in _CONFIG_CACHE:
         return _CONFIG_CACHE[key]
     M, K = x.shape
     cands = _candidates(M, N, K, silu, _num_sms(x), G, _is_16bit(x), head_dim)

@@ -140,3 +140,17 @@ def test_gpu_a_second_process_runs_the_first_ones_picks_without_timing(tmp_path,
         assert T.tune_fingerprint(x.device) != before
     finally:
         T.use_tune_file(None)
+
+
+def test_with_the_tuner_off_a_pick_timed_before_is_not_taken(monkeypatch):
+    """set_autotune(False) means the first candidate, even for a key an earlier (tuned) call cached: a CUDA test
+    comparing two arms with the tuner off once took picks timed by the tests before it, and failed only then."""
+    x = torch.randn(1, 256)
+    cands = T._candidates(1, 512, 256, False, T._num_sms(x), 64, T._is_16bit(x), 0)
+    timed = cands[-1]
+    assert timed != cands[0]
+    key = ("a key an earlier call tuned",)
+    monkeypatch.setitem(T._CONFIG_CACHE, key, timed)
+    assert T._pick(x, 512, 64, key, False, run=None) == timed
+    monkeypatch.setattr(T, "_autotune", False)
+    assert T._pick(x, 512, 64, key, False, run=None) == cands[0]

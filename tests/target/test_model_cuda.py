@@ -63,7 +63,6 @@ def test_rope_epilogue_leaves_the_forward_as_it_was(monkeypatch, dtype: torch.dt
     from kernels import int4_matmul_triton as T
 
     monkeypatch.setattr(T, "_autotune", False)
-    monkeypatch.setattr(T, "_CONFIG_CACHE", {})  # picks timed by earlier tests in this process would still be taken
     cfg = tiny_config(**CFG)
     gpu = Transformer.from_weights(cfg, random_weights(cfg, scale=0.05), dtype, "cuda").quantize(128)
     monkeypatch.setattr(T, "ROPE", False)
