@@ -31,7 +31,8 @@ from kernels.int4_matmul_triton import use_tune_file
 from target.embedded import default_cache_dir
 from target.gptq import TUNE_RECIPES, cached_gptq
 from target.loader import LoadedCheckpoint, attach_shared_embeddings, load_checkpoint
-from target.model import Transformer
+from target import model as target_model
+from target.model import Transformer, time_cpu_forms
 from target.tp_worker import TPConfig, start_tensor_parallel
 from verify.logprobs import TokenLogprob
 from verify.sampling import SamplingParams
@@ -212,11 +213,25 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
         picks = default_gate_drafters(drafters, default, device)
         engine_cfg = replace(engine_cfg, scheduler=replace(engine_cfg.scheduler, budget=replace(
             budget, gate_drafters=picks)))
+    if device.type == "cpu" and tp == 1 and target_model.CPU_LINEAR == "auto":
+        t0 = time.perf_counter()
+        forms = time_cpu_forms([target] + [d.model for d in drafters.values() if isinstance(d, ModelDrafter)])
+        log(cpu_forms_line(forms, time.perf_counter() - t0))
     if tp == 1:
         return Loaded(Engine(target, drafters, engine_cfg, tokenizer=ckpt.tokenizer), ckpt, name)
     engine = _tensor_parallel_engine(cfg, dtype, device, target, drafters, engine_cfg, log)
     engine.tokenizer = ckpt.tokenizer
     return Loaded(engine, ckpt, name)
+
+
+def cpu_forms_line(forms: dict[tuple[int, int], tuple[bool, ...]], seconds: float) -> str:
+    """What ``time_cpu_forms`` chose, for the load log: the shapes and row counts that take cpu_linear's form."""
+    buckets = target_model.CPU_LINEAR_BUCKETS
+    spans = [str(b) if lo == b else f"{lo}-{b}" for lo, b in zip((1,) + tuple(b + 1 for b in buckets), buckets)]
+    taken = [f"{n}x{k} at {', '.join(r for r, p in zip(spans, picks) if p)} rows"
+             for (n, k), picks in forms.items() if any(picks)]
+    return (f"CPU projections: (W @ x.T).T for {'; '.join(taken) if taken else 'no shape'}, F.linear elsewhere "
+            f"(timed in {seconds:.1f}s; SPECGATE_CPU_LINEAR=1 or 0 fixes one form)")
 
 
 def default_gate_drafters(drafters: dict[str, Drafter], default: str, device: torch.device) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,11 +31,16 @@ from target.kv_cache import KVCache
 # Dense (bf16) projections on CUDA: the residual add rides the GEMM (addmm) and silu(gate) * up is one
 # Triton kernel. SPECGATE_DENSE_FUSION=0 restores F.linear + add and F.silu * up (bench/draft_step.py's A/B).
 DENSE_FUSION = os.environ.get("SPECGATE_DENSE_FUSION", "1") != "0"
-# CPU projections of up to CPU_LINEAR_MAX_ROWS rows through cpu_linear (False: F.linear, for
-# bench/cpu_decode.py --switch linear's A/B). Above it, prefill's widths, F.linear was as fast or faster:
-# 99.6 against 96.2 ms at 64 rows, 307 against 415 ms at 256 (bench/results/cpu_forms.json).
-CPU_LINEAR = True
+# How CPU projections of up to CPU_LINEAR_MAX_ROWS rows are computed: "auto" takes the form time_cpu_forms
+# measured for the weight's shape and the row bucket (build_engine times a CPU model's shapes at load; a shape
+# it did not time takes F.linear); True takes cpu_linear, False F.linear (SPECGATE_CPU_LINEAR=auto|1|0; bench/cpu_decode.py --switch linear / linear_auto).
+# Which is faster depends on the CPU: on one 2-core AVX-512 machine cpu_linear ran SmolLM2's decode step in
+# 27.6 ms against F.linear's 53.9 (bench/results/cpu_forms.json); on another (2 cores, AVX-512 with AMX) in
+# 68.9 against 29.2 (cpu_forms_amx.json). Above the limit, prefill's widths, F.linear was as fast or faster on
+# both (307 against 415 ms, 156 against 328 at 256 rows).
+CPU_LINEAR: bool | str = {"1": True, "0": False}.get(os.environ.get("SPECGATE_CPU_LINEAR", "auto"), "auto")
 CPU_LINEAR_MAX_ROWS = 64
+CPU_LINEAR_BUCKETS = (1, 4, 16, CPU_LINEAR_MAX_ROWS)  # a projection of M rows takes the choice timed at the next
 # SPECGATE_CPU_INT4=1: a CPU model's INT4 projections also keep torch's CPU INT4 form (kernels/int4_matmul.py
 # CpuInt4) and run through it, with bfloat16 activations. On a 2-core AVX-512 machine SmolLM2's 30 layers of
 # projections took 4.6 / 7.1 / 17.8 / 23.0 ms at 1 / 4 / 9 / 16 rows against cpu_linear's 15.7 / 20.5 / 48.0 /
@@ -94,7 +100,7 @@ class Linear:
             return dense_matmul(x, w, self.bias, residual)
         if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2 and DENSE_FUSION:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
-        if CPU_LINEAR and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_LINEAR_MAX_ROWS:
+        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_LINEAR_MAX_ROWS and _takes_cpu_linear(x, w):
             y = cpu_linear(x, w, self.bias)
         else:
             y = F.linear(x, w, self.bias)
@@ -149,6 +155,59 @@ def cpu_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     else:
         y = (w @ x.t()).t().contiguous()
     return y if bias is None else y + bias
+
+
+# (N, K, dtype) -> per CPU_LINEAR_BUCKETS bucket, whether cpu_linear's form was the faster (time_cpu_forms)
+_CPU_FORMS: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
+
+
+def _takes_cpu_linear(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if CPU_LINEAR != "auto":
+        return bool(CPU_LINEAR)
+    if invariant.enabled():
+        # one form at every row count, the one the mode's CPU test holds to: a bucket's choice must not decide a
+        # row's bits
+        return True
+    forms = _CPU_FORMS.get((w.shape[0], w.shape[1], w.dtype))
+    if forms is None:  # a shape no loaded model timed: the common form
+        return False
+    M = x.shape[0]
+    return forms[next(i for i, b in enumerate(CPU_LINEAR_BUCKETS) if M <= b)]
+
+
+def time_cpu_forms(models: list["Transformer"], reps: int = 2) -> dict[tuple[int, int], tuple[bool, ...]]:
+    """Time ``cpu_linear`` against ``F.linear`` for each projection shape of ``models`` (CPU float weights) at
+    each of ``CPU_LINEAR_BUCKETS`` rows, and keep the choice for ``CPU_LINEAR = "auto"``: per shape and bucket,
+    whether cpu_linear's form was at least 15% faster (where the two are close, F.linear, the common form, keeps
+    a machine's choice stable from one process to the next). Each pass runs every weight of the shape once, as
+    a forward does, so the weights come from where a forward finds them -- one weight timed alone stays in L2,
+    and there the forms ranked otherwise. Returns {(N, K): picks}; SmolLM2 with its draft took ~1.5 s on 2 cores."""
+    groups: dict[tuple[int, int, torch.dtype], dict[int, torch.Tensor]] = {}  # by shape, then address
+    for m in models:
+        lins = [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        for lin in lins + [m.lm_head] + ([m.fc] if m.fc is not None else []):
+            w = lin.dequantized if lin.dequantized is not None else lin.weight
+            if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.is_floating_point():
+                # a self-draft shares its target's tensors: each is timed once
+                groups.setdefault((w.shape[0], w.shape[1], w.dtype), {})[w.data_ptr()] = w
+    out = {}
+    for key, by_ptr in groups.items():
+        ws = list(by_ptr.values())
+        picks = []
+        for rows in CPU_LINEAR_BUCKETS:
+            x = torch.randn(rows, key[1], dtype=key[2])
+            forms = {"f_linear": lambda w: F.linear(x, w), "cpu_linear": lambda w: cpu_linear(x, w)}
+            best = dict.fromkeys(forms, math.inf)
+            for rep in range(reps + 1):  # the first pass untimed: MKL's own set-up
+                for name, f in forms.items():
+                    t = time.perf_counter()
+                    for w in ws:
+                        f(w)
+                    if rep:
+                        best[name] = min(best[name], time.perf_counter() - t)
+            picks.append(best["cpu_linear"] < 0.85 * best["f_linear"])
+        _CPU_FORMS[key] = out[key[:2]] = tuple(picks)
+    return out
 
 
 def int4_group_size(in_features: int, group_size: int) -> int:

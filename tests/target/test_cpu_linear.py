@@ -88,3 +88,79 @@ def test_cpu_int4_form_is_built_only_when_switched_on() -> None:
 
     q = quantize_rtn(torch.randn(64, 128), 32)
     assert not model.CPU_INT4 and model.int4_linear(q).cpu_int4 is None
+
+
+# ------------------------------------------------------------------------------------------------------
+# CPU_LINEAR "auto": each shape's form as time_cpu_forms measured it, per row bucket
+# ------------------------------------------------------------------------------------------------------
+
+
+def test_auto_takes_each_buckets_measured_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(192, 160, generator=g), torch.randn(64, 160, generator=g)
+    lin = Linear(w)
+    calls: list[int] = []
+
+    def recording(x, w, b=None):
+        calls.append(x.shape[0])
+        return cpu_linear(x, w, b)
+
+    def took_cpu_linear(M: int) -> bool:
+        calls.clear()
+        torch.testing.assert_close(lin(x[:M]), F.linear(x[:M], w), rtol=1e-5, atol=1e-4)
+        return calls == [M]
+
+    monkeypatch.setattr(model, "cpu_linear", recording)
+    monkeypatch.setattr(model, "CPU_LINEAR", "auto")
+    monkeypatch.setattr(model, "_CPU_FORMS", {})
+    assert not took_cpu_linear(1) and not took_cpu_linear(9)  # a shape no model timed: F.linear
+    model._CPU_FORMS[(192, 160, torch.float32)] = (True, False, True, False)  # buckets 1, 2-4, 5-16, 17-64
+    for M, takes in ((1, True), (3, False), (4, False), (5, True), (16, True), (17, False), (64, False)):
+        assert took_cpu_linear(M) == takes, M
+    assert not took_cpu_linear(65)  # past CPU_LINEAR_MAX_ROWS: F.linear whatever was timed
+    monkeypatch.setattr(model.invariant, "_enabled", True)  # the batch-invariant mode: one form at every width
+    assert took_cpu_linear(3) and took_cpu_linear(40)
+    monkeypatch.setattr(model.invariant, "_enabled", False)
+    for fixed in (True, False):  # SPECGATE_CPU_LINEAR=1 / 0
+        monkeypatch.setattr(model, "CPU_LINEAR", fixed)
+        assert [took_cpu_linear(M) for M in (1, 3, 9, 40)] == [fixed] * 4
+
+
+def _model(hidden: int = 128) -> model.Transformer:
+    from engine_util import random_weights, tiny_config
+
+    cfg = tiny_config(vocab=512, layers=2, hidden_size=hidden, intermediate_size=2 * hidden, num_heads=4,
+                      num_kv_heads=2, head_dim=hidden // 4)
+    return model.Transformer.from_weights(cfg, random_weights(cfg), torch.float32, "cpu").quantize(32)
+
+
+@pytest.mark.parametrize("cpu_linear_cost", ["free", "slow"])
+def test_time_cpu_forms_follows_the_measurement(monkeypatch: pytest.MonkeyPatch, cpu_linear_cost: str) -> None:
+    """time_cpu_forms keeps, per shape and bucket, the form that timed faster: with cpu_linear's form made
+    free every pick is it, made slow (twenty F.linear calls a call: slower whatever else loads the machine)
+    none is. Every shape of the model and of a self-draft sharing its weights is timed once."""
+    target = _model()
+
+    def slow(x, w, b=None):
+        for _ in range(20):
+            y = F.linear(x, w, b)
+        return y
+
+    fake = (lambda x, w, b=None: x) if cpu_linear_cost == "free" else slow
+    monkeypatch.setattr(model, "cpu_linear", fake)
+    monkeypatch.setattr(model, "_CPU_FORMS", {})
+    forms = model.time_cpu_forms([target, target.truncated(1)])
+    # qkv, o, gate_up (and the head: 512 x 128 too), down
+    assert set(forms) == {(256, 128), (128, 128), (512, 128), (128, 256)}
+    assert all(picks == (cpu_linear_cost == "free",) * len(model.CPU_LINEAR_BUCKETS) for picks in forms.values()), forms
+    assert model._CPU_FORMS == {(n, k, torch.float32): p for (n, k), p in forms.items()}
+
+
+def test_the_load_log_names_the_shapes_that_take_cpu_linear() -> None:
+    from gateway.llm import cpu_forms_line
+
+    line = cpu_forms_line({(576, 1536): (False, False, True, False), (960, 576): (True, True, False, True),
+                           (49152, 576): (False,) * 4}, 1.25)
+    assert line.startswith("CPU projections: (W @ x.T).T for 576x1536 at 5-16 rows; 960x576 at 1, 2-4, 17-64 rows,")
+    assert "49152x576" not in line and "1.2s" in line
+    assert "no shape" in cpu_forms_line({(49152, 576): (False,) * 4}, 0.1)
