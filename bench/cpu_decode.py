@@ -1,11 +1,13 @@
 """Decoding on the CPU with one of its execution paths switched on and off: by default the batched attention
 paths against the one-sequence-at-a-time reference, with ``--switch linear`` the projections' ``cpu_linear``
 against ``F.linear``, with ``--switch linear_auto`` each weight shape's form timed on this machine
-(``CPU_LINEAR = "auto"``, the default) against ``cpu_linear`` everywhere, with ``--switch int4`` the INT4 projections through torch's CPU INT4 kernel
-(``target.model.CPU_INT4``) against the float32 copy, with ``--switch plan`` the tree path's rows and masks
-shared by a forward's layers (``tree_attention.CPU_PLAN_CACHE``) against built in every layer.
+(``CPU_LINEAR = "auto"``, the default) against ``cpu_linear`` everywhere, with ``--switch invariant`` the
+batch-invariant mode against the default, with ``--switch int4`` the INT4 projections through torch's CPU
+INT4 kernel (``target.model.CPU_INT4``) against the float32 copy, with ``--switch plan`` the tree path's rows
+and masks shared by a forward's layers (``tree_attention.CPU_PLAN_CACHE``) against built in every layer.
 
-    python bench/cpu_decode.py [--switch attention|linear|linear_auto|int4|plan] [--batches 1,8,32] [--max-tokens 64]
+    python bench/cpu_decode.py [--switch attention|linear|linear_auto|invariant|int4|plan]
+                               [--batches 1,8,32] [--max-tokens 64]
                                [--repeats 2] [--spec [--drafter draft] [--tree 2,2,2,1]]
                                [--out bench/results/cpu_decode.json]
 
@@ -40,7 +42,7 @@ from draft.params import SpeculationParams  # noqa: E402
 from gateway.engine import EngineConfig  # noqa: E402
 from gateway.llm import LLM, LoadConfig  # noqa: E402
 from gateway.scheduler import SchedulerConfig  # noqa: E402
-from kernels import paged_decode, tree_attention  # noqa: E402
+from kernels import invariant, paged_decode, tree_attention  # noqa: E402
 from target import model as target_model  # noqa: E402
 from verify.sampling import SamplingParams  # noqa: E402
 
@@ -51,6 +53,8 @@ SWITCHES = {"attention": (("batched", "reference"), lambda on: setattr(paged_dec
             # each shape's form timed on this machine (the default) against cpu_linear everywhere
             "linear_auto": (("measured", "cpu_linear"),
                             lambda on: setattr(target_model, "CPU_LINEAR", "auto" if on else True)),
+            # the batch-invariant mode (its projections' chunked form, invariant_attention_ref) against the default
+            "invariant": (("invariant", "default"), lambda on: invariant.set_enabled(on)),
             # the INT4 projections through torch's CPU INT4 kernel (bfloat16 activations) or the float32 copy
             "int4": (("cpu_int4", "float32"), lambda on: setattr(target_model, "CPU_INT4", on)),
             # the tree path's rows and masks built once per forward and shared by its layers, or in every layer
@@ -104,7 +108,7 @@ def main() -> None:
                 switch(arm == on)
                 tok_s, tokens[arm], accepted[arm] = run(llm, ps, args.max_tokens, spec)
                 runs[arm].append(tok_s)
-        switch(True)  # (the default: each switch's first arm)
+        switch(args.switch != "invariant")  # the default: each switch's first arm, but the invariant mode's
         same = sum(x == y for a, b2 in zip(tokens[on], tokens[off]) for x, y in zip(a, b2))
         row = {"batch": b, f"{on}_tok_s": round(max(runs[on]), 2), f"{off}_tok_s": round(max(runs[off]), 2),
                "speedup": round(max(runs[on]) / max(runs[off]), 3),

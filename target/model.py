@@ -33,14 +33,15 @@ from target.kv_cache import KVCache
 DENSE_FUSION = os.environ.get("SPECGATE_DENSE_FUSION", "1") != "0"
 # How CPU projections of up to CPU_LINEAR_MAX_ROWS rows are computed: "auto" takes the form time_cpu_forms
 # measured for the weight's shape and the row bucket (build_engine times a CPU model's shapes at load; a shape
-# it did not time takes F.linear); True takes cpu_linear, False F.linear (SPECGATE_CPU_LINEAR=auto|1|0; bench/cpu_decode.py --switch linear / linear_auto).
-# Which is faster depends on the CPU: on one 2-core AVX-512 machine cpu_linear ran SmolLM2's decode step in
-# 27.6 ms against F.linear's 53.9 (bench/results/cpu_forms.json); on another (2 cores, AVX-512 with AMX) in
-# 68.9 against 29.2 (cpu_forms_amx.json). Above the limit, prefill's widths, F.linear was as fast or faster on
-# both (307 against 415 ms, 156 against 328 at 256 rows).
+# it did not time takes F.linear); True takes cpu_linear, False F.linear (SPECGATE_CPU_LINEAR=auto|1|0;
+# bench/cpu_decode.py --switch linear / linear_auto). The batch-invariant mode takes cpu_linear_invariant
+# whatever this says. Which form is faster depends on the CPU: on one 2-core AVX-512 machine cpu_linear ran
+# SmolLM2's decode step in 27.6 ms against F.linear's 53.9 (bench/results/cpu_forms.json), on another (2 cores,
+# AVX-512 with AMX) in 76.6 against 34.5 (cpu_forms_amx.json). Above the limit, prefill's widths, F.linear was
+# as fast or faster on both (307 against 415 ms, 167 against 264 at 256 rows).
 CPU_LINEAR: bool | str = {"1": True, "0": False}.get(os.environ.get("SPECGATE_CPU_LINEAR", "auto"), "auto")
 CPU_LINEAR_MAX_ROWS = 64
-CPU_LINEAR_BUCKETS = (1, 4, 16, CPU_LINEAR_MAX_ROWS)  # a projection of M rows takes the choice timed at the next
+CPU_LINEAR_BUCKETS = (1, 4, 16, CPU_LINEAR_MAX_ROWS)  # M rows take the choice timed at the first bucket >= M
 # SPECGATE_CPU_INT4=1: a CPU model's INT4 projections also keep torch's CPU INT4 form (kernels/int4_matmul.py
 # CpuInt4) and run through it, with bfloat16 activations. On a 2-core AVX-512 machine SmolLM2's 30 layers of
 # projections took 4.6 / 7.1 / 17.8 / 23.0 ms at 1 / 4 / 9 / 16 rows against cpu_linear's 15.7 / 20.5 / 48.0 /
@@ -100,6 +101,8 @@ class Linear:
             return dense_matmul(x, w, self.bias, residual)
         if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2 and DENSE_FUSION:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
+        if x.device.type == "cpu" and x.dim() == 2 and invariant.enabled():
+            return cpu_linear_invariant(x, w, self.bias, residual)
         if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_LINEAR_MAX_ROWS and _takes_cpu_linear(x, w):
             y = cpu_linear(x, w, self.bias)
         else:
@@ -157,6 +160,32 @@ def cpu_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     return y if bias is None else y + bias
 
 
+# The batch-invariant mode's CPU form: the rows in chunks of this many (the last padded with zeros), each chunk
+# one product of the same shape, in the form this process takes at that many rows (_takes_cpu_linear: F.linear
+# or (W @ X.T).T, as time_cpu_forms measured). MKL then gives a row the same bits at any position in its chunk and
+# beside any other rows (both forms, SmolLM2's shapes, chunks of 2 to 16, 1 to 200 rows, on a 2-core AMX
+# machine), where the bits of either form over the whole batch follow the row count on some CPUs
+# (ARCHITECTURE.md, batch-invariant mode).
+INVARIANT_CPU_ROWS = 4
+
+
+def cpu_linear_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T + bias (+ residual)`` for ``x`` ``[M, K]`` on the CPU, each row's bits independent of M and of
+    the other rows (``INVARIANT_CPU_ROWS``). A prefill pays one pass over the weight per chunk."""
+    M, K = x.shape
+    C = INVARIANT_CPU_ROWS
+    pad = -M % C
+    xp = torch.cat((x, x.new_zeros(pad, K))) if pad else x
+    if _takes_cpu_linear(xp[:C], w):
+        chunks = [(w @ xp[i : i + C].t()).t() for i in range(0, M + pad, C)]
+    else:
+        chunks = [F.linear(xp[i : i + C], w) for i in range(0, M + pad, C)]
+    y = torch.cat([x.new_empty(0, w.shape[0])] + chunks)[:M]
+    y = y if bias is None else y + bias
+    return y if residual is None else y + residual
+
+
 # (N, K, dtype) -> per CPU_LINEAR_BUCKETS bucket, whether cpu_linear's form was the faster (time_cpu_forms)
 _CPU_FORMS: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
 
@@ -164,10 +193,6 @@ _CPU_FORMS: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
 def _takes_cpu_linear(x: torch.Tensor, w: torch.Tensor) -> bool:
     if CPU_LINEAR != "auto":
         return bool(CPU_LINEAR)
-    if invariant.enabled():
-        # one form at every row count, the one the mode's CPU test holds to: a bucket's choice must not decide a
-        # row's bits
-        return True
     forms = _CPU_FORMS.get((w.shape[0], w.shape[1], w.dtype))
     if forms is None:  # a shape no loaded model timed: the common form
         return False

@@ -118,8 +118,9 @@ def test_auto_takes_each_buckets_measured_form(monkeypatch: pytest.MonkeyPatch) 
     for M, takes in ((1, True), (3, False), (4, False), (5, True), (16, True), (17, False), (64, False)):
         assert took_cpu_linear(M) == takes, M
     assert not took_cpu_linear(65)  # past CPU_LINEAR_MAX_ROWS: F.linear whatever was timed
-    monkeypatch.setattr(model.invariant, "_enabled", True)  # the batch-invariant mode: one form at every width
-    assert took_cpu_linear(3) and took_cpu_linear(40)
+    monkeypatch.setattr(model.invariant, "_enabled", True)  # the batch-invariant mode: its own form at every width
+    for M in (3, 40, 65):
+        assert not took_cpu_linear(M) and torch.equal(lin(x[:M]), model.cpu_linear_invariant(x[:M], w))
     monkeypatch.setattr(model.invariant, "_enabled", False)
     for fixed in (True, False):  # SPECGATE_CPU_LINEAR=1 / 0
         monkeypatch.setattr(model, "CPU_LINEAR", fixed)
@@ -164,3 +165,25 @@ def test_the_load_log_names_the_shapes_that_take_cpu_linear() -> None:
     assert line.startswith("CPU projections: (W @ x.T).T for 576x1536 at 5-16 rows; 960x576 at 1, 2-4, 17-64 rows,")
     assert "49152x576" not in line and "1.2s" in line
     assert "no shape" in cpu_forms_line({(49152, 576): (False,) * 4}, 0.1)
+
+
+@pytest.mark.parametrize("form", [True, False], ids=["cpu_linear", "f_linear"])
+@pytest.mark.parametrize("shape", [(576, 1536), (3072, 576)], ids=["down", "gate_up"])
+def test_the_invariant_form_gives_a_row_the_same_bits_at_any_row_count(monkeypatch: pytest.MonkeyPatch,
+                                                                       shape: tuple[int, int], form: bool) -> None:
+    """The batch-invariant mode on the CPU: a row's projection is bit-identical whatever rows share the call and
+    wherever it sits among them, decode widths and prefill widths alike, with a bias and a residual, in either
+    form of the chunks. SmolLM2's shapes: on a 2-core AMX machine cpu_linear's rows of the down projection over
+    the whole batch differed between M <= 33 and M = 64, and F.linear's between M <= 9 and M = 300."""
+    N, K = shape
+    g = torch.Generator().manual_seed(N)
+    lin = Linear(torch.randn(N, K, generator=g) * 0.05, torch.randn(N, generator=g))
+    x, res = torch.randn(200, K, generator=g), torch.randn(200, N, generator=g)
+    monkeypatch.setattr(model, "CPU_LINEAR", form)
+    monkeypatch.setattr(model.invariant, "_enabled", True)
+    ref = lin(x, residual=res)
+    torch.testing.assert_close(ref, F.linear(x, lin.weight, lin.bias) + res, rtol=1e-5, atol=1e-4)
+    assert lin(x[:0], residual=res[:0]).shape == (0, N)  # a forward with no rows for this projection
+    for start, M in ((0, 1), (7, 1), (5, 3), (17, 9), (3, 64), (100, 77), (61, 139)):
+        rows = slice(start, start + M)
+        assert torch.equal(lin(x[rows], residual=res[rows]), ref[rows]), (start, M)
