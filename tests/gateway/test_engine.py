@@ -403,7 +403,9 @@ def test_the_gate_chooses_the_drafter_of_requests_that_name_none() -> None:
     out = run_all(eng, [("named", [1, 2, 3], short, SpeculationParams(drafter="draft")),
                         ("fixed", [1, 2, 4], short, SpeculationParams(tree=(1, 1))),
                         ("auto2", [1, 2, 5], short, SpeculationParams())])
-    assert proposed["draft"] == {"named", "fixed"} and proposed["exact"] == {"auto2"}
+    # 'auto2' follows the gate to 'exact'; a block in which the gate explores 'draft' again may reach it too (one
+    # in up to ``max_explore``, sooner when timings on a loaded machine waver), the other two never leave 'draft'
+    assert proposed["draft"] - {"auto2"} == {"named", "fixed"} and proposed["exact"] == {"auto2"}
     assert out["named"] == ref[:40]
 
 
