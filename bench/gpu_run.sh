@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one session ran on the lent GPU (the device tool), stage by stage:
-#   bash bench/gpu_run.sh bg STAGE.. the stages detached, past the call's end (then `poll` in the next calls)
+#   bash bench/gpu_run.sh ... bg STAGE..  the stages after bg detached, past the call's end (then `poll` in the next calls)
 #   bash bench/gpu_run.sh setup      install the wheels the GPU image lacks (carried in .whl/), and unpack a carried
 #                                    Triton cache (.cache/triton_tgz/triton_cache.part.*: what `triton_out` brought back)
 #   bash bench/gpu_run.sh triton_out the Triton cache built so far, as parts under $OUT (last in a call that built a lot)
@@ -125,20 +125,22 @@ int4_env_ab() {
       2>&1 | grep -v "^  ok" | grep -v "^M=" | tail -12
   done; done
 }
-# `bg STAGE...`: the stages after it run detached (setsid), past this call's end, with their $OUT in .cache/bg/out and
-# their output in .cache/bg/log; `poll` (a later call, issued at once: an idle machine is released after 30 s) waits
-# up to POLL_S (520) seconds for them, prints the log's tail and brings back what they wrote. The whole CUDA test
-# suite on a fresh machine outlasts one call's 600 s.
-if [ "${1:-}" = bg ]; then
+# `bg`: the stages after it run detached (setsid), past this call's end, with their $OUT in .cache/bg/out and their
+# output in .cache/bg/log (`setup bg tests triton_out`: setup now, the rest detached); `poll` (a later call, issued at
+# once: an idle machine is released after 30 s) waits up to POLL_S (520) seconds for them, prints the log's tail and
+# brings back what they wrote. The whole CUDA test suite on a fresh machine outlasts one call's 600 s (raise the
+# stage's own TESTS_TIMEOUT too).
+while [ $# -gt 0 ]; do
+  stage=$1
   shift
-  rm -rf .cache/bg && mkdir -p .cache/bg/out
-  OUT="$PWD/.cache/bg/out" setsid nohup bash -c 'bash bench/gpu_run.sh "$@"; echo "rc=$?" > .cache/bg/done' _ "$@" \
-    > .cache/bg/log 2>&1 < /dev/null &
-  echo "=== bg: $* started $(date +%T); poll with: bash bench/gpu_run.sh poll"
-  exit 0
-fi
-for stage in "$@"; do
   echo "=== $stage $(date +%T)"
+  if [ "$stage" = bg ]; then
+    rm -rf .cache/bg && mkdir -p .cache/bg/out
+    OUT="$PWD/.cache/bg/out" setsid nohup bash -c 'bash bench/gpu_run.sh "$@"; echo "rc=$?" > .cache/bg/done' _ "$@" \
+      > .cache/bg/log 2>&1 < /dev/null &
+    echo "bg: $* started; poll with: bash bench/gpu_run.sh poll"
+    exit 0
+  fi
   case "$stage" in
     poll)
       for _ in $(seq "${POLL_S:-520}"); do [ -e .cache/bg/done ] && break; sleep 1; done
