@@ -158,8 +158,9 @@ while [ $# -gt 0 ]; do
       tar czf - -C "$TRITON_CACHE_DIR" --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' . \
         | split -b 15m -d - "$OUT/triton_cache.part."
       ls -la "$OUT"/triton_cache.part.* ;;
-    tests)  # the CUDA tests, in two calls on a fresh machine (TESTS=a, then TESTS=b): at 6023b60 one call of all of
-            # them outlasted 8.5 minutes, its builds and INT4 tuning included. Each test's line goes to
+    tests)  # the CUDA tests, in two calls on a fresh machine (TESTS=a, then TESTS=b), or all after `bg` with
+            # TESTS_TIMEOUT raised: at 6023b60 one call of all of them outlasted 8.5 minutes, its builds and INT4
+            # tuning included. Each test's line goes to
             # $OUT/tests_$TESTS.log as it ends, so a call cut off at its limit still says how far it got.
       part_a="tests/target/test_graphs_cuda.py tests/target/test_model_cuda.py tests/kernels/test_fused_norm_rope.py
               tests/draft/test_tree_loop.py tests/kernels/test_tune_file.py"

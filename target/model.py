@@ -103,7 +103,7 @@ class Linear:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
         if x.device.type == "cpu" and x.dim() == 2 and invariant.enabled():
             return cpu_linear_invariant(x, w, self.bias, residual)
-        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_LINEAR_MAX_ROWS and _takes_cpu_linear(x, w):
+        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_LINEAR_MAX_ROWS and _takes_cpu_linear(x.shape[0], w):
             y = cpu_linear(x, w, self.bias)
         else:
             y = F.linear(x, w, self.bias)
@@ -177,7 +177,7 @@ def cpu_linear_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     C = INVARIANT_CPU_ROWS
     pad = -M % C
     xp = torch.cat((x, x.new_zeros(pad, K))) if pad else x
-    if _takes_cpu_linear(xp[:C], w):
+    if _takes_cpu_linear(C, w):
         chunks = [(w @ xp[i : i + C].t()).t() for i in range(0, M + pad, C)]
     else:
         chunks = [F.linear(xp[i : i + C], w) for i in range(0, M + pad, C)]
@@ -190,14 +190,13 @@ def cpu_linear_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
 _CPU_FORMS: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
 
 
-def _takes_cpu_linear(x: torch.Tensor, w: torch.Tensor) -> bool:
+def _takes_cpu_linear(rows: int, w: torch.Tensor) -> bool:
     if CPU_LINEAR != "auto":
         return bool(CPU_LINEAR)
     forms = _CPU_FORMS.get((w.shape[0], w.shape[1], w.dtype))
     if forms is None:  # a shape no loaded model timed: the common form
         return False
-    M = x.shape[0]
-    return forms[next(i for i, b in enumerate(CPU_LINEAR_BUCKETS) if M <= b)]
+    return forms[next(i for i, b in enumerate(CPU_LINEAR_BUCKETS) if rows <= b)]
 
 
 def time_cpu_forms(models: list["Transformer"], reps: int = 2) -> dict[tuple[int, int], tuple[bool, ...]]:
