@@ -147,6 +147,8 @@ def main() -> None:
            "torch": torch.__version__, "pdl": pdl_ok(dev), "copy_tbps": B.copy_tbps(), "rows": []}
     print(f"{res['device']}  copy {res['copy_tbps']:.2f} TB/s  pdl {res['pdl']}", flush=True)
     arms = ["empty", "stream", "stream+fixup", "stream+x", "hgemv-nofix"]
+    # the probes price the serial fix-up (hgemv's own launch with FIX_ATOMIC off); atomic sums are an arm
+    T.FIX_ATOMIC = False
     fix_arms = {"hgemv": {}, "hgemv-fix32": {"FIX_ROWS": 32}, "hgemv-atomic": {"FIX_ATOMIC": True}}
     for K, N in B.SHAPES:
         x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)

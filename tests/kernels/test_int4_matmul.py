@@ -113,7 +113,10 @@ def _configs(M: int, N: int, K: int) -> list[T.KernelConfig]:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("M,N,K,G", [(2, 100, 576, 64), (5, 64, 1024, 128), (33, 40, 256, 32)])
-def test_every_kernel_matches_ref(M, N, K, G, dtype):
+def test_every_kernel_matches_ref(monkeypatch, M, N, K, G, dtype):
+    """Every kind, split and unsplit; split-K sums by atomic adds (the default) for fp16 and by the serial
+    fix-up (batch-invariant mode's, SPECGATE_INT4_FIX_ATOMIC=0) for fp32."""
+    monkeypatch.setattr(T, "FIX_ATOMIC", dtype == torch.float16)
     w = _weight(N, K, G, True, dtype)
     x, bias = _x(M, K, dtype), _x(1, N, dtype, seed=2)[0]
     ref = _ref(x, w, bias)
@@ -243,6 +246,7 @@ def test_hgemv_fix_up_rounds(monkeypatch, fix_rows, split_k):
     """SPECGATE_INT4_FIX_ROWS (T.FIX_ROWS): the last program reads the partials that many rows a round, the last
     round ragged (6 splits in rounds of 4) or all in one (24 of 32); the sum stays the reference's."""
     monkeypatch.setattr(T, "FIX_ROWS", fix_rows)
+    monkeypatch.setattr(T, "FIX_ATOMIC", False)  # the serial fix-up reads the rounds
     N, K, G = 1024, 3072, 128
     w = _weight(N, K, G, True, torch.float16, seed=split_k)
     x = _x(1, K, torch.float16, seed=3)
@@ -391,7 +395,10 @@ def test_silu_mul_matches_ref(M):
     assert _rel_err(y, ref) < TOL[torch.float16]
 
 
-def test_split_k_is_deterministic_and_resets_counters():
+def test_split_k_is_deterministic_and_resets_counters(monkeypatch):
+    """The serial fix-up sums the partials in split order: two launches agree bit for bit (the atomic one,
+    the default, sums in arrival order; test_hgemv_atomic_fix_up and test_mma_atomic_fix_up cover it)."""
+    monkeypatch.setattr(T, "FIX_ATOMIC", False)
     w = _weight(64, 1024, 128, True, torch.float16)
     x = _x(3, 1024, torch.float16)
     cfg = T.KernelConfig("gemv", 4, 64, 128, 4, 4, 1)
