@@ -117,10 +117,11 @@ def int4_cases():
     sig = dict(x_ptr="*bf16", qw_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*bf16", bias_ptr="*bf16",
                res_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32",
                stride_xm="i32", stride_ym="i32", stride_rm="i32", split_k="i32", K_ITERS="i32", one_bits="i32",
-               scr_ptr="*i32")
+               scr_ptr="*i32", pos_ptr="*i32", freq_ptr="*fp32", slot_ptr="*i32", kc_ptr="*bf16", vc_ptr="*bf16")
     div16 = {"x_ptr", "qw_ptr", "scales_ptr", "zeros_ptr", "bias_ptr", "res_ptr", "y_ptr", "part_ptr",
              "count_ptr", "scr_ptr", "N", "K", "stride_xm", "stride_ym", "stride_rm"}
-    base = dict(G=128, HAS_ZEROS=True, HAS_BIAS=False, HAS_RES=False, SILU=False, USE_SPLIT=True)
+    base = dict(G=128, HAS_ZEROS=True, HAS_BIAS=False, HAS_RES=False, SILU=False, USE_SPLIT=True,
+                ROPE=False, R_H=1, R_HKV=1, R_HALF=64, R_PAGE=16)  # no RoPE epilogue (its pointers go unused)
     cases = []
     for cfg in T.sass_configs():
         const = dict(base, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
