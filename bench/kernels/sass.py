@@ -171,6 +171,7 @@ def main() -> None:
     ap.add_argument("--out", help="write the rows as JSON here (with date, commit, Triton version)")
     ap.add_argument("--factored", action="store_true",
                     help="int4: the MMA paths' factored zero point (a dot against ones), as for fractional zeros")
+    ap.add_argument("--only", nargs="+", metavar="PREFIX", help="only the cases whose names start so")
     args = ap.parse_args()
     if args.factored:
         from kernels import int4_matmul_triton as T
@@ -178,7 +179,8 @@ def main() -> None:
     scratch = args.dump or os.environ.get("TMPDIR", "/tmp")
     os.makedirs(scratch, exist_ok=True)
     rows = [report(name, compile_sm90(fn, sig, const, div16, warps, stages), scratch, wpt, args.dump, tokens)
-            for name, fn, sig, const, div16, warps, stages, wpt, tokens in CASES[args.which]()]
+            for name, fn, sig, const, div16, warps, stages, wpt, tokens in CASES[args.which]()
+            if not args.only or name.startswith(tuple(args.only))]
     if args.out:
         doc = {"target": "sm_90 (compiled on the host: ptxas and cuobjdump from Triton's wheel)",
                "triton": triton.__version__, "date": datetime.date.today().isoformat(),

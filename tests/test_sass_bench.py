@@ -1,0 +1,28 @@
+"""bench/kernels/sass.py compiles the INT4 kernels for sm_90 on a host without a GPU (ptxas and cuobjdump come
+with Triton's wheel). A kernel argument added without its entry in the tool's signature broke every case once;
+compiling the first case of each path keeps the tool in step with the kernels. It runs as its own process:
+the test session's TRITON_INTERPRET=1 turns kernels into interpreted functions, which do not compile."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_sass_compiles_each_int4_path_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "sass.json"
+    subprocess.run([sys.executable, "bench/kernels/sass.py", "int4", "--out", str(out), "--only",
+                    "hgemv_m1_n512_k64", "mma_m16_n128", "mmat_m16_n128"],
+                   cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    rows = {r["case"].split("_")[0]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["hgemv", "mma", "mmat"]
+    for row in rows.values():
+        assert row["stack_bytes"] == 0  # the shipped configs do not spill
+        assert 1.0 < row["insns_per_weight"] < 8.0, row
+    assert rows["hgemv"]["mix"].get("HFMA2", 0) > 0  # packed fp16 FMAs
+    assert rows["mma"]["mix"].get("HMMA", 0) > 0  # mma.sync at 16-row tiles
+    assert rows["mmat"]["mix"].get("HGMMA", 0) > 0  # the swap-AB path runs on wgmma
