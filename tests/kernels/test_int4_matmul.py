@@ -114,8 +114,8 @@ def _configs(M: int, N: int, K: int) -> list[T.KernelConfig]:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("M,N,K,G", [(2, 100, 576, 64), (5, 64, 1024, 128), (33, 40, 256, 32)])
 def test_every_kernel_matches_ref(monkeypatch, M, N, K, G, dtype):
-    """Every kind, split and unsplit; split-K sums by atomic adds (the default) for fp16 and by the serial
-    fix-up (batch-invariant mode's, SPECGATE_INT4_FIX_ATOMIC=0) for fp32."""
+    """Every kind, split and unsplit; split-K sums by atomic adds (SPECGATE_INT4_FIX_ATOMIC=1) for fp16 and
+    by the serial fix-up (the default, and batch-invariant mode's) for fp32."""
     monkeypatch.setattr(T, "FIX_ATOMIC", dtype == torch.float16)
     w = _weight(N, K, G, True, dtype)
     x, bias = _x(M, K, dtype), _x(1, N, dtype, seed=2)[0]
@@ -396,8 +396,8 @@ def test_silu_mul_matches_ref(M):
 
 
 def test_split_k_is_deterministic_and_resets_counters(monkeypatch):
-    """The serial fix-up sums the partials in split order: two launches agree bit for bit (the atomic one,
-    the default, sums in arrival order; test_hgemv_atomic_fix_up and test_mma_atomic_fix_up cover it)."""
+    """The serial fix-up sums the partials in split order: two launches agree bit for bit (the atomic one
+    sums in arrival order; test_hgemv_atomic_fix_up and test_mma_atomic_fix_up cover it)."""
     monkeypatch.setattr(T, "FIX_ATOMIC", False)
     w = _weight(64, 1024, 128, True, torch.float16)
     x = _x(3, 1024, torch.float16)
