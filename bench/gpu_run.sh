@@ -29,6 +29,10 @@
 #                                    the chain tuner's CUDA test (the default, auto, chains 2 <= M <= 64)
 #   bash bench/gpu_run.sh int4_atomic  SPECGATE_INT4_FIX_ATOMIC's CUDA tests, then bench_int4_matmul.py with it on and
 #                                    off, alternated twice (INT4_ARGS: the rows; INT4_TIMEOUT: seconds a run, default 90)
+#   SPECGATE_INT4_FIX_ATOMIC=1 TESTS=a bash bench/gpu_run.sh setup tests
+#                                    the engine's graph and model CUDA tests with atomic split-K sums everywhere
+#                                    (test_engine_with_atomic_split_k_sums compares both fix-ups in any case):
+#                                    what making them the default waits on
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
 #                                    bench/engine_ab.py: the 8B verify steps under two environments, alternated, 3 runs each
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)

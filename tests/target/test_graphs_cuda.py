@@ -87,7 +87,10 @@ def test_ragged_step_pads_into_a_graph_and_long_segments_run_eagerly() -> None:
     assert runner.forward(long, cache).shape == (1, 512) and runner.eager == 1
 
 
-def test_engine_greedy_output_same_with_and_without_graphs() -> None:
+def test_engine_greedy_output_same_with_and_without_graphs(monkeypatch) -> None:
+    from kernels import int4_matmul_triton as T
+
+    monkeypatch.setattr(T, "FIX_ATOMIC", False)  # bit equality needs split-K sums in a fixed order
     cfg = tiny_config(**CFG)
     target = Transformer.from_weights(cfg, random_weights(cfg, scale=0.3), torch.float32, "cuda").quantize(64)
     from draft.model_drafter import ModelDrafter
@@ -107,6 +110,44 @@ def test_engine_greedy_output_same_with_and_without_graphs() -> None:
         assert run_all(eng, reqs(spec)) == eager
         assert eng.graphs is not None and eng.graphs.replays > 0
         assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+
+
+def test_engine_with_atomic_split_k_sums(monkeypatch) -> None:
+    """SPECGATE_INT4_FIX_ATOMIC (split-K partials added into one shared fp32 buffer by atomics, in arrival order)
+    inside the engine: graphs captured and replayed over the shared sums, speculation off and on, bf16. The
+    tuner is off, so every projection takes its untuned default, which splits K (the M = 1 GEMV four ways
+    here). Against the serial fix-up: the same greedy output but where a near-tie flips (fp32 sums in another
+    order move the bf16 logits in their last bit), no block lost, and the sums left zeroed after every launch."""
+    from draft.model_drafter import ModelDrafter
+    from kernels import int4_matmul_triton as T
+
+    monkeypatch.setattr(T, "_autotune", False)
+    monkeypatch.setattr(T, "_SUMS", {})
+    cfg = tiny_config(**CFG)
+    target = Transformer.from_weights(cfg, random_weights(cfg, scale=0.3), torch.bfloat16, "cuda").quantize(64)
+
+    def engine() -> Engine:
+        drafters = {"self": ModelDrafter("self", target.truncated(2), 256, 16)}
+        return Engine(target, drafters, EngineConfig(256, 16, SchedulerConfig(max_model_len=512), "self", (2, 2, 1)))
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (5 + i,), generator=g).tolist() for i in range(8)]
+    s = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for atomic in (False, True):
+        monkeypatch.setattr(T, "FIX_ATOMIC", atomic)
+        for spec in (False, True):
+            eng = engine()
+            outs[atomic, spec] = run_all(eng, [(str(i), p, s, SpeculationParams(enabled=spec))
+                                               for i, p in enumerate(prompts)])
+            assert eng.graphs is not None and eng.graphs.replays > 0
+            assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+        assert bool(T._SUMS) == atomic  # the atomic arm used the shared sums; the serial one never made them
+    torch.cuda.synchronize()
+    assert not any(buf.any() for buf in T._SUMS.values())  # every launch left its rows zeroed
+    for spec in (False, True):
+        same = sum(outs[True, spec][k] == outs[False, spec][k] for k in outs[False, spec])
+        assert same >= len(prompts) - 1, f"speculation {spec}: {same}/{len(prompts)} identical"
 
 
 def test_capture_at_start_covers_the_steps_that_follow() -> None:
