@@ -55,6 +55,9 @@ SWITCHES = {"attention": (("batched", "reference"), lambda on: setattr(paged_dec
                             lambda on: setattr(target_model, "CPU_LINEAR", "auto" if on else True)),
             # the batch-invariant mode (its projections' chunked form, invariant_attention_ref) against the default
             "invariant": (("invariant", "default"), lambda on: invariant.set_enabled(on)),
+            # oneDNN's prepacked form among those time_cpu_forms measures, against the two others alone: main
+            # measures both tables after load and this switch swaps them in
+            "onednn": (("onednn", "two_forms"), None),
             # the INT4 projections through torch's CPU INT4 kernel (bfloat16 activations) or the float32 copy
             "int4": (("cpu_int4", "float32"), lambda on: setattr(target_model, "CPU_INT4", on)),
             # the tree path's rows and masks built once per forward and shared by its layers, or in every layer
@@ -95,6 +98,8 @@ def main() -> None:
         target_model.CPU_INT4 = True  # the CPU INT4 form is built at load
     llm = LLM.load(LoadConfig(device="cpu", draft="auto" if args.spec else "none"), ecfg,
                    log=lambda msg: print(msg, file=sys.stderr))
+    if args.switch == "onednn":
+        switch = onednn_switch(llm)
     rows = []
     for b in batches:
         ps = [prompts[i % len(prompts)] for i in range(b)]
@@ -127,6 +132,28 @@ def main() -> None:
                     "wall time, prefill excluded (each batch's prompts are prefilled once before timing).")}
     out.write_text(json.dumps(res, indent=1) + "\n")
     plot(res, out.with_suffix(".png"))
+
+
+def onednn_switch(llm: LLM):
+    """The measured form tables without and with oneDNN's (the packed copies stay on their Linears: the
+    two-form table never names them), and a switch that puts one or the other in force."""
+    from draft.model_drafter import ModelDrafter
+
+    eng = llm.engine
+    models = [eng.target] + [d.model for d in eng.drafters.values() if isinstance(d, ModelDrafter)]
+    tables = {}
+    for with_onednn in (False, True):
+        target_model.CPU_ONEDNN = with_onednn
+        target_model._CPU_FORMS.clear()
+        print(f"forms {'with' if with_onednn else 'without'} oneDNN:", target_model.time_cpu_forms(models),
+              file=sys.stderr)
+        tables[with_onednn] = dict(target_model._CPU_FORMS)
+
+    def switch(on: bool) -> None:
+        target_model._CPU_FORMS.clear()
+        target_model._CPU_FORMS.update(tables[on])
+
+    return switch
 
 
 def plot(res: dict, path: Path) -> None:

@@ -224,14 +224,19 @@ def build_engine(cfg: LoadConfig, engine_cfg: EngineConfig | None = None, log=pr
     return Loaded(engine, ckpt, name)
 
 
-def cpu_forms_line(forms: dict[tuple[int, int], tuple[bool, ...]], seconds: float) -> str:
-    """What ``time_cpu_forms`` chose, for the load log: the shapes and row counts that take cpu_linear's form."""
+def cpu_forms_line(forms: dict[tuple[int, int], tuple[str, ...]], seconds: float) -> str:
+    """What ``time_cpu_forms`` chose, for the load log: the shapes and row counts that take cpu_linear's form
+    and those that take oneDNN's."""
     buckets = target_model.CPU_LINEAR_BUCKETS
     spans = [str(b) if lo == b else f"{lo}-{b}" for lo, b in zip((1,) + tuple(b + 1 for b in buckets), buckets)]
-    taken = [f"{n}x{k} at {', '.join(r for r, p in zip(spans, picks) if p)} rows"
-             for (n, k), picks in forms.items() if any(picks)]
-    return (f"CPU projections: (W @ x.T).T for {'; '.join(taken) if taken else 'no shape'}, F.linear elsewhere "
-            f"(timed in {seconds:.1f}s; SPECGATE_CPU_LINEAR=1 or 0 fixes one form)")
+
+    def taking(form: str) -> str:
+        taken = [f"{n}x{k} at {', '.join(r for r, p in zip(spans, picks) if p == form)} rows"
+                 for (n, k), picks in forms.items() if form in picks]
+        return "; ".join(taken) if taken else "no shape"
+
+    return (f"CPU projections: (W @ x.T).T for {taking('cpu_linear')}; oneDNN for {taking('onednn')}; F.linear "
+            f"elsewhere (timed in {seconds:.1f}s; SPECGATE_CPU_LINEAR=1 or 0 fixes one form)")
 
 
 def default_gate_drafters(drafters: dict[str, Drafter], default: str, device: torch.device) -> tuple[str, ...]:

@@ -42,6 +42,14 @@ DENSE_FUSION = os.environ.get("SPECGATE_DENSE_FUSION", "1") != "0"
 CPU_LINEAR: bool | str = {"1": True, "0": False}.get(os.environ.get("SPECGATE_CPU_LINEAR", "auto"), "auto")
 CPU_LINEAR_MAX_ROWS = 64
 CPU_LINEAR_BUCKETS = (1, 4, 16, CPU_LINEAR_MAX_ROWS)  # M rows take the choice timed at the first bucket >= M
+# oneDNN's linear over a weight prepacked into its blocked layout (torch.ops.mkldnn._linear_pointwise, the op
+# torch's inductor emits for CPU linears): a third form for "auto" to measure. Every new row count builds and
+# caches a oneDNN primitive (five weights at row counts 3-299 grew a process by 518 MB, ARCHITECTURE.md), so
+# its calls are padded with zero rows to their bucket's top: at most len(CPU_LINEAR_BUCKETS) row counts a shape.
+# The packed copy is kept beside the plain weight (the other buckets and the batch-invariant mode read that),
+# for the shapes that pick it. SPECGATE_CPU_ONEDNN=0 leaves it out of the measurement.
+CPU_ONEDNN = (os.environ.get("SPECGATE_CPU_ONEDNN", "1") != "0" and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+              and torch.backends.mkldnn.is_available())
 # SPECGATE_CPU_INT4=1: a CPU model's INT4 projections also keep torch's CPU INT4 form (kernels/int4_matmul.py
 # CpuInt4) and run through it, with bfloat16 activations. On a 2-core AVX-512 machine SmolLM2's 30 layers of
 # projections took 4.6 / 7.1 / 17.8 / 23.0 ms at 1 / 4 / 9 / 16 rows against cpu_linear's 15.7 / 20.5 / 48.0 /
@@ -73,6 +81,9 @@ class Linear:
     # with K reordered into contiguous groups and the input is gathered to match: y = x[..., perm] @ W'.T.
     perm: torch.Tensor | None = None
     cpu_int4: CpuInt4 | None = None  # CPU only, with CPU_INT4: the same weight in torch's CPU INT4 form
+    # CPU float32, where time_cpu_forms picked oneDNN for the shape: (the weight it packs, oneDNN's packed copy).
+    # Used only while that weight is still the one multiplied (a replaced or moved Linear falls back).
+    onednn: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         # MKL's sums depend on the weight's address modulo 64 bytes (cpu_linear's products differ by an ulp
@@ -103,7 +114,10 @@ class Linear:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
         if x.device.type == "cpu" and x.dim() == 2 and invariant.enabled():
             return cpu_linear_invariant(x, w, self.bias, residual)
-        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= CPU_LINEAR_MAX_ROWS and _takes_cpu_linear(x.shape[0], w):
+        form = _cpu_form(x.shape[0], w) if x.device.type == "cpu" and x.dim() == 2 else "f_linear"
+        if form == "onednn" and self.onednn is not None and self.onednn[0] is w:
+            y = onednn_linear(x, self.onednn[1], self.bias)
+        elif form == "cpu_linear":
             y = cpu_linear(x, w, self.bias)
         else:
             y = F.linear(x, w, self.bias)
@@ -186,27 +200,59 @@ def cpu_linear_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     return y if residual is None else y + residual
 
 
-# (N, K, dtype) -> per CPU_LINEAR_BUCKETS bucket, whether cpu_linear's form was the faster (time_cpu_forms)
-_CPU_FORMS: dict[tuple[int, int, torch.dtype], tuple[bool, ...]] = {}
+def onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    """``w`` ``[N, K]`` (CPU float32) in oneDNN's blocked layout, for ``onednn_linear``."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, 16)  # 16: the row count its layout is chosen for
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``x`` ``[M, K]``, M <= CPU_LINEAR_MAX_ROWS, through oneDNN's ``packed`` weight. The
+    rows are padded with zeros to their bucket's top, so the primitives oneDNN builds and caches per row count
+    stay a handful (see CPU_ONEDNN); a padded row costs little at these widths, which stream the weight."""
+    M = x.shape[0]
+    pad = _bucket(M) - M
+    xp = torch.cat((x, x.new_zeros(pad, x.shape[1]))) if pad else x.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(xp, packed, bias, "none", [], "")
+    return y[:M] if pad else y
+
+
+# (N, K, dtype) -> per CPU_LINEAR_BUCKETS bucket, the form time_cpu_forms measured fastest: "f_linear",
+# "cpu_linear" or "onednn"
+_CPU_FORMS: dict[tuple[int, int, torch.dtype], tuple[str, ...]] = {}
+
+
+def _bucket(rows: int) -> int:
+    return next(b for b in CPU_LINEAR_BUCKETS if rows <= b)
+
+
+def _cpu_form(rows: int, w: torch.Tensor) -> str:
+    """The form a CPU projection of ``rows`` rows over ``w`` takes (Linear.__call__, outside the invariant mode)."""
+    if rows > CPU_LINEAR_MAX_ROWS:
+        return "f_linear"
+    if CPU_LINEAR != "auto":
+        return "cpu_linear" if CPU_LINEAR else "f_linear"
+    forms = _CPU_FORMS.get((w.shape[0], w.shape[1], w.dtype))
+    if forms is None:  # a shape no loaded model timed: the common form
+        return "f_linear"
+    return forms[CPU_LINEAR_BUCKETS.index(_bucket(rows))]
 
 
 def _takes_cpu_linear(rows: int, w: torch.Tensor) -> bool:
-    if CPU_LINEAR != "auto":
-        return bool(CPU_LINEAR)
-    forms = _CPU_FORMS.get((w.shape[0], w.shape[1], w.dtype))
-    if forms is None:  # a shape no loaded model timed: the common form
-        return False
-    return forms[next(i for i, b in enumerate(CPU_LINEAR_BUCKETS) if rows <= b)]
+    return _cpu_form(rows, w) == "cpu_linear"
 
 
-def time_cpu_forms(models: list["Transformer"], reps: int = 2) -> dict[tuple[int, int], tuple[bool, ...]]:
-    """Time ``cpu_linear`` against ``F.linear`` for each projection shape of ``models`` (CPU float weights) at
-    each of ``CPU_LINEAR_BUCKETS`` rows, and keep the choice for ``CPU_LINEAR = "auto"``: per shape and bucket,
-    whether cpu_linear's form was at least 15% faster (where the two are close, F.linear, the common form, keeps
-    a machine's choice stable from one process to the next). Each pass runs every weight of the shape once, as
-    a forward does, so the weights come from where a forward finds them -- one weight timed alone stays in L2,
-    and there the forms ranked otherwise. Returns {(N, K): picks}; SmolLM2 with its draft took ~1.5 s on 2 cores."""
+def time_cpu_forms(models: list["Transformer"], reps: int = 2) -> dict[tuple[int, int], tuple[str, ...]]:
+    """Time ``cpu_linear`` and ``onednn_linear`` (with CPU_ONEDNN, float32 weights) against ``F.linear`` for each
+    projection shape of ``models`` (CPU float weights) at each of ``CPU_LINEAR_BUCKETS`` rows, and keep the
+    choice for ``CPU_LINEAR = "auto"``: per shape and bucket, F.linear unless cpu_linear was at least 15% faster,
+    and that unless oneDNN was at least 15% faster than the pick so far (where forms time close, the older one
+    keeps a machine's choice stable from one process to the next). Each pass runs every weight of the shape once, as a forward does, so
+    the weights come from where a forward finds them -- one weight timed alone stays in L2, and there the forms
+    ranked otherwise. Linears of a shape that picked oneDNN in some bucket keep their packed copy
+    (``Linear.onednn``); the others drop theirs. Returns {(N, K): picks}; SmolLM2 with its draft took ~1.5 s on
+    2 cores without oneDNN."""
     groups: dict[tuple[int, int, torch.dtype], dict[int, torch.Tensor]] = {}  # by shape, then address
+    owners: list[tuple[Linear, torch.Tensor]] = []
     for m in models:
         lins = [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         for lin in lins + [m.lm_head] + ([m.fc] if m.fc is not None else []):
@@ -214,23 +260,36 @@ def time_cpu_forms(models: list["Transformer"], reps: int = 2) -> dict[tuple[int
             if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.is_floating_point():
                 # a self-draft shares its target's tensors: each is timed once
                 groups.setdefault((w.shape[0], w.shape[1], w.dtype), {})[w.data_ptr()] = w
+                owners.append((lin, w))
     out = {}
+    packs: dict[int, torch.Tensor] = {}  # by address, for the shapes that picked oneDNN
     for key, by_ptr in groups.items():
         ws = list(by_ptr.values())
+        packed = {p: onednn_pack(w) for p, w in by_ptr.items()} if CPU_ONEDNN and key[2] == torch.float32 else {}
         picks = []
         for rows in CPU_LINEAR_BUCKETS:
             x = torch.randn(rows, key[1], dtype=key[2])
             forms = {"f_linear": lambda w: F.linear(x, w), "cpu_linear": lambda w: cpu_linear(x, w)}
+            if packed:
+                forms["onednn"] = lambda w: onednn_linear(x, packed[w.data_ptr()])
             best = dict.fromkeys(forms, math.inf)
-            for rep in range(reps + 1):  # the first pass untimed: MKL's own set-up
+            for rep in range(reps + 1):  # the first pass untimed: the libraries' own set-up
                 for name, f in forms.items():
                     t = time.perf_counter()
                     for w in ws:
                         f(w)
                     if rep:
                         best[name] = min(best[name], time.perf_counter() - t)
-            picks.append(best["cpu_linear"] < 0.85 * best["f_linear"])
+            pick = "f_linear"  # a form displaces the one before it only 15% faster: close timings keep the older
+            for name in forms:
+                if best[name] < 0.85 * best[pick]:
+                    pick = name
+            picks.append(pick)
         _CPU_FORMS[key] = out[key[:2]] = tuple(picks)
+        if "onednn" in picks:
+            packs.update(packed)
+    for lin, w in owners:
+        lin.onednn = (w, packs[w.data_ptr()]) if w.data_ptr() in packs else None
     return out
 
 

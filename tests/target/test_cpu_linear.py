@@ -3,6 +3,8 @@ results independent of where a weight happened to be loaded."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -114,7 +116,8 @@ def test_auto_takes_each_buckets_measured_form(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(model, "CPU_LINEAR", "auto")
     monkeypatch.setattr(model, "_CPU_FORMS", {})
     assert not took_cpu_linear(1) and not took_cpu_linear(9)  # a shape no model timed: F.linear
-    model._CPU_FORMS[(192, 160, torch.float32)] = (True, False, True, False)  # buckets 1, 2-4, 5-16, 17-64
+    model._CPU_FORMS[(192, 160, torch.float32)] = ("cpu_linear", "f_linear", "cpu_linear", "f_linear")  # buckets
+    # 1, 2-4, 5-16, 17-64
     for M, takes in ((1, True), (3, False), (4, False), (5, True), (16, True), (17, False), (64, False)):
         assert took_cpu_linear(M) == takes, M
     assert not took_cpu_linear(65)  # past CPU_LINEAR_MAX_ROWS: F.linear whatever was timed
@@ -149,22 +152,81 @@ def test_time_cpu_forms_follows_the_measurement(monkeypatch: pytest.MonkeyPatch,
 
     fake = (lambda x, w, b=None: x) if cpu_linear_cost == "free" else slow
     monkeypatch.setattr(model, "cpu_linear", fake)
+    monkeypatch.setattr(model, "CPU_ONEDNN", False)  # the two forms alone (oneDNN's: the tests below)
     monkeypatch.setattr(model, "_CPU_FORMS", {})
     forms = model.time_cpu_forms([target, target.truncated(1)])
     # qkv, o, gate_up (and the head: 512 x 128 too), down
     assert set(forms) == {(256, 128), (128, 128), (512, 128), (128, 256)}
-    assert all(picks == (cpu_linear_cost == "free",) * len(model.CPU_LINEAR_BUCKETS) for picks in forms.values()), forms
+    want = "cpu_linear" if cpu_linear_cost == "free" else "f_linear"
+    assert all(picks == (want,) * len(model.CPU_LINEAR_BUCKETS) for picks in forms.values()), forms
     assert model._CPU_FORMS == {(n, k, torch.float32): p for (n, k), p in forms.items()}
+    assert all(lin.onednn is None for lin in (target.lm_head, target.layers[0].qkv))
+
+
+onednn = pytest.mark.skipif(not model.CPU_ONEDNN, reason="this torch build has no oneDNN linear")
+
+
+@onednn
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 16, 17, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_matches_f_linear(M: int, bias: bool) -> None:
+    """oneDNN's form over a prepacked weight, its rows padded to the bucket's top (3 -> 4, 5 -> 16, 17 -> 64)."""
+    g = torch.Generator().manual_seed(M)
+    x, w = torch.randn(M, 96, generator=g), torch.randn(160, 96, generator=g)
+    b = torch.randn(160, generator=g) if bias else None
+    y = model.onednn_linear(x, model.onednn_pack(w), b)
+    assert y.shape == (M, 160) and y.is_contiguous()
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@onednn
+def test_time_cpu_forms_packs_the_shapes_that_pick_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With oneDNN's form made free, every shape picks it: each Linear of the model and of a self-draft sharing
+    its tensors keeps the packed copy of the weight it multiplies, calls at any row count up to the limit go
+    through oneDNN (padded to the bucket), and the forward's logits stay F.linear's. A Linear whose weight was
+    replaced since falls back to the plain forms."""
+    target = _model()
+    calls: list[int] = []
+    real = model.onednn_linear
+
+    def recording(x, packed, b=None):
+        calls.append(x.shape[0])
+        return real(x, packed, b)
+
+    timing = [True]
+    monkeypatch.setattr(model, "onednn_linear", lambda x, p, b=None: x if timing[0] else recording(x, p, b))
+    monkeypatch.setattr(model, "CPU_LINEAR", "auto")
+    monkeypatch.setattr(model, "_CPU_FORMS", {})
+    draft = target.truncated(1)
+    forms = model.time_cpu_forms([target, draft])
+    timing[0] = False
+    assert all(picks == ("onednn",) * len(model.CPU_LINEAR_BUCKETS) for picks in forms.values()), forms
+    head, qkv = target.lm_head, target.layers[0].qkv
+    assert head.onednn is not None and head.onednn[0] is (head.dequantized if head.dequantized is not None
+                                                           else head.weight)
+    assert draft.layers[0].qkv.onednn[1] is qkv.onednn[1]  # one packed copy per shared tensor
+    g = torch.Generator().manual_seed(3)
+    w = qkv.dequantized
+    for M in (1, 3, 9, 64, 65):
+        x = torch.randn(M, w.shape[1], generator=g)
+        calls.clear()
+        torch.testing.assert_close(qkv(x), F.linear(x, w, qkv.bias), rtol=1e-5, atol=1e-4)
+        assert calls == ([M] if M <= model.CPU_LINEAR_MAX_ROWS else []), M
+    moved = Linear(w.clone(), qkv.bias, onednn=qkv.onednn)  # another tensor than the packed one: not oneDNN
+    calls.clear()
+    torch.testing.assert_close(moved(x[:4]), F.linear(x[:4], w, qkv.bias), rtol=1e-5, atol=1e-4)
+    assert calls == []
 
 
 def test_the_load_log_names_the_shapes_that_take_cpu_linear() -> None:
     from gateway.llm import cpu_forms_line
 
-    line = cpu_forms_line({(576, 1536): (False, False, True, False), (960, 576): (True, True, False, True),
-                           (49152, 576): (False,) * 4}, 1.25)
-    assert line.startswith("CPU projections: (W @ x.T).T for 576x1536 at 5-16 rows; 960x576 at 1, 2-4, 17-64 rows,")
+    c, f, o = "cpu_linear", "f_linear", "onednn"
+    line = cpu_forms_line({(576, 1536): (f, f, c, o), (960, 576): (c, c, f, c), (49152, 576): (f,) * 4}, 1.25)
+    assert line.startswith("CPU projections: (W @ x.T).T for 576x1536 at 5-16 rows; 960x576 at 1, 2-4, 17-64 rows; "
+                           "oneDNN for 576x1536 at 17-64 rows; F.linear elsewhere")
     assert "49152x576" not in line and "1.2s" in line
-    assert "no shape" in cpu_forms_line({(49152, 576): (False,) * 4}, 0.1)
+    assert cpu_forms_line({(49152, 576): (f,) * 4}, 0.1).count("no shape") == 2
 
 
 @pytest.mark.parametrize("form", [True, False], ids=["cpu_linear", "f_linear"])
@@ -187,3 +249,26 @@ def test_the_invariant_form_gives_a_row_the_same_bits_at_any_row_count(monkeypat
     for start, M in ((0, 1), (7, 1), (5, 3), (17, 9), (3, 64), (100, 77), (61, 139)):
         rows = slice(start, start + M)
         assert torch.equal(lin(x[rows], residual=res[rows]), ref[rows]), (start, M)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
+
+
+@onednn
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads resident memory from /proc")
+def test_onednn_builds_primitives_for_the_bucket_sizes_alone() -> None:
+    """oneDNN builds and caches a primitive per row count it meets. Padded to the bucket tops, calls at every row
+    count from 1 to 64 cost no memory past what the four bucket sizes took: unpadded, on SmolLM2's five shapes,
+    they grew a process by 185 MB (360 -> 545 MB)."""
+    g = torch.Generator().manual_seed(0)
+    packs = [(model.onednn_pack(torch.randn(n, k, generator=g)), k) for n, k in [(960, 576), (3072, 576), (576, 1536)]]
+    for M in model.CPU_LINEAR_BUCKETS:
+        for p, k in packs:
+            model.onednn_linear(torch.randn(M, k), p)
+    warm = _rss_mb()
+    for M in range(1, model.CPU_LINEAR_MAX_ROWS + 1):
+        for p, k in packs:
+            model.onednn_linear(torch.randn(M, k), p)
+    assert _rss_mb() - warm < 16, f"{warm:.0f} -> {_rss_mb():.0f} MB"
