@@ -41,7 +41,8 @@ DENSE_FUSION = os.environ.get("SPECGATE_DENSE_FUSION", "1") != "0"
 # as fast or faster on both (307 against 415 ms, 167 against 264 at 256 rows).
 CPU_LINEAR: bool | str = {"1": True, "0": False}.get(os.environ.get("SPECGATE_CPU_LINEAR", "auto"), "auto")
 CPU_LINEAR_MAX_ROWS = 64
-CPU_LINEAR_BUCKETS = (1, 4, 16, CPU_LINEAR_MAX_ROWS)  # M rows take the choice timed at the first bucket >= M
+CPU_LINEAR_BUCKETS = (1, 4, 16, 32, CPU_LINEAR_MAX_ROWS)  # M rows take the choice timed at the first bucket >= M
+# (32: a batch of 17-32 decoding sequences would otherwise pad to 64 rows for oneDNN's form)
 # oneDNN's linear over a weight prepacked into its blocked layout (torch.ops.mkldnn._linear_pointwise, the op
 # torch's inductor emits for CPU linears): a third form for "auto" to measure. Every new row count builds and
 # caches a oneDNN primitive (five weights at row counts 3-299 grew a process by 518 MB, ARCHITECTURE.md), so

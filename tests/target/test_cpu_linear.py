@@ -116,9 +116,10 @@ def test_auto_takes_each_buckets_measured_form(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(model, "CPU_LINEAR", "auto")
     monkeypatch.setattr(model, "_CPU_FORMS", {})
     assert not took_cpu_linear(1) and not took_cpu_linear(9)  # a shape no model timed: F.linear
-    model._CPU_FORMS[(192, 160, torch.float32)] = ("cpu_linear", "f_linear", "cpu_linear", "f_linear")  # buckets
-    # 1, 2-4, 5-16, 17-64
-    for M, takes in ((1, True), (3, False), (4, False), (5, True), (16, True), (17, False), (64, False)):
+    model._CPU_FORMS[(192, 160, torch.float32)] = ("cpu_linear", "f_linear", "cpu_linear", "f_linear", "cpu_linear")
+    # buckets 1, 2-4, 5-16, 17-32, 33-64
+    for M, takes in ((1, True), (3, False), (4, False), (5, True), (16, True), (17, False), (32, False), (33, True),
+                     (64, True)):
         assert took_cpu_linear(M) == takes, M
     assert not took_cpu_linear(65)  # past CPU_LINEAR_MAX_ROWS: F.linear whatever was timed
     monkeypatch.setattr(model.invariant, "_enabled", True)  # the batch-invariant mode: its own form at every width
@@ -222,11 +223,11 @@ def test_the_load_log_names_the_shapes_that_take_cpu_linear() -> None:
     from gateway.llm import cpu_forms_line
 
     c, f, o = "cpu_linear", "f_linear", "onednn"
-    line = cpu_forms_line({(576, 1536): (f, f, c, o), (960, 576): (c, c, f, c), (49152, 576): (f,) * 4}, 1.25)
-    assert line.startswith("CPU projections: (W @ x.T).T for 576x1536 at 5-16 rows; 960x576 at 1, 2-4, 17-64 rows; "
-                           "oneDNN for 576x1536 at 17-64 rows; F.linear elsewhere")
+    line = cpu_forms_line({(576, 1536): (f, f, c, o, o), (960, 576): (c, c, f, f, c), (49152, 576): (f,) * 5}, 1.25)
+    assert line.startswith("CPU projections: (W @ x.T).T for 576x1536 at 5-16 rows; 960x576 at 1, 2-4, 33-64 rows; "
+                           "oneDNN for 576x1536 at 17-32, 33-64 rows; F.linear elsewhere")
     assert "49152x576" not in line and "1.2s" in line
-    assert cpu_forms_line({(49152, 576): (f,) * 4}, 0.1).count("no shape") == 2
+    assert cpu_forms_line({(49152, 576): (f,) * 5}, 0.1).count("no shape") == 2
 
 
 @pytest.mark.parametrize("form", [True, False], ids=["cpu_linear", "f_linear"])
