@@ -8,7 +8,7 @@ import torch
 
 from draft.params import SpeculationParams
 from draft.tree import TokenTree
-from engine_util import random_weights, run_all, tiny_config
+from engine_util import random_weights, run_all, self_draft_engine, tiny_config
 from gateway.engine import Engine, EngineConfig
 from gateway.scheduler import SchedulerConfig
 from target.batch import Segment, build_batch
@@ -93,12 +93,9 @@ def test_engine_greedy_output_same_with_and_without_graphs(monkeypatch) -> None:
     monkeypatch.setattr(T, "FIX_ATOMIC", False)  # bit equality needs split-K sums in a fixed order
     cfg = tiny_config(**CFG)
     target = Transformer.from_weights(cfg, random_weights(cfg, scale=0.3), torch.float32, "cuda").quantize(64)
-    from draft.model_drafter import ModelDrafter
 
     def engine(graphs: bool) -> Engine:
-        drafters = {"self": ModelDrafter("self", target.truncated(2), 256, 16)}
-        return Engine(target, drafters, EngineConfig(256, 16, SchedulerConfig(max_model_len=512), "self", (2, 2, 1),
-                                                     cuda_graphs=graphs))
+        return self_draft_engine(target, graphs)
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (5 + i,), generator=g).tolist() for i in range(6)]
@@ -118,17 +115,12 @@ def test_engine_with_atomic_split_k_sums(monkeypatch) -> None:
     tuner is off, so every projection takes its untuned default, which splits K (the M = 1 GEMV four ways
     here). Against the serial fix-up: the same greedy output but where a near-tie flips (fp32 sums in another
     order move the bf16 logits in their last bit), no block lost, and the sums left zeroed after every launch."""
-    from draft.model_drafter import ModelDrafter
     from kernels import int4_matmul_triton as T
 
     monkeypatch.setattr(T, "_autotune", False)
     monkeypatch.setattr(T, "_SUMS", {})
     cfg = tiny_config(**CFG)
     target = Transformer.from_weights(cfg, random_weights(cfg, scale=0.3), torch.bfloat16, "cuda").quantize(64)
-
-    def engine() -> Engine:
-        drafters = {"self": ModelDrafter("self", target.truncated(2), 256, 16)}
-        return Engine(target, drafters, EngineConfig(256, 16, SchedulerConfig(max_model_len=512), "self", (2, 2, 1)))
 
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 512, (5 + i,), generator=g).tolist() for i in range(8)]
@@ -137,7 +129,7 @@ def test_engine_with_atomic_split_k_sums(monkeypatch) -> None:
     for atomic in (False, True):
         monkeypatch.setattr(T, "FIX_ATOMIC", atomic)
         for spec in (False, True):
-            eng = engine()
+            eng = self_draft_engine(target)
             outs[atomic, spec] = run_all(eng, [(str(i), p, s, SpeculationParams(enabled=spec))
                                                for i, p in enumerate(prompts)])
             assert eng.graphs is not None and eng.graphs.replays > 0

@@ -7,10 +7,7 @@ import pytest
 import torch
 
 from draft.params import SpeculationParams
-from engine_util import random_weights, run_all, tiny_config
-from gateway.engine import Engine, EngineConfig
-from gateway.scheduler import SchedulerConfig
-from draft.model_drafter import ModelDrafter
+from engine_util import random_weights, run_all, self_draft_engine, tiny_config
 from draft.tree import TokenTree
 from target.batch import Segment, build_batch
 from target.gptq import quantize_gptq
@@ -94,9 +91,7 @@ def test_engine_on_cuda_greedy_spec_on_equals_off() -> None:
     w = random_weights(cfg, scale=0.3)
     target = Transformer.from_weights(cfg, w, torch.bfloat16, "cuda").quantize(64)
 
-    def engine() -> Engine:
-        drafters = {"self": ModelDrafter("self", target.truncated(2), 256, 16)}
-        return Engine(target, drafters, EngineConfig(256, 16, SchedulerConfig(max_model_len=512), "self", (2, 2, 1)))
+    engine = lambda: self_draft_engine(target)  # noqa: E731
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (5 + i,), generator=g).tolist() for i in range(8)]
