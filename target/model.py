@@ -113,11 +113,12 @@ class Linear:
             return dense_matmul(x, w, self.bias, residual)
         if residual is not None and x.is_cuda and self.bias is None and x.dim() == 2 and DENSE_FUSION:
             return torch.addmm(residual, x, w.t())  # the add rides the GEMM's epilogue: one launch, not two
+        packed = self.onednn[1] if self.onednn is not None and self.onednn[0] is w else None
         if x.device.type == "cpu" and x.dim() == 2 and invariant.enabled():
-            return cpu_linear_invariant(x, w, self.bias, residual)
+            return cpu_linear_invariant(x, w, self.bias, residual, packed)
         form = _cpu_form(x.shape[0], w) if x.device.type == "cpu" and x.dim() == 2 else "f_linear"
-        if form == "onednn" and self.onednn is not None and self.onednn[0] is w:
-            y = onednn_linear(x, self.onednn[1], self.bias)
+        if form == "onednn" and packed is not None:
+            y = onednn_linear(x, packed, self.bias)
         elif form == "cpu_linear":
             y = cpu_linear(x, w, self.bias)
         else:
@@ -185,14 +186,18 @@ INVARIANT_CPU_ROWS = 4
 
 
 def cpu_linear_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                         residual: torch.Tensor | None = None) -> torch.Tensor:
+                         residual: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w.T + bias (+ residual)`` for ``x`` ``[M, K]`` on the CPU, each row's bits independent of M and of
-    the other rows (``INVARIANT_CPU_ROWS``). A prefill pays one pass over the weight per chunk."""
+    the other rows (``INVARIANT_CPU_ROWS``). A prefill pays one pass over the weight per chunk. ``packed``: ``w``
+    in oneDNN's layout (``Linear.onednn``), taken where the chunk's bucket picked that form."""
     M, K = x.shape
     C = INVARIANT_CPU_ROWS
     pad = -M % C
     xp = torch.cat((x, x.new_zeros(pad, K))) if pad else x
-    if _takes_cpu_linear(C, w):
+    form = _cpu_form(C, w)
+    if form == "onednn" and packed is not None:
+        chunks = [onednn_linear(xp[i : i + C], packed) for i in range(0, M + pad, C)]
+    elif form == "cpu_linear":
         chunks = [(w @ xp[i : i + C].t()).t() for i in range(0, M + pad, C)]
     else:
         chunks = [F.linear(xp[i : i + C], w) for i in range(0, M + pad, C)]

@@ -230,19 +230,30 @@ def test_the_load_log_names_the_shapes_that_take_cpu_linear() -> None:
     assert cpu_forms_line({(49152, 576): (f,) * 5}, 0.1).count("no shape") == 2
 
 
-@pytest.mark.parametrize("form", [True, False], ids=["cpu_linear", "f_linear"])
+@pytest.mark.parametrize("form", ["cpu_linear", "f_linear",
+                                  pytest.param("onednn", marks=pytest.mark.skipif(not model.CPU_ONEDNN,
+                                                                                  reason="no oneDNN linear"))])
 @pytest.mark.parametrize("shape", [(576, 1536), (3072, 576)], ids=["down", "gate_up"])
 def test_the_invariant_form_gives_a_row_the_same_bits_at_any_row_count(monkeypatch: pytest.MonkeyPatch,
-                                                                       shape: tuple[int, int], form: bool) -> None:
+                                                                       shape: tuple[int, int], form: str) -> None:
     """The batch-invariant mode on the CPU: a row's projection is bit-identical whatever rows share the call and
-    wherever it sits among them, decode widths and prefill widths alike, with a bias and a residual, in either
-    form of the chunks. SmolLM2's shapes: on a 2-core AMX machine cpu_linear's rows of the down projection over
-    the whole batch differed between M <= 33 and M = 64, and F.linear's between M <= 9 and M = 300."""
+    wherever it sits among them, decode widths and prefill widths alike, with a bias and a residual, in each
+    form of the chunks (oneDNN's where the 4-row bucket picked it). SmolLM2's shapes: on a 2-core AMX machine
+    cpu_linear's rows of the down projection over the whole batch differed between M <= 33 and M = 64, and
+    F.linear's between M <= 9 and M = 300."""
     N, K = shape
     g = torch.Generator().manual_seed(N)
     lin = Linear(torch.randn(N, K, generator=g) * 0.05, torch.randn(N, generator=g))
     x, res = torch.randn(200, K, generator=g), torch.randn(200, N, generator=g)
-    monkeypatch.setattr(model, "CPU_LINEAR", form)
+    if form == "onednn":
+        monkeypatch.setattr(model, "CPU_LINEAR", "auto")
+        monkeypatch.setattr(model, "_CPU_FORMS", {(N, K, torch.float32): ("onednn",) * len(model.CPU_LINEAR_BUCKETS)})
+        lin.onednn = (lin.weight, model.onednn_pack(lin.weight))
+        calls: list[int] = []
+        real = model.onednn_linear
+        monkeypatch.setattr(model, "onednn_linear", lambda x, p, b=None: calls.append(x.shape[0]) or real(x, p, b))
+    else:
+        monkeypatch.setattr(model, "CPU_LINEAR", form == "cpu_linear")
     monkeypatch.setattr(model.invariant, "_enabled", True)
     ref = lin(x, residual=res)
     torch.testing.assert_close(ref, F.linear(x, lin.weight, lin.bias) + res, rtol=1e-5, atol=1e-4)
@@ -250,6 +261,8 @@ def test_the_invariant_form_gives_a_row_the_same_bits_at_any_row_count(monkeypat
     for start, M in ((0, 1), (7, 1), (5, 3), (17, 9), (3, 64), (100, 77), (61, 139)):
         rows = slice(start, start + M)
         assert torch.equal(lin(x[rows], residual=res[rows]), ref[rows]), (start, M)
+    if form == "onednn":
+        assert calls and set(calls) == {model.INVARIANT_CPU_ROWS}  # every chunk through oneDNN, none padded
 
 
 def _rss_mb() -> float:
