@@ -47,8 +47,8 @@ CPU_LINEAR_BUCKETS = (1, 4, 16, 32, CPU_LINEAR_MAX_ROWS)  # M rows take the choi
 # torch's inductor emits for CPU linears): a third form for "auto" to measure. Every new row count builds and
 # caches a oneDNN primitive (five weights at row counts 3-299 grew a process by 518 MB, ARCHITECTURE.md), so
 # its calls are padded with zero rows to their bucket's top: at most len(CPU_LINEAR_BUCKETS) row counts a shape.
-# The packed copy is kept beside the plain weight (the other buckets and the batch-invariant mode read that),
-# for the shapes that pick it. SPECGATE_CPU_ONEDNN=0 leaves it out of the measurement.
+# The packed copy is kept beside the plain weight (the other buckets read that, and the batch-invariant mode
+# where its 4-row bucket did not pick oneDNN), for the shapes that pick it. SPECGATE_CPU_ONEDNN=0 leaves it out of the measurement.
 CPU_ONEDNN = (os.environ.get("SPECGATE_CPU_ONEDNN", "1") != "0" and hasattr(torch.ops.mkldnn, "_linear_pointwise")
               and torch.backends.mkldnn.is_available())
 # SPECGATE_CPU_INT4=1: a CPU model's INT4 projections also keep torch's CPU INT4 form (kernels/int4_matmul.py
@@ -177,8 +177,8 @@ def cpu_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 # The batch-invariant mode's CPU form: the rows in chunks of this many (the last padded with zeros), each chunk
-# one product of the same shape, in the form this process takes at that many rows (_takes_cpu_linear: F.linear
-# or (W @ X.T).T, as time_cpu_forms measured). MKL then gives a row the same bits at any position in its chunk and
+# one product of the same shape, in the form this process takes at that many rows (_cpu_form: F.linear,
+# (W @ X.T).T or oneDNN's, as time_cpu_forms measured). MKL then gives a row the same bits at any position in its chunk and
 # beside any other rows (both forms, SmolLM2's shapes, chunks of 2 to 16, 1 to 200 rows, on a 2-core AMX
 # machine), where the bits of either form over the whole batch follow the row count on some CPUs
 # (ARCHITECTURE.md, batch-invariant mode).
@@ -243,18 +243,14 @@ def _cpu_form(rows: int, w: torch.Tensor) -> str:
     return forms[CPU_LINEAR_BUCKETS.index(_bucket(rows))]
 
 
-def _takes_cpu_linear(rows: int, w: torch.Tensor) -> bool:
-    return _cpu_form(rows, w) == "cpu_linear"
-
-
 def time_cpu_forms(models: list["Transformer"], reps: int = 2) -> dict[tuple[int, int], tuple[str, ...]]:
     """Time ``cpu_linear`` and ``onednn_linear`` (with CPU_ONEDNN, float32 weights) against ``F.linear`` for each
     projection shape of ``models`` (CPU float weights) at each of ``CPU_LINEAR_BUCKETS`` rows, and keep the
     choice for ``CPU_LINEAR = "auto"``: per shape and bucket, F.linear unless cpu_linear was at least 15% faster,
     and that unless oneDNN was at least 15% faster than the pick so far (where forms time close, the older one
-    keeps a machine's choice stable from one process to the next). Each pass runs every weight of the shape once, as a forward does, so
-    the weights come from where a forward finds them -- one weight timed alone stays in L2, and there the forms
-    ranked otherwise. Linears of a shape that picked oneDNN in some bucket keep their packed copy
+    keeps a machine's choice stable from one process to the next). Each pass runs every weight of the shape
+    once, as a forward does, so the weights come from where a forward finds them -- one weight timed alone stays
+    in L2, and there the forms ranked otherwise. Linears of a shape that picked oneDNN in some bucket keep their packed copy
     (``Linear.onednn``); the others drop theirs. Returns {(N, K): picks}; SmolLM2 with its draft took ~1.5 s on
     2 cores without oneDNN."""
     groups: dict[tuple[int, int, torch.dtype], dict[int, torch.Tensor]] = {}  # by shape, then address

@@ -94,16 +94,13 @@ def test_engine_greedy_output_same_with_and_without_graphs(monkeypatch) -> None:
     cfg = tiny_config(**CFG)
     target = Transformer.from_weights(cfg, random_weights(cfg, scale=0.3), torch.float32, "cuda").quantize(64)
 
-    def engine(graphs: bool) -> Engine:
-        return self_draft_engine(target, graphs)
-
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (5 + i,), generator=g).tolist() for i in range(6)]
     s = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     reqs = lambda spec: [(str(i), p, s, SpeculationParams(enabled=spec)) for i, p in enumerate(prompts)]  # noqa: E731
-    eager = run_all(engine(False), reqs(False))
+    eager = run_all(self_draft_engine(target, cuda_graphs=False), reqs(False))
     for spec in (False, True):
-        eng = engine(True)
+        eng = self_draft_engine(target)
         assert run_all(eng, reqs(spec)) == eager
         assert eng.graphs is not None and eng.graphs.replays > 0
         assert eng.cache.pool.num_free == eng.cache.pool.num_blocks

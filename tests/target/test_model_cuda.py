@@ -91,13 +91,12 @@ def test_engine_on_cuda_greedy_spec_on_equals_off() -> None:
     w = random_weights(cfg, scale=0.3)
     target = Transformer.from_weights(cfg, w, torch.bfloat16, "cuda").quantize(64)
 
-    engine = lambda: self_draft_engine(target)  # noqa: E731
-
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (5 + i,), generator=g).tolist() for i in range(8)]
     s = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    off = run_all(engine(), [(str(i), p, s, SpeculationParams(enabled=False)) for i, p in enumerate(prompts)])
-    eng = engine()
+    off = run_all(self_draft_engine(target),
+                  [(str(i), p, s, SpeculationParams(enabled=False)) for i, p in enumerate(prompts)])
+    eng = self_draft_engine(target)
     on = run_all(eng, [(str(i), p, s, SpeculationParams()) for i, p in enumerate(prompts)])
     same = sum(on[k] == off[k] for k in off)
     assert same >= 7, f"{same}/8 identical"  # bf16 ties between batch shapes may flip one near-tie
