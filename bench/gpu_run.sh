@@ -29,10 +29,10 @@
 #                                    the chain tuner's CUDA test (the default, auto, chains 2 <= M <= 64)
 #   bash bench/gpu_run.sh int4_atomic  SPECGATE_INT4_FIX_ATOMIC's CUDA tests, then bench_int4_matmul.py with it on and
 #                                    off, alternated twice (INT4_ARGS: the rows; INT4_TIMEOUT: seconds a run, default 90)
-#   SPECGATE_INT4_FIX_ATOMIC=1 TESTS=a bash bench/gpu_run.sh setup tests
-#                                    the engine's graph and model CUDA tests with atomic split-K sums everywhere
-#                                    (test_engine_with_atomic_split_k_sums compares both fix-ups in any case):
-#                                    what making them the default waits on
+#   SPECGATE_INT4_FIX_ATOMIC=0 TESTS=a bash bench/gpu_run.sh setup tests
+#                                    the engine's graph and model CUDA tests with the serial split-K fix-up
+#                                    everywhere (atomic sums are the default since they passed so, H100 at 5e2e7e0;
+#                                    test_engine_with_atomic_split_k_sums compares both fix-ups in any case)
 #   AB_A=NAME=V AB_B=NAME=V bash bench/gpu_run.sh ab
 #                                    bench/engine_ab.py: the 8B verify steps under two environments, alternated, 3 runs each
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
@@ -91,7 +91,8 @@
 # Triton builds every kernel; a warm machine is given back after 30 s idle, so issue the calls back to back
 # and end a call that built much with `triton_out`. The 8B A/B stages (pdl, ab) take ~100 s a pair warm.
 # What a call carries: the tracked tree (~40 MB) plus the named ignored paths, 64 MiB in all, so ~27 MB more a
-# call: .whl/ (the GPU image's missing wheels, llguidance's among them: 3.4 MB), .cache/mt_bench.jsonl, one
+# call: .whl/ (the GPU image's missing wheels, llguidance's among them: 3.4 MB; without it the structured-output
+# CUDA tests skip), .cache/mt_bench.jsonl, one
 # Triton cache part (.cache/triton_tgz/, 15 MB each), or one GGUF part (.cache/gguf/part.NN, the embedded
 # model split into five pieces of at most 24,000,000 bytes: part.03 and the small part.04 fit one call, and no
 # part fits beside .whl/; `bash bench/gpu_prep.sh WHEELS_DIR MT_BENCH_JSONL` rebuilds all but the

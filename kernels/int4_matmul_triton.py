@@ -940,15 +940,15 @@ ZDEC = os.environ.get("SPECGATE_INT4_ZDEC", "1") == "1"
 FIX_ROWS = int(os.environ.get("SPECGATE_INT4_FIX_ROWS", "16"))
 if FIX_ROWS < 1 or FIX_ROWS & (FIX_ROWS - 1):
     raise ValueError(f"SPECGATE_INT4_FIX_ROWS must be a power of two, got {FIX_ROWS}")
-# SPECGATE_INT4_FIX_ATOMIC=1: the split-K programs of hgemv and of both MMA paths add their partials into one
-# fp32 [M, N] sum in L2 (reductions, no value back), so the last program of a tile reads one tile instead of
-# split_k (the MMA paths read theirs one a round: a serial L2 round trip per split). The split-K "atomic" mode
-# of cuBLAS and CUTLASS beside the serial one above. The sum's order is the arrival order: results may then
-# differ in their last bits from launch to launch. 2.3-5.3% off every M of the 8B layer on an H100
-# (bench/results/int4_atomic_ab_h100_d32cf22.json); off by default until the engine's CUDA tests have run with
-# it on (the kernel's own GPU tests pass, eagerly and in replayed graphs). Batch-invariant mode always takes
-# the serial fix-up, whose results repeat bit for bit.
-FIX_ATOMIC = os.environ.get("SPECGATE_INT4_FIX_ATOMIC", "0") == "1"
+# Split-K sums by atomic adds (the default; SPECGATE_INT4_FIX_ATOMIC=0 for the serial fix-up above): the split-K
+# programs of hgemv and of both MMA paths add their partials into one fp32 [M, N] sum in L2 (reductions, no value
+# back), so the last program of a tile reads one tile instead of split_k (the MMA paths read theirs one a round:
+# a serial L2 round trip per split). The split-K "atomic" mode of cuBLAS and CUTLASS beside the serial one. The
+# sum's order is the arrival order: results may differ in their last bits from launch to launch. 2.3-5.4% off
+# every M up to 128 of the 8B layer on an H100 (bench/results/int4_atomic_ab_h100_d32cf22.json, repeated in
+# int4_atomic_ab_h100_5e2e7e0.json); the engine's CUDA tests pass with it (cuda_tests_atomic_h100_5e2e7e0.json).
+# Batch-invariant mode always takes the serial fix-up, whose results repeat bit for bit.
+FIX_ATOMIC = os.environ.get("SPECGATE_INT4_FIX_ATOMIC", "1") == "1"
 # SPECGATE_INT4_MMAT=0 leaves the swap-AB path out of the tuner's candidates (A/B runs).
 MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 # SPECGATE_INT4_PREFETCH=0: the MMA paths do not prefetch their first weights into L2 before waiting on the

@@ -72,6 +72,7 @@ def test_logprobs_and_prompt_logprobs_with_graphs_match_eager(target) -> None:
 
 
 def test_structured_output_with_graphs_and_speculation(target) -> None:
+    pytest.importorskip("llguidance", reason="structured output needs llguidance (carry its wheel to the GPU)")
     tok = make_tokenizer()
     s = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, grammar=compile_grammar("json", SCHEMA))
     prompts = [[5, 9, 2, 5, 9, 2], [40, 41, 7], [3]]
@@ -89,6 +90,7 @@ def test_structured_output_with_graphs_and_speculation(target) -> None:
 def test_sampled_structured_output_with_the_device_tree_loop(target) -> None:
     """Sampled constrained requests: forced chains ask the drafter's device loop for no levels some steps
     (a root-only proposal), and every output still parses."""
+    pytest.importorskip("llguidance", reason="structured output needs llguidance (carry its wheel to the GPU)")
     tok = make_tokenizer()
     s = SamplingParams(temperature=0.9, seed=5, max_tokens=30, ignore_eos=True, grammar=compile_grammar("json", SCHEMA))
     eng = engine(target, True)
