@@ -38,6 +38,10 @@
 #                                    (each run builds, captures and tunes from cold: over 120 s on a fresh machine)
 #                                    (AB_A=SPECGATE_BATCH_INVARIANT=0 AB_B=SPECGATE_BATCH_INVARIANT=1: batch-invariant
 #                                    kernels' cost in those steps; SPECGATE_BATCH_INVARIANT=1 before `real`: every arm so)
+#   bash bench/gpu_run.sh lookahead  SPECGATE_INT4_LOOKAHEAD (each INT4 projection asks L2 for the next one's weight):
+#                                    its kernel tests, then bench/engine_ab.py on the 8B verify steps with it off, at
+#                                    8 and at 24 MB (LOOKAHEAD_ARMS to change them), 2 runs an arm (over 100 s a run
+#                                    on a fresh machine: run it under `bg` and poll)
 #   bash bench/gpu_run.sh pdl        the same with programmatic dependent launch for the INT4 kernels alone and for
 #                                    every kernel, 2 runs each
 #   bash bench/gpu_run.sh closed_loop  after `model`: bench/closed_loop.py, the load stage's engine in process, by phase
@@ -229,6 +233,12 @@ while [ $# -gt 0 ]; do
       timeout "${INT4_TEST_TIMEOUT:-170}" python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py \
         -k "atomic or fix_up or graph" 2>&1 | tail -4
       int4_env_ab SPECGATE_INT4_FIX_ATOMIC "1 0" atomic ;;
+    lookahead)
+      timeout 120 python -m pytest -q --noconftest -p no:cacheprovider tests/kernels/test_int4_matmul.py -k lookahead \
+        2>&1 | tail -2
+      arms=(); for mb in ${LOOKAHEAD_ARMS:-0 8 24}; do arms+=(--arm "SPECGATE_INT4_LOOKAHEAD=$mb"); done
+      timeout "${AB_TIMEOUT:-900}" python bench/engine_ab.py "${arms[@]}" --runs "${AB_RUNS:-2}" \
+        --timeout "${AB_RUN_TIMEOUT:-300}" --out "$OUT/engine_ab_lookahead.json" 2>&1 | tail -12 ;;
     pdl) timeout 540 python bench/engine_ab.py --arm SPECGATE_PDL=int4 --arm SPECGATE_PDL=1 --runs 2 \
            --out "$OUT/engine_ab_pdl.json" 2>&1 | tail -8 ;;
     # AB_RUN_TIMEOUT: seconds a run; the first run on a machine builds the 8B shapes' kernels and outlasted

@@ -165,34 +165,42 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+def _ahead(w: Int4Weight | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    return None if w is None else (w.qweight, w.scales)
+
+
 def int4_matmul(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None, *,
-                residual: torch.Tensor | None = None, use_triton: bool | None = None) -> torch.Tensor:
+                residual: torch.Tensor | None = None, use_triton: bool | None = None,
+                lookahead: Int4Weight | None = None) -> torch.Tensor:
     """Dispatch ``x @ dequant(W).T + bias + residual``: Triton on CUDA, the reference elsewhere.
 
     x: [..., K] fp16/bf16 (fp32 too); bias: [N]; residual: [..., N]. ``use_triton=True`` on CPU tensors
-    runs the kernels under ``TRITON_INTERPRET=1`` (tests).
+    runs the kernels under ``TRITON_INTERPRET=1`` (tests). ``lookahead``: the weight the caller multiplies
+    next, for the kernel to ask L2 for (``SPECGATE_INT4_LOOKAHEAD``).
     """
     if not dispatch.use_triton(x, use_triton):
         return int4_matmul_ref(x, w, bias, residual)
     res = None if residual is None else _rows(residual)
     y = int4_matmul_triton(_rows(x), w.qweight, w.scales, w.zeros, w.group_size, bias=bias, residual=res,
-                           whole_zeros=w.zeros_are_whole())
+                           whole_zeros=w.zeros_are_whole(), lookahead=_ahead(lookahead))
     return y.reshape(*x.shape[:-1], w.out_features)
 
 
-def int4_matmul_silu_mul(x: torch.Tensor, w_gate_up: Int4Weight, *, use_triton: bool | None = None) -> torch.Tensor:
+def int4_matmul_silu_mul(x: torch.Tensor, w_gate_up: Int4Weight, *, use_triton: bool | None = None,
+                         lookahead: Int4Weight | None = None) -> torch.Tensor:
     """Fused ``silu(x @ W_gate.T) * (x @ W_up.T)`` over gate_up's [2 * I, K] weight. [..., K] -> [..., I]."""
     if not dispatch.use_triton(x, use_triton):
         return int4_matmul_silu_mul_ref(x, w_gate_up)
     y = int4_matmul_triton(_rows(x), w_gate_up.qweight, w_gate_up.scales, w_gate_up.zeros, w_gate_up.group_size,
-                           silu=True, whole_zeros=w_gate_up.zeros_are_whole())
+                           silu=True, whole_zeros=w_gate_up.zeros_are_whole(), lookahead=_ahead(lookahead))
     return y.reshape(*x.shape[:-1], w_gate_up.out_features // 2)
 
 
 def int4_qkv_rope_cache(x: torch.Tensor, w_qkv: Int4Weight, bias: torch.Tensor | None, positions: torch.Tensor,
                         inv_freq: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
                         slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, *,
-                        use_triton: bool | None = None, fused: bool | None = None) -> torch.Tensor:
+                        use_triton: bool | None = None, fused: bool | None = None,
+                        lookahead: Int4Weight | None = None) -> torch.Tensor:
     """``rope_and_cache(int4_matmul(x, w_qkv, bias), ...)``: a fused qkv projection ([H | Hkv | Hkv] heads of D
     columns), q and k rotated, k and v written into the cache layers at ``slot_mapping``; returns q [T, H, D].
 
@@ -207,10 +215,10 @@ def int4_qkv_rope_cache(x: torch.Tensor, w_qkv: Int4Weight, bias: torch.Tensor |
                and tuple(k_layer.shape[2:]) == (num_kv_heads, D)
                and k_layer.dtype == x.dtype and v_layer.dtype == x.dtype)
     if not fusable:
-        qkv = int4_matmul(x, w_qkv, bias, use_triton=use_triton)
+        qkv = int4_matmul(x, w_qkv, bias, use_triton=use_triton, lookahead=lookahead)
         return rope_and_cache(qkv, positions, inv_freq, k_layer, v_layer, slot_mapping, num_heads, num_kv_heads,
                               use_triton=use_triton)
     rope = Rope(positions, inv_freq, k_layer, v_layer, slot_mapping, num_heads, num_kv_heads)
     q = int4_matmul_triton(_rows(x), w_qkv.qweight, w_qkv.scales, w_qkv.zeros, w_qkv.group_size, bias=bias,
-                           whole_zeros=w_qkv.zeros_are_whole(), rope=rope)
+                           whole_zeros=w_qkv.zeros_are_whole(), rope=rope, lookahead=_ahead(lookahead))
     return q.view(x.shape[0], num_heads, D)

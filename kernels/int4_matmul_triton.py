@@ -261,11 +261,13 @@ def _int4_gemv_kernel(
     stride_xm, stride_ym, stride_rm,
     split_k, K_ITERS, one_bits,  # K splits; K blocks per split; fp32 bits of 1.0
     pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr,  # ROPE: positions, inv_freq, slots, the k and v cache layers
+    la_q_ptr, la_q_lines, la_s_ptr, la_s_lines,  # LOOKAHEAD: the next projection's words and scales, 128 B lines
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_SPLIT: tl.constexpr, FIX_R: tl.constexpr,
     ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
 ):
     """One program: all M <= BLOCK_M <= 4 rows, BLOCK_N weight columns, one K split.
 
@@ -304,6 +306,8 @@ def _int4_gemv_kernel(
     if BLOCK_M > 2:
         out = tl.where(offs_m[:, None] == 2, tl.sum(acc2, axis=0)[None, :], out)
         out = tl.where(offs_m[:, None] == 3, tl.sum(acc3, axis=0)[None, :], out)
+    if LOOKAHEAD:  # our weights are all loaded: ask L2 for the next projection's while the kernels between run
+        _look_ahead(la_q_ptr, la_q_lines, la_s_ptr, la_s_lines)
     _finish(out, pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
             HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R, False,
@@ -449,12 +453,14 @@ def _int4_gemv_f16_kernel(
     stride_xm, stride_ym, stride_rm,
     split_k, K_ITERS,  # K splits; K blocks per split (splits cover K exactly: BLOCK_K divides K)
     pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr,  # ROPE: positions, inv_freq, slots, the k and v cache layers
+    la_q_ptr, la_q_lines, la_s_ptr, la_s_lines,  # LOOKAHEAD: the next projection's words and scales, 128 B lines
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_SPLIT: tl.constexpr,
     FIX_R: tl.constexpr, USE_ASM: tl.constexpr, CHUNK8: tl.constexpr, DEPTH: tl.constexpr, USE_PDL: tl.constexpr,
     ATOMIC: tl.constexpr,
     ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
 ):
     """One program: row 0 of x, BLOCK_N weight columns, one K split of K_ITERS * BLOCK_K rows (BLOCK_K
     divides G, so every tile sits in one group).
@@ -508,6 +514,8 @@ def _int4_gemv_f16_kernel(
     acc = acc * inv_scale
     if USE_PDL:
         gdc_launch_dependents()  # the next kernel may start its own weight prefetch during our fix-up
+    if LOOKAHEAD:  # our weights are all loaded: ask L2 for the next projection's while the kernels between run
+        _look_ahead(la_q_ptr, la_q_lines, la_s_ptr, la_s_lines)
     offs_m = tl.arange(0, 1)
     _finish(acc[None, :], pid_n, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N,
             y_ptr, bias_ptr, res_ptr, part_ptr, count_ptr, stride_ym, stride_rm,
@@ -587,6 +595,28 @@ def _prefetch_split(qw_ptr, scales_ptr, zeros_ptr, pid_n, pid_k, N, K, K_ITERS, 
         _prefetch_l2(scales_ptr + g_off, g_ok)
         if HAS_ZEROS:
             _prefetch_l2(zeros_ptr + g_off, g_ok)
+
+
+@triton.jit
+def _prefetch_lines(base, lines, pid, progs):
+    """This program's share of ``lines`` 128-byte lines from ``base`` (a contiguous buffer), one L2 prefetch a
+    line, 128 a round."""
+    per = tl.cdiv(lines, progs)
+    lo = pid * per
+    offs = tl.arange(0, 128)
+    for j in range(0, per, 128):
+        line = lo + j + offs
+        _prefetch_l2(base.to(tl.pointer_type(tl.int8)) + line.to(tl.int64) * 128, (j + offs < per) & (line < lines))
+
+
+@triton.jit
+def _look_ahead(la_q_ptr, la_q_lines, la_s_ptr, la_s_lines):
+    """Ask L2 for this program's share of another weight's packed words and scales (``LOOKAHEAD_BYTES``): the
+    programs split the lines evenly, so the whole grid covers them once."""
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    progs = tl.num_programs(0) * tl.num_programs(1)
+    _prefetch_lines(la_q_ptr, la_q_lines, pid, progs)
+    _prefetch_lines(la_s_ptr, la_s_lines, pid, progs)
 
 
 @triton.jit
@@ -672,6 +702,7 @@ def _int4_matmul_kernel(
     stride_xm, stride_ym, stride_rm,
     split_k, K_ITERS, one_bits,  # K splits; K blocks per split; fp32 bits of 1.0
     pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr,  # ROPE: positions, inv_freq, slots, the k and v cache layers
+    la_q_ptr, la_q_lines, la_s_ptr, la_s_lines,  # LOOKAHEAD: the next projection's words and scales, 128 B lines
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -679,6 +710,7 @@ def _int4_matmul_kernel(
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, SCALE_DOT: tl.constexpr, ZDEC: tl.constexpr,
     PREFETCH: tl.constexpr, ATOMIC: tl.constexpr,
     ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
 ):
     """One program: a [BLOCK_M, BLOCK_N] output tile over one K split (see ``_mma_tile``).
 
@@ -767,6 +799,8 @@ def _int4_matmul_kernel(
                 acc = _dot(xj[j], (_nibble(q, j, one_bits) * s16 - sz16).to(x.dtype), acc)
     if USE_PDL:
         gdc_launch_dependents()
+    if LOOKAHEAD:  # our weights are all loaded: ask L2 for the next projection's while the kernels between run
+        _look_ahead(la_q_ptr, la_q_lines, la_s_ptr, la_s_lines)
     _finish(acc, pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr, part_ptr,
             count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R, ATOMIC,
             pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE, R_H, R_HKV, R_HALF, R_PAGE)
@@ -782,6 +816,7 @@ def _int4_matmul_t_kernel(
     stride_xm, stride_ym, stride_rm,
     split_k, K_ITERS, one_bits,  # K splits; K blocks per split; fp32 bits of 1.0
     pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr,  # ROPE: positions, inv_freq, slots, the k and v cache layers
+    la_q_ptr, la_q_lines, la_s_ptr, la_s_lines,  # LOOKAHEAD: the next projection's words and scales, 128 B lines
     # meta-parameters
     G: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
     SILU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -789,6 +824,7 @@ def _int4_matmul_t_kernel(
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ZDEC: tl.constexpr, PREFETCH: tl.constexpr,
     ATOMIC: tl.constexpr,
     ROPE: tl.constexpr, R_H: tl.constexpr, R_HKV: tl.constexpr, R_HALF: tl.constexpr, R_PAGE: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
 ):
     """The MMA path with its operands swapped: y^T = W x^T, so the decoded weights are the MMA's A
     operand (rows = weight columns) and the tokens its N dimension (Machete's swap-AB idea).
@@ -855,6 +891,8 @@ def _int4_matmul_t_kernel(
                 acc = _dot(w, tl.trans(xj[j]), acc)
     if USE_PDL:
         gdc_launch_dependents()
+    if LOOKAHEAD:  # our weights are all loaded: ask L2 for the next projection's while the kernels between run
+        _look_ahead(la_q_ptr, la_q_lines, la_s_ptr, la_s_lines)
     _finish(tl.trans(acc), pid, pid_n, pid_k, split_k, offs_m, cols, n_mask, M, N, y_ptr, bias_ptr, res_ptr,
             part_ptr, count_ptr, stride_ym, stride_rm, HAS_BIAS, HAS_RES, SILU, USE_SPLIT, BLOCK_M, BLOCK_N, FIX_R,
             ATOMIC, pos_ptr, freq_ptr, slot_ptr, kc_ptr, vc_ptr, ROPE, R_H, R_HKV, R_HALF, R_PAGE)
@@ -956,6 +994,14 @@ MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 # matmuls did not: on an H100 the prefetch took 3-4% off SmolLM2-shape verify steps, where every program's
 # K split is one block (bench/results/verify_prefetch_ab_h100.json). Not yet timed on the 8B shapes.
 PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
+# SPECGATE_INT4_LOOKAHEAD=MB (0, the default: off until timed on a GPU): once a projection's programs hold their
+# own weights, they ask L2 for up to MB megabytes of the words and scales of the projection the model runs next
+# (``lookahead``: qkv -> o, o -> gate_up, down -> the next layer's qkv), split evenly over the grid. At small M
+# the kernels between (RoPE, attention and its merge, RMSNorm) are latency-bound and leave HBM idle for some
+# microseconds a layer (an 8B decode step on the H200, bench/results/engine.json's kernel profile: ~15 us a
+# layer in them), time in which HBM can move o's 8 MB, or a third of gate_up's 59 MB, into L2 before they are
+# asked for. It rides the MMA paths' L2 prefetch (``_prefetch_l2``). Prefetches only: no result changes.
+LOOKAHEAD_BYTES = int(float(os.environ.get("SPECGATE_INT4_LOOKAHEAD", "0")) * (1 << 20))
 # SPECGATE_INT4_ROPE=1: the qkv projection's epilogue rotates q and k and writes k and v into the KV cache
 # (_rope_store), so a layer launches no rope_and_cache kernel (fewer launches in a launch-bound step). Off by
 # default: on an H100 (bench/results/rope_ab_h100_a7a710a.json, SmolLM2-shape verify steps, best of 4 rounds)
@@ -1148,11 +1194,21 @@ def _is_16bit(x: torch.Tensor) -> bool:
     return x.dtype in (torch.float16, torch.bfloat16)
 
 
+def lookahead_lines(qweight: torch.Tensor, scales: torch.Tensor, cap: int) -> tuple[int, int]:
+    """128-byte lines of ``qweight`` and of ``scales`` that a lookahead of ``cap`` bytes of words asks for: the
+    first rows of the words (the first K blocks of every column) and the scales of those rows."""
+    q_bytes = qweight.numel() * qweight.element_size()
+    s_bytes = scales.numel() * scales.element_size()
+    take = min(q_bytes, cap)
+    return -(-take // 128), -(-(s_bytes * take // q_bytes) // 128)
+
+
 def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, G: int, bias: torch.Tensor | None, residual: torch.Tensor | None,
-            silu: bool, y: torch.Tensor, whole_zeros: bool = False, rope: Rope | None = None) -> None:
+            silu: bool, y: torch.Tensor, whole_zeros: bool = False, rope: Rope | None = None,
+            lookahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """x: [M, K]; qweight: [K // 8, N]; y: [M, N], [M, N // 2] with silu, [M, H D] (q) with rope;
-    residual like y."""
+    residual like y; ``lookahead``: (words, scales) to ask L2 for (``LOOKAHEAD_BYTES``)."""
     M, K = x.shape
     N = qweight.shape[1]
     if cfg.kind == "dequant":  # compute-bound M: one dequantized copy, then cuBLAS
@@ -1192,9 +1248,15 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
         sizes += [rope.positions, rope.inv_freq, rope.slot_mapping, rope.k_layer, rope.v_layer]
         rope_meta = dict(ROPE=True, R_H=rope.num_heads, R_HKV=rope.num_kv_heads, R_HALF=rope.head_dim // 2,
                          R_PAGE=rope.k_layer.shape[1])
+    ahead = lookahead is not None and LOOKAHEAD_BYTES > 0 and x.is_cuda  # the prefetch is PTX: GPU builds only
+    if ahead:
+        q_lines, s_lines = lookahead_lines(*lookahead, LOOKAHEAD_BYTES)
+        sizes += [lookahead[0], q_lines, lookahead[1], s_lines]
+    else:
+        sizes += [y, 0, y, 0]  # unread
     meta = dict(G=G, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None, SILU=silu,
                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps,
-                **rope_meta, **extra, **({"launch_pdl": True} if extra.get("USE_PDL") else {}))
+                **rope_meta, LOOKAHEAD=ahead, **extra, **({"launch_pdl": True} if extra.get("USE_PDL") else {}))
     if cfg.kind == "hgemv":
         if M != 1 or G % cfg.block_k or K % cfg.block_k or not _is_16bit(x):
             raise ValueError(f"hgemv needs one 16-bit row and block_k dividing G and K: {tuple(x.shape)} {x.dtype}, "
@@ -1392,7 +1454,8 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
                        group_size: int, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                        silu: bool = False, config: KernelConfig | None = None,
                        out: torch.Tensor | None = None, whole_zeros: bool = False,
-                       rope: Rope | None = None) -> torch.Tensor:
+                       rope: Rope | None = None,
+                       lookahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x: [M, K], unit stride along K -> [M, N] (or [M, N // 2] = silu(gate) * up with ``silu``) in x's dtype.
 
     On CPU tensors this needs ``TRITON_INTERPRET=1`` before Triton is imported (tests). ``config``
@@ -1400,7 +1463,8 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     whole number (the caller knows; checking here would cost a device sync per call). ``rope``: the weight
     is a fused qkv projection, [H | Hkv | Hkv] heads of D columns; returns the rotated q ``[M, H D]`` and
     writes the rotated k and the v into ``rope``'s cache layers (a bias is added before the rotation; no residual
-    or silu).
+    or silu). ``lookahead``: the packed words and scales of the projection the caller runs next, for the
+    programs to ask L2 for once their own weights are in (``SPECGATE_INT4_LOOKAHEAD``; ignored while it is 0).
     """
     M, K = x.shape
     N = qweight.shape[1]
@@ -1429,7 +1493,7 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     if invariant.enabled():  # one decode for a weight, whether a first call was looked at (eager) or not (a capture)
         whole_zeros = zeros is None
     run = lambda c, w=(qweight, scales, zeros): _launch(c, x, *w, group_size, bias, residual,  # noqa: E731
-                                                         silu, y, whole_zeros, rope)
+                                                         silu, y, whole_zeros, rope, lookahead)
     head_dim = 0 if rope is None else rope.head_dim
     key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, whole_zeros, silu, head_dim,
            x.device)

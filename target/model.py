@@ -97,13 +97,22 @@ class Linear:
                 and (not w.is_contiguous() or w.data_ptr() % 64)):
             self.weight = w.clone(memory_format=torch.contiguous_format)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, permuted: bool = False) -> torch.Tensor:
+    @property
+    def int4(self) -> Int4Weight | None:
+        """The weight the INT4 kernels multiply, or None where this Linear takes another path."""
+        return self.weight if self.dequantized is None and isinstance(self.weight, Int4Weight) else None
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None, permuted: bool = False,
+                 lookahead: Linear | None = None) -> torch.Tensor:
         """``x @ W.T + b (+ residual)``; the INT4 kernel fuses the residual add into its epilogue.
-        ``permuted``: ``x`` already comes in ``perm``'s order (``rms_norm(..., perm=)`` wrote it so)."""
+        ``permuted``: ``x`` already comes in ``perm``'s order (``rms_norm(..., perm=)`` wrote it so).
+        ``lookahead``: the projection the forward runs next; an INT4 kernel may ask L2 for its weight
+        (``SPECGATE_INT4_LOOKAHEAD``)."""
         if self.perm is not None and not permuted:
             x = x[..., self.perm]
-        if self.dequantized is None and isinstance(self.weight, Int4Weight):
-            return int4_matmul(x, self.weight, self.bias, residual=residual)
+        if self.int4 is not None:
+            return int4_matmul(x, self.int4, self.bias, residual=residual,
+                               lookahead=None if lookahead is None else lookahead.int4)
         if self.cpu_int4 is not None and CPU_INT4 and x.dim() == 2:  # at any row count: see CPU_INT4
             y = self.cpu_int4(x)
             y = y if self.bias is None else y + self.bias
@@ -125,10 +134,11 @@ class Linear:
             y = F.linear(x, w, self.bias)
         return y if residual is None else y + residual
 
-    def silu_mul(self, x: torch.Tensor, permuted: bool = False) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, permuted: bool = False, lookahead: Linear | None = None) -> torch.Tensor:
         """``silu(gate) * up`` for a gate_up projection (gate rows first), fused for INT4 weights."""
-        if self.dequantized is None and isinstance(self.weight, Int4Weight):
-            return int4_matmul_silu_mul(x if self.perm is None or permuted else x[..., self.perm], self.weight)
+        if self.int4 is not None:
+            return int4_matmul_silu_mul(x if self.perm is None or permuted else x[..., self.perm], self.int4,
+                                        lookahead=None if lookahead is None else lookahead.int4)
         if not DENSE_FUSION:
             gate, up = self(x, permuted=permuted).chunk(2, dim=-1)
             return F.silu(gate) * up
@@ -136,13 +146,13 @@ class Linear:
 
     def qkv_rope_cache(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, k_layer: torch.Tensor,
                        v_layer: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
-                       permuted: bool = False) -> torch.Tensor:
+                       permuted: bool = False, lookahead: Linear | None = None) -> torch.Tensor:
         """A fused qkv projection, then RoPE and the KV-cache write (``rope_and_cache``): q ``[T, H, D]``. INT4
         weights may take both in the matmul's epilogue, one launch (``int4_qkv_rope_cache``)."""
-        if self.dequantized is None and isinstance(self.weight, Int4Weight):
+        if self.int4 is not None:
             xp = x if self.perm is None or permuted else x[..., self.perm]
-            return int4_qkv_rope_cache(xp, self.weight, self.bias, positions, inv_freq, k_layer, v_layer, slot_mapping,
-                                       num_heads, num_kv_heads)
+            return int4_qkv_rope_cache(xp, self.int4, self.bias, positions, inv_freq, k_layer, v_layer, slot_mapping,
+                                       num_heads, num_kv_heads, lookahead=None if lookahead is None else lookahead.int4)
         return rope_and_cache(self(x, permuted=permuted), positions, inv_freq, k_layer, v_layer, slot_mapping,
                               num_heads, num_kv_heads)
 
@@ -495,11 +505,13 @@ class Transformer:
             # an act-order projection's input gather rides the norm before it (rms_norm's perm)
             x = fused_rms_norm(h, layer.input_norm, c.rms_norm_eps, perm=layer.qkv.perm)
             k_layer, v_layer = cache.k[i], cache.v[i]  # [num_blocks, P, Hkv, D]
+            # lookahead: each projection names the one after the latency-bound kernels that follow it
             q = layer.qkv.qkv_rope_cache(x, batch.positions, self.inv_freq, k_layer, v_layer, batch.slot_mapping, H,
-                                         Hkv, permuted=True)  # [T, H, D]; K/V written into the cache
+                                         Hkv, permuted=True, lookahead=layer.o)  # [T, H, D]; K/V written into the cache
             attn = tree_attention(q, k_layer, v_layer, batch.block_tables, batch.context_lens,
                                   batch.query_start, batch.mask_bits, scale, is_decode=batch.is_decode)  # [T, H, D]
-            h = layer.o(attn.reshape(T, H * D), residual=h)
+            h = layer.o(attn.reshape(T, H * D), residual=h, lookahead=layer.gate_up)
             x = fused_rms_norm(h, layer.post_norm, c.rms_norm_eps, perm=layer.gate_up.perm)
-            h = layer.down(layer.gate_up.silu_mul(x, permuted=True), residual=h)
+            after = self.layers[i + 1].qkv if i + 1 < len(self.layers) else None
+            h = layer.down(layer.gate_up.silu_mul(x, permuted=True), residual=h, lookahead=after)
         return h  # [T, hidden], before the final norm

@@ -12,13 +12,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_sass_compiles_each_int4_path_for_sm90(tmp_path):
+def _sass(tmp_path, *args: str) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "sass.json"
-    subprocess.run([sys.executable, "bench/kernels/sass.py", "int4", "--out", str(out), "--only",
-                    "hgemv_m1_n512_k64", "mma_m16_n128", "mmat_m16_n128"],
+    subprocess.run([sys.executable, "bench/kernels/sass.py", "int4", "--out", str(out), *args],
                    cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
-    rows = {r["case"].split("_")[0]: r for r in json.loads(out.read_text())["rows"]}
+    return {r["case"].split("_")[0]: r for r in json.loads(out.read_text())["rows"]}
+
+
+def test_sass_compiles_each_int4_path_for_sm90(tmp_path):
+    rows = _sass(tmp_path, "--only", "hgemv_m1_n512_k64", "mma_m16_n128", "mmat_m16_n128")
     assert sorted(rows) == ["hgemv", "mma", "mmat"]
     for row in rows.values():
         assert row["stack_bytes"] == 0  # the shipped configs do not spill
@@ -26,3 +29,9 @@ def test_sass_compiles_each_int4_path_for_sm90(tmp_path):
     assert rows["hgemv"]["mix"].get("HFMA2", 0) > 0  # packed fp16 FMAs
     assert rows["mma"]["mix"].get("HMMA", 0) > 0  # mma.sync at 16-row tiles
     assert rows["mmat"]["mix"].get("HGMMA", 0) > 0  # the swap-AB path runs on wgmma
+    assert rows["hgemv"]["l2_prefetches_ptx"] == 0  # no lookahead compiled in by default
+    ahead = _sass(tmp_path, "--lookahead", "--only", "hgemv_m1_n512_k64")["hgemv"]
+    # SPECGATE_INT4_LOOKAHEAD's prefetches of the next weight (its words, its scales) after the main loop, which
+    # they leave as it was, with no spill
+    assert ahead["l2_prefetches_ptx"] == 2
+    assert ahead["stack_bytes"] == 0 and ahead["loop_insns"] == rows["hgemv"]["loop_insns"]

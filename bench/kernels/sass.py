@@ -82,7 +82,8 @@ def report(name: str, compiled, scratch: str, weights_per_thread: int | None, du
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     stack = int(re.search(r"STACK:(\d+)", res).group(1))
     row = {"case": name, "registers": regs, "stack_bytes": stack, "shared_bytes": compiled.metadata.shared,
-           "num_warps": compiled.metadata.num_warps}
+           "num_warps": compiled.metadata.num_warps,
+           "l2_prefetches_ptx": compiled.asm["ptx"].count("prefetch.global.L2")}
     print(f"== {name}: {regs} registers, stack {stack} B, shared {row['shared_bytes']} B")
     for lo, hi, ops in loops(sass)[:1]:
         total = sum(ops.values())
@@ -109,6 +110,9 @@ def report(name: str, compiled, scratch: str, weights_per_thread: int | None, du
     return row
 
 
+LOOKAHEAD = False  # --lookahead: the INT4 kernels with their L2 lookahead of the next weight compiled in
+
+
 def int4_cases():
     """(name, kernel, signature, constexprs, div16, warps, stages, weights per thread per loop trip,
     tokens per program or None)."""
@@ -117,11 +121,13 @@ def int4_cases():
     sig = dict(x_ptr="*bf16", qw_ptr="*i32", scales_ptr="*bf16", zeros_ptr="*bf16", bias_ptr="*bf16",
                res_ptr="*bf16", y_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", M="i32", N="i32", K="i32",
                stride_xm="i32", stride_ym="i32", stride_rm="i32", split_k="i32", K_ITERS="i32", one_bits="i32",
-               scr_ptr="*i32", pos_ptr="*i32", freq_ptr="*fp32", slot_ptr="*i32", kc_ptr="*bf16", vc_ptr="*bf16")
+               scr_ptr="*i32", pos_ptr="*i32", freq_ptr="*fp32", slot_ptr="*i32", kc_ptr="*bf16", vc_ptr="*bf16",
+               la_q_ptr="*i32", la_q_lines="i32", la_s_ptr="*bf16", la_s_lines="i32")
     div16 = {"x_ptr", "qw_ptr", "scales_ptr", "zeros_ptr", "bias_ptr", "res_ptr", "y_ptr", "part_ptr",
              "count_ptr", "scr_ptr", "N", "K", "stride_xm", "stride_ym", "stride_rm"}
     base = dict(G=128, HAS_ZEROS=True, HAS_BIAS=False, HAS_RES=False, SILU=False, USE_SPLIT=True,
-                ROPE=False, R_H=1, R_HKV=1, R_HALF=64, R_PAGE=16)  # no RoPE epilogue (its pointers go unused)
+                ROPE=False, R_H=1, R_HKV=1, R_HALF=64, R_PAGE=16,  # no RoPE epilogue (its pointers go unused)
+                LOOKAHEAD=LOOKAHEAD)
     cases = []
     for cfg in T.sass_configs():
         const = dict(base, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
@@ -172,7 +178,11 @@ def main() -> None:
     ap.add_argument("--factored", action="store_true",
                     help="int4: the MMA paths' factored zero point (a dot against ones), as for fractional zeros")
     ap.add_argument("--only", nargs="+", metavar="PREFIX", help="only the cases whose names start so")
+    ap.add_argument("--lookahead", action="store_true",
+                    help="int4: with the L2 lookahead of the next weight (SPECGATE_INT4_LOOKAHEAD) compiled in")
     args = ap.parse_args()
+    global LOOKAHEAD
+    LOOKAHEAD = args.lookahead
     if args.factored:
         from kernels import int4_matmul_triton as T
         T.ZDEC = False
@@ -186,6 +196,7 @@ def main() -> None:
                "triton": triton.__version__, "date": datetime.date.today().isoformat(),
                "commit": provenance.commit(), "which": args.which,
                "zero_points": "factored (sum_k x against ones)" if args.factored else "whole, subtracted in 16 bits",
+               "lookahead": args.lookahead,
                "rows": rows}
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)

@@ -605,3 +605,25 @@ def test_gpu_atomic_fix_up_every_candidate(monkeypatch, M):
         if not max(errs) < TOL[dtype]:
             bad.append((str(cfg), [round(e, 4) for e in errs]))
     assert not bad, bad
+
+
+def test_lookahead_lines_cover_the_capped_rows_and_their_scales():
+    w = _weight(256, 1024, 128, True, torch.float16)  # words 128 x 256 int32 = 128 KB, scales 8 x 256 fp16 = 4 KB
+    assert T.lookahead_lines(w.qweight, w.scales, 1 << 30) == (1024, 32)  # the whole weight
+    assert T.lookahead_lines(w.qweight, w.scales, 32 << 10) == (256, 8)  # a quarter of the rows, their scales
+    assert T.lookahead_lines(w.qweight, w.scales, 100) == (1, 1)  # rounded up to whole lines
+
+
+@pytest.mark.parametrize("M", [1, 16])
+def test_a_lookahead_leaves_the_result_alone(monkeypatch, M):
+    """A lookahead only asks L2 for another weight: on the GPU the kernels compile it in, under the interpreter
+    (no PTX) the launch drops it; either way the product is the one without it, bit for bit (serial sums)."""
+    monkeypatch.setattr(T, "FIX_ATOMIC", False)
+    monkeypatch.setattr(T, "LOOKAHEAD_BYTES", 1 << 20)
+    dtype = torch.float16
+    w, nxt = _weight(192, 512, 64, True, dtype), _weight(320, 256, 64, False, dtype, seed=3)
+    x = _x(M, 512, dtype)
+    for cfg in T._candidates(M, 192, 512, False, 132, 64)[:3]:
+        run = lambda ahead: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 64, config=cfg,  # noqa: E731
+                                                 whole_zeros=True, lookahead=ahead)
+        assert torch.equal(run((nxt.qweight, nxt.scales)), run(None)), cfg
