@@ -29,6 +29,7 @@ import functools
 import hashlib
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -994,6 +995,11 @@ MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 # matmuls did not: on an H100 the prefetch took 3-4% off SmolLM2-shape verify steps, where every program's
 # K split is one block (bench/results/verify_prefetch_ab_h100.json). Not yet timed on the 8B shapes.
 PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
+# SPECGATE_INT4_COMPILE_THREADS: threads that build a shape's tuning candidates at once (_precompile; 1: each is
+# built by its first launch, one by one). Triton's passes release the GIL and ptxas runs as a process of its own:
+# six INT4 kernels built for sm_90 took 4.4 s one by one and 2.1 s on two threads of a 2-core host. A cold
+# engine tunes dozens of (M bucket, shape) keys, each over up to ~25 candidates.
+COMPILE_THREADS = int(os.environ.get("SPECGATE_INT4_COMPILE_THREADS", str(min(16, os.cpu_count() or 1))))
 # SPECGATE_INT4_LOOKAHEAD=MB (0, the default: off until timed on a GPU): once a projection's programs hold their
 # own weights, they ask L2 for up to MB megabytes of the words and scales of the projection the model runs next
 # (``lookahead``: qkv -> o, o -> gate_up, down -> the next layer's qkv), split evenly over the grid. At small M
@@ -1206,11 +1212,14 @@ def lookahead_lines(qweight: torch.Tensor, scales: torch.Tensor, cap: int) -> tu
 def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             zeros: torch.Tensor | None, G: int, bias: torch.Tensor | None, residual: torch.Tensor | None,
             silu: bool, y: torch.Tensor, whole_zeros: bool = False, rope: Rope | None = None,
-            lookahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+            lookahead: tuple[torch.Tensor, torch.Tensor] | None = None, warmup: bool = False) -> None:
     """x: [M, K]; qweight: [K // 8, N]; y: [M, N], [M, N // 2] with silu, [M, H D] (q) with rope;
-    residual like y; ``lookahead``: (words, scales) to ask L2 for (``LOOKAHEAD_BYTES``)."""
+    residual like y; ``lookahead``: (words, scales) to ask L2 for (``LOOKAHEAD_BYTES``). ``warmup``: build the
+    kernel this launch needs and launch nothing (``_precompile``)."""
     M, K = x.shape
     N = qweight.shape[1]
+    if cfg.kind == "dequant" and warmup:
+        return
     if cfg.kind == "dequant":  # compute-bound M: one dequantized copy, then cuBLAS
         w = dequantize_triton(qweight, scales, zeros, G, x.dtype)  # [K, N]
         out = y if rope is None else torch.empty((M, N), dtype=x.dtype, device=x.device)
@@ -1265,10 +1274,15 @@ def _launch(cfg: KernelConfig, x: torch.Tensor, qweight: torch.Tensor, scales: t
         scratch = torch.empty(grid_n * cfg.split_k * (k_iters * cfg.block_k // 2 + k_iters), dtype=torch.int32,
                               device=x.device)
         # num_stages: hgemv's DEPTH is its own (tiles in flight); Triton's pipeliner has nothing to do
-        kernel[(grid_n, cfg.split_k)](*args, scratch, *sizes, num_stages=1, **meta)
+        grid, call = (grid_n, cfg.split_k), [*args, scratch, *sizes]
+        meta["num_stages"] = 1
     else:
-        kernel[(grid_m * grid_n, cfg.split_k)](*args, *sizes[:8], ONE_BITS, *sizes[8:], BLOCK_M=cfg.block_m,
-                                                num_stages=cfg.num_stages, **meta)
+        grid, call = (grid_m * grid_n, cfg.split_k), [*args, *sizes[:8], ONE_BITS, *sizes[8:]]
+        meta.update(BLOCK_M=cfg.block_m, num_stages=cfg.num_stages)
+    if warmup:
+        kernel.warmup(*call, grid=grid, **meta)
+    else:
+        kernel[grid](*call, **meta)
 
 
 def _num_sms(x: torch.Tensor) -> int:
@@ -1294,6 +1308,7 @@ def _pick(x: torch.Tensor, N: int, G: int, key: tuple, silu: bool, run, head_dim
         return stored
     if torch.cuda.is_current_stream_capturing():
         return cands[0]  # no timing inside a graph capture: a later eager call tunes
+    _precompile(run, cands)
     if chain_timed(M) and weights:
         try:
             times = _time_chain(run, cands, weights, x.device)
@@ -1365,6 +1380,27 @@ def _stored_pick(key: tuple, cands: list[KernelConfig], device: torch.device) ->
 
 
 _TUNE_REPS = 15
+
+
+def _precompile(run, cands: list[KernelConfig]) -> None:
+    """Build the candidates' kernels at once on ``COMPILE_THREADS`` threads before the tuner launches them one by
+    one: inside Triton's ``AsyncCompileMode`` a warm-up launch (``run(c, warmup=True)``) submits its build to the
+    pool, and leaving the block waits for them all. Best effort: a build that fails here is dropped, and the
+    tuner's own first launch builds (or leaves out, ``_buildable``) whatever is missing, as before."""
+    todo = [c for c in cands if c.kind != "dequant"]
+    if COMPILE_THREADS < 2 or len(todo) < 2:
+        return
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode  # Triton's own parallel-build hook (3.4+)
+    except ImportError:
+        return
+    try:
+        with ThreadPoolExecutor(min(COMPILE_THREADS, len(todo))) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for c in todo:
+                run(c, warmup=True)
+    except Exception as e:  # noqa: BLE001 -- the one-by-one path after this is the one that must work
+        log.warning("INT4 candidates not built in parallel (%s: %s); building them one by one",
+                    type(e).__name__, str(e)[:200])
 
 
 def _buildable(run, cands: list[KernelConfig]) -> list[KernelConfig]:
@@ -1492,8 +1528,8 @@ def int4_matmul_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
     whole_zeros = whole_zeros or zeros is None  # symmetric codes: the zero point 8 is whole
     if invariant.enabled():  # one decode for a weight, whether a first call was looked at (eager) or not (a capture)
         whole_zeros = zeros is None
-    run = lambda c, w=(qweight, scales, zeros): _launch(c, x, *w, group_size, bias, residual,  # noqa: E731
-                                                         silu, y, whole_zeros, rope, lookahead)
+    run = lambda c, w=(qweight, scales, zeros), warmup=False: _launch(  # noqa: E731
+        c, x, *w, group_size, bias, residual, silu, y, whole_zeros, rope, lookahead, warmup)
     head_dim = 0 if rope is None else rope.head_dim
     key = (triton.next_power_of_2(M), N, K, group_size, x.dtype, zeros is not None, whole_zeros, silu, head_dim,
            x.device)

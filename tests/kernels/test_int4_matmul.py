@@ -627,3 +627,57 @@ def test_a_lookahead_leaves_the_result_alone(monkeypatch, M):
         run = lambda ahead: T.int4_matmul_triton(x, w.qweight, w.scales, w.zeros, 64, config=cfg,  # noqa: E731
                                                  whole_zeros=True, lookahead=ahead)
         assert torch.equal(run((nxt.qweight, nxt.scales)), run(None)), cfg
+
+
+def test_precompile_builds_every_candidate_as_a_warm_up_on_a_pool(monkeypatch, caplog):
+    """The tuner's parallel build: one warm-up launch per candidate (cuBLAS's dequant path has no kernel to
+    build), none with one thread, and a failure there is logged, not raised (the launches build one by one)."""
+    cands = [T.KernelConfig("hgemv", 1, 512, 64, 8, 4, 2), T.KernelConfig("mma", 16, 128, 128, 4, 4, 3),
+             T.KernelConfig("dequant")]
+    calls = []
+
+    def run(cfg, warmup=False):
+        calls.append((cfg.kind, warmup))
+
+    monkeypatch.setattr(T, "COMPILE_THREADS", 4)
+    T._precompile(run, cands)
+    assert sorted(calls) == [("hgemv", True), ("mma", True)]
+    calls.clear()
+    monkeypatch.setattr(T, "COMPILE_THREADS", 1)
+    T._precompile(run, cands)
+    assert calls == []
+
+    def broken(cfg, warmup=False):
+        raise RuntimeError("no driver")
+
+    monkeypatch.setattr(T, "COMPILE_THREADS", 4)
+    with caplog.at_level("WARNING", logger="specgate.int4"):
+        T._precompile(broken, cands)
+    assert "one by one" in caplog.text
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_precompile_leaves_nothing_for_the_launches_to_build(monkeypatch):
+    """After ``_precompile`` every candidate of a shape no test built before launches without a build (the JIT
+    caches do not grow), and each computes the product."""
+    monkeypatch.setattr(T, "COMPILE_THREADS", 8)
+    N, K, G, dtype = 704, 1472, 64, torch.float16  # a shape of its own, so its kernels are not built yet
+    w, x = _weight(N, K, G, True, dtype, seed=11), _x(16, K, dtype, seed=12)
+    kernels = (T._int4_gemv_f16_kernel, T._int4_gemv_kernel, T._int4_matmul_kernel, T._int4_matmul_t_kernel)
+    dev = torch.cuda.current_device()
+    built = lambda: sum(len(k.device_caches[dev][0]) for k in kernels if dev in k.device_caches)  # noqa: E731
+    cands = [c for c in T._candidates(16, N, K, False, torch.cuda.get_device_properties(0).multi_processor_count, G)
+             if c.kind != "dequant"]
+    run = lambda c, warmup=False: T._launch(c, x, w.qweight, w.scales, w.zeros, G, None, None, False,  # noqa: E731
+                                            torch.empty(16, N, dtype=dtype, device="cuda"), True, warmup=warmup)
+    before = built()
+    T._precompile(run, cands)
+    after = built()
+    assert after > before
+    ref = _ref(x, w)
+    for c in cands:
+        y = torch.empty(16, N, dtype=dtype, device="cuda")
+        T._launch(c, x, w.qweight, w.scales, w.zeros, G, None, None, False, y, True)
+        assert _rel_err(y, ref) < TOL[dtype], c
+    assert built() == after
