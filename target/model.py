@@ -110,9 +110,8 @@ class Linear:
         (``SPECGATE_INT4_LOOKAHEAD``)."""
         if self.perm is not None and not permuted:
             x = x[..., self.perm]
-        if self.int4 is not None:
-            return int4_matmul(x, self.int4, self.bias, residual=residual,
-                               lookahead=None if lookahead is None else lookahead.int4)
+        if (w4 := self.int4) is not None:
+            return int4_matmul(x, w4, self.bias, residual=residual, lookahead=_int4_of(lookahead))
         if self.cpu_int4 is not None and CPU_INT4 and x.dim() == 2:  # at any row count: see CPU_INT4
             y = self.cpu_int4(x)
             y = y if self.bias is None else y + self.bias
@@ -136,9 +135,9 @@ class Linear:
 
     def silu_mul(self, x: torch.Tensor, permuted: bool = False, lookahead: Linear | None = None) -> torch.Tensor:
         """``silu(gate) * up`` for a gate_up projection (gate rows first), fused for INT4 weights."""
-        if self.int4 is not None:
-            return int4_matmul_silu_mul(x if self.perm is None or permuted else x[..., self.perm], self.int4,
-                                        lookahead=None if lookahead is None else lookahead.int4)
+        if (w4 := self.int4) is not None:
+            return int4_matmul_silu_mul(x if self.perm is None or permuted else x[..., self.perm], w4,
+                                        lookahead=_int4_of(lookahead))
         if not DENSE_FUSION:
             gate, up = self(x, permuted=permuted).chunk(2, dim=-1)
             return F.silu(gate) * up
@@ -149,10 +148,10 @@ class Linear:
                        permuted: bool = False, lookahead: Linear | None = None) -> torch.Tensor:
         """A fused qkv projection, then RoPE and the KV-cache write (``rope_and_cache``): q ``[T, H, D]``. INT4
         weights may take both in the matmul's epilogue, one launch (``int4_qkv_rope_cache``)."""
-        if self.int4 is not None:
+        if (w4 := self.int4) is not None:
             xp = x if self.perm is None or permuted else x[..., self.perm]
-            return int4_qkv_rope_cache(xp, self.int4, self.bias, positions, inv_freq, k_layer, v_layer, slot_mapping,
-                                       num_heads, num_kv_heads, lookahead=None if lookahead is None else lookahead.int4)
+            return int4_qkv_rope_cache(xp, w4, self.bias, positions, inv_freq, k_layer, v_layer, slot_mapping,
+                                       num_heads, num_kv_heads, lookahead=_int4_of(lookahead))
         return rope_and_cache(self(x, permuted=permuted), positions, inv_freq, k_layer, v_layer, slot_mapping,
                               num_heads, num_kv_heads)
 
@@ -161,6 +160,11 @@ class Linear:
             return self
         q = quantize_rtn(self.weight, int4_group_size(self.weight.shape[1], group_size), use_zero_point)
         return int4_linear(q, self.bias)
+
+
+def _int4_of(lin: Linear | None) -> Int4Weight | None:
+    """A lookahead's weight for the INT4 kernels: ``lin``'s, where it takes their path."""
+    return None if lin is None else lin.int4
 
 
 def _as_float(logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

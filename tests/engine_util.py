@@ -108,9 +108,9 @@ def run_all(engine: Engine, requests: list[tuple[str, list[int], object, object]
     return out
 
 
-def self_draft_engine(target: Transformer, cuda_graphs: bool = True) -> Engine:
+def self_draft_engine(target: Transformer, cuda_graphs: bool = True, tokenizer=None) -> Engine:
     """An engine over ``target`` that drafts with its own first two layers, greedy tree 2,2,1, 256 blocks of 16
     (the CUDA engine tests' set-up)."""
     drafters = {"self": ModelDrafter("self", target.truncated(2), 256, 16)}
     return Engine(target, drafters, EngineConfig(256, 16, SchedulerConfig(max_model_len=512), "self", (2, 2, 1),
-                                                 cuda_graphs=cuda_graphs))
+                                                 cuda_graphs=cuda_graphs), tokenizer=tokenizer)

@@ -8,11 +8,9 @@ import json
 import pytest
 import torch
 
-from draft.model_drafter import ModelDrafter
 from draft.params import SpeculationParams
-from engine_util import random_weights, run_all, tiny_config
-from gateway.engine import Engine, EngineConfig
-from gateway.scheduler import SchedulerConfig
+from engine_util import random_weights, run_all, self_draft_engine, tiny_config
+from gateway.engine import Engine
 from target.model import Transformer
 from tiny_tokenizer import make_tokenizer
 from verify.grammar import compile_grammar
@@ -32,9 +30,7 @@ def target() -> Transformer:
 
 
 def engine(target: Transformer, graphs: bool) -> Engine:
-    drafters = {"self": ModelDrafter("self", target.truncated(2), 256, 16)}
-    return Engine(target, drafters, EngineConfig(256, 16, SchedulerConfig(max_model_len=512), "self", (2, 2, 1),
-                                                 cuda_graphs=graphs), tokenizer=make_tokenizer())
+    return self_draft_engine(target, cuda_graphs=graphs, tokenizer=make_tokenizer())
 
 
 def collect(eng: Engine, reqs) -> dict[str, tuple[list[int], list, list]]:
