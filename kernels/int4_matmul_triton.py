@@ -997,7 +997,8 @@ MMAT = os.environ.get("SPECGATE_INT4_MMAT", "1") == "1"
 PREFETCH = os.environ.get("SPECGATE_INT4_PREFETCH", "1") == "1"
 # SPECGATE_INT4_COMPILE_THREADS: threads that build a shape's tuning candidates at once (_precompile; 1: each is
 # built by its first launch, one by one). Triton's passes release the GIL and ptxas runs as a process of its own:
-# six INT4 kernels built for sm_90 took 4.4 s one by one and 2.1 s on two threads of a 2-core host. A cold
+# six INT4 kernels built for sm_90 in 2.80-3.07 s one by one and 1.82-2.10 s on two threads of a 2-core host
+# (bench/results/compile_threads_cpu.json, 1.54x best against best). A cold
 # engine tunes dozens of (M bucket, shape) keys, each over up to ~25 candidates.
 COMPILE_THREADS = int(os.environ.get("SPECGATE_INT4_COMPILE_THREADS", str(min(16, os.cpu_count() or 1))))
 # SPECGATE_INT4_LOOKAHEAD=MB (0, the default: off until timed on a GPU): once a projection's programs hold their
